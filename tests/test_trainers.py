@@ -1,0 +1,180 @@
+import copy
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import train
+from conftest import read_jsonl
+from models import load_model, load_tokenizer
+from preference_datasets import get_dataset
+from trainers import BasicTrainer, build_optimizer
+from utils import UserError
+
+
+def build_trainer(config, run_dir=None):
+    """A BasicTrainer as train.run builds it, without training."""
+    run_dir = run_dir or train.prepare_run_dir(config)
+    tokenizer = load_tokenizer(config.model, run_dir)
+    data = get_dataset(config.datasets[0], tokenizer, config.seed, config.n_eval_examples, run_dir)
+    policy = load_model(config.model, torch.float32, run_dir, config.seed)
+    reference = load_model(config.model, torch.float32, run_dir, config.seed).requires_grad_(False)
+    return BasicTrainer(config, policy, reference, tokenizer, data, run_dir)
+
+
+def records(run_dir, split):
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if f"loss/{split}" in r]
+
+
+def test_first_step_loss_is_ln2_with_zero_rewards(make_config):
+    trainer = build_trainer(make_config())
+    examples = trainer.tokenize([trainer.train_examples[i] for i in trainer.schedule[0]])
+    metrics = trainer.train_step(examples)
+    assert metrics["loss/train"] == pytest.approx([math.log(2)] * 8, abs=1e-6)
+    assert max(map(abs, metrics["rewards_train/chosen"] + metrics["rewards_train/rejected"])) < 1e-6
+    assert metrics["grad_norm"][0] > 0
+
+
+def test_gradient_accumulation_matches_full_batch(make_config):
+    # With SGD at lr 1 and no clipping, the update equals the gradient, so equal parameters mean equal gradients.
+    base = ("optimizer=SGD", "lr=1.0", "max_grad_norm=1e9")
+    full = build_trainer(make_config(*base))
+    accumulated = build_trainer(make_config(*base, "gradient_accumulation_steps=4", "local_run_dir=" + str(full.run_dir) + "_ga"))
+    for step in range(2):
+        indices = full.schedule[step]
+        full_metrics = full.train_step(full.tokenize([full.train_examples[i] for i in indices]))
+        accumulated_metrics = accumulated.train_step(accumulated.tokenize([accumulated.train_examples[i] for i in indices]))
+        assert accumulated_metrics["loss/train"] == pytest.approx(full_metrics["loss/train"], abs=1e-6)
+        assert accumulated_metrics["grad_norm"] == pytest.approx(full_metrics["grad_norm"], rel=1e-5)
+    for (name, a), b in zip(full.policy.named_parameters(), accumulated.policy.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_run_logs_train_and_eval_with_final_eval(make_config):
+    config = make_config("eval_every=24")
+    train.run(config)
+    run_dir = train.Path(config.local_run_dir)
+    evals, trains = records(run_dir, "eval"), records(run_dir, "train")
+    # 48 pairs, 8 held out -> 40 train -> 5 steps of 8; evals at 0 and 24 examples, and a final one at 40
+    assert [r["step"] for r in evals] == [0, 24, 40]
+    assert [r["step"] for r in trains] == [8, 16, 24, 32, 40]
+    assert evals[0]["loss/eval"] == pytest.approx(math.log(2), abs=1e-6)
+    assert evals[-1]["loss/eval"] < evals[0]["loss/eval"] and evals[-1]["rewards_eval/accuracies"] > 0.5
+    for name in ("rewards_train/chosen", "rewards_train/rejected", "rewards_train/accuracies", "rewards_train/margins",
+                 "logps_train/chosen", "logps_train/rejected", "grad_norm", "lr", "examples_per_second", "tokens_per_second",
+                 "counters/examples", "counters/updates"):
+        assert name in trains[0], name
+    assert sorted(p.name for p in run_dir.iterdir() if p.is_dir()) == ["LATEST", "step-24"]
+    saved = torch.load(run_dir / "step-24" / "policy.pt", weights_only=True)
+    assert saved["step_idx"] == 24 and saved["metrics"]["loss/eval"] == evals[1]["loss/eval"]
+    assert OmegaConf.load(run_dir / "config.yaml").local_run_dir == str(run_dir)
+
+
+def test_metrics_are_averaged_over_the_log_interval(make_config, tmp_path):
+    every_step = make_config(f"local_run_dir={tmp_path / 'every'}")
+    interval = make_config(f"local_run_dir={tmp_path / 'interval'}", "minimum_log_interval_secs=1e9")
+    train.run(every_step)
+    train.run(interval)
+    per_step, [aggregated] = records(tmp_path / "every", "train"), records(tmp_path / "interval", "train")
+    assert aggregated["counters/examples"] == 40
+    for name in ("loss/train", "rewards_train/margins", "grad_norm"):
+        assert aggregated[name] == pytest.approx(sum(r[name] for r in per_step) / len(per_step), rel=1e-5)
+
+
+def test_resume_matches_uninterrupted(make_config, tmp_path):
+    full = make_config(f"local_run_dir={tmp_path / 'full'}", "eval_every=16", "n_epochs=2")
+    train.run(full)
+    resumed = make_config(f"local_run_dir={tmp_path / 'resumed'}", "eval_every=16", "n_epochs=2", f"resume_from={tmp_path / 'full' / 'step-32'}")
+    train.run(resumed)
+    full_losses = {r["step"]: r["loss/train"] for r in records(tmp_path / "full", "train")}
+    resumed_losses = {r["step"]: r["loss/train"] for r in records(tmp_path / "resumed", "train")}
+    assert sorted(resumed_losses) == [40, 48, 56, 64, 72, 80]
+    for step, loss in resumed_losses.items():
+        assert loss == pytest.approx(full_losses[step], abs=1e-6)
+    a = torch.load(tmp_path / "full" / "LATEST" / "policy.pt", weights_only=True)["state"]
+    b = torch.load(tmp_path / "resumed" / "LATEST" / "policy.pt", weights_only=True)["state"]
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_ipo_first_eval_matches_closed_form(make_config):
+    config = make_config("loss=ipo", "loss.beta=0.25", "n_examples=8")
+    train.run(config)
+    first = records(train.Path(config.local_run_dir), "eval")[0]
+    assert first["loss/eval"] == pytest.approx(1 / (2 * 0.25) ** 2)  # (0 - 1/(2 beta))^2 when policy == reference
+
+
+def test_sft_trains_on_chosen_and_needs_no_reference(make_config):
+    config = make_config("loss=sft", "n_examples=16")
+    train.run(config)
+    evals = records(train.Path(config.local_run_dir), "eval")
+    assert evals[-1]["loss/eval"] < evals[0]["loss/eval"]
+    assert evals[0]["loss/eval"] == pytest.approx(-evals[0]["logps_eval/chosen"])
+    assert "rewards_eval/chosen" not in evals[0]
+
+
+def test_reference_free_rewards_are_policy_logps(make_config):
+    config = make_config("loss.reference_free=true", "n_examples=8")
+    train.run(config)
+    first = records(train.Path(config.local_run_dir), "eval")[0]
+    assert first["rewards_eval/chosen"] == pytest.approx(0.1 * first["logps_eval/chosen"], rel=1e-5)
+
+
+def test_sampling_during_eval_strips_prompt(make_config):
+    config = make_config("sample_during_eval=true", "n_eval_model_samples=3", "generation.max_new_tokens=5", "n_examples=8")
+    train.run(config)
+    samples = read_jsonl(train.Path(config.local_run_dir) / "samples.jsonl")
+    assert len(samples) == 6 and {s["step"] for s in samples} == {0, 8}
+    for sample in samples:
+        assert sample["prompt"].startswith("Q: ")
+        assert not sample["policy"].startswith("Q: ") and len(sample["policy"]) <= 5 * 4  # <= 5 byte tokens
+
+
+def test_activation_checkpointing_gives_same_step(make_config, tmp_path):
+    plain = build_trainer(make_config(f"local_run_dir={tmp_path / 'a'}"))
+    checkpointed = build_trainer(make_config(f"local_run_dir={tmp_path / 'b'}", "activation_checkpointing=true"))
+    examples = plain.tokenize([plain.train_examples[i] for i in plain.schedule[0]])
+    assert plain.train_step(examples)["grad_norm"] == pytest.approx(checkpointed.train_step(examples)["grad_norm"], rel=1e-6)
+
+
+def test_mixed_precision_autocast_runs_in_bfloat16(make_config):
+    trainer = build_trainer(make_config("model.fsdp_policy_mp=bfloat16"))
+    seen = []
+    trainer.policy.lm_head.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+    metrics = trainer.train_step(trainer.tokenize([trainer.train_examples[i] for i in trainer.schedule[0]]))
+    assert seen == [torch.bfloat16] and all(p.dtype == torch.float32 for p in trainer.policy.parameters())
+    assert metrics["loss/train"][0] == pytest.approx(math.log(2), abs=0.05)
+
+
+def test_optimizer_errors_list_valid_choices():
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    with pytest.raises(UserError, match=r"unknown optimizer 'Adamm'; torch.optim has: .*AdamW.*RMSprop"):
+        build_optimizer("Adamm", params, 1e-3, {})
+    with pytest.raises(UserError, match=r"optimizer RMSprop has no setting betas; its settings: alpha, eps, weight_decay, momentum"):
+        build_optimizer("RMSprop", params, 1e-3, {"betas": [0.9, 0.99]})
+    assert build_optimizer("AdamW", params, 1e-3, {"betas": [0.8, 0.9], "weight_decay": 0.0}).defaults["betas"] == (0.8, 0.9)
+
+
+def test_existing_run_dir_is_not_overwritten(make_config):
+    config = make_config("n_examples=8")
+    train.run(config)
+    before = (train.Path(config.local_run_dir) / "metrics.jsonl").read_text()
+    with pytest.raises(UserError, match="already holds a run"):
+        train.run(make_config("n_examples=8"))
+    assert (train.Path(config.local_run_dir) / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["batch_size=6", "gradient_accumulation_steps=4"], "batch_size=6 must be a positive multiple of gradient_accumulation_steps x world size = 4"),
+    (["eval_batch_size=6", "gradient_accumulation_steps=4"], "eval_batch_size=6 must be a positive multiple"),
+    (["eval_every=12"], "eval_every=12 must be a positive multiple of batch_size=8"),
+    (["trainer=FSDPTrainer"], "trainer=FSDPTrainer is not available yet; available: BasicTrainer"),
+    (["trainer=Foo"], "unknown trainer 'Foo'; valid: BasicTrainer"),
+    (["n_epochs=null"], "set n_epochs or n_examples"),
+    (["model.policy_dtype=float64"], "model.policy_dtype=float64 is not a dtype; expected one of float32, bfloat16, float16"),
+    (["model=blank_model"], "model.block_name, model.name_or_path must be set"),
+])
+def test_config_errors(make_config, overrides, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        train.run(make_config(*overrides))
