@@ -146,7 +146,7 @@ def detect_parser(row: dict, tokenizer) -> Callable[[dict], list[PreferencePair]
         if isinstance(row["chosen"], list):
             return lambda r: parse_conversational(r, lambda messages: render_chat(tokenizer, messages))
         return parse_explicit if "prompt" in columns else parse_hh
-    raise KeyError(
+    raise ValueError(
         f"unrecognised columns {sorted(columns)}; expected chosen+rejected (+prompt), "
         "SHP's history/human_ref_A/human_ref_B/labels/score_A/score_B, or SE's question/answers"
     )

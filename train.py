@@ -101,7 +101,7 @@ def init_wandb(config: DictConfig, run_dir: Path):
         mode = "offline"
         print(f"wandb: no login found, logging offline to {run_dir}/wandb (upload later with `wandb sync`)")
     kwargs = dict(entity=config.wandb.entity, project=config.wandb.project, name=config.exp_name, dir=str(run_dir),
-                  config=OmegaConf.to_container(config, resolve=True), settings=wandb.Settings(init_timeout=60, console="off"))
+                  config=OmegaConf.to_container(config, resolve=True), settings=wandb.Settings(init_timeout=30, console="off"))
     try:
         return wandb.init(mode=mode or "online", **kwargs)
     except Exception as error:  # no network, server down, bad key: log offline rather than lose the run

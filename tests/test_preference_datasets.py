@@ -149,7 +149,7 @@ def test_missing_column_names_file_line_and_column(tmp_path, tiny_tokenizer):
 
 
 def test_unrecognised_columns(tmp_path, tiny_tokenizer):
-    with pytest.raises(UserError, match=r"d.jsonl:1: missing column unrecognised columns \['text'\]"):
+    with pytest.raises(UserError, match=r"d.jsonl:1: unrecognised columns \['text'\]; expected chosen\+rejected"):
         load(write_jsonl(tmp_path / "d.jsonl", [{"text": "x"}]), tiny_tokenizer)
 
 
