@@ -93,6 +93,13 @@ def load_tokenizer(model_config: DictConfig, cache_dir: Path):
     return tokenizer
 
 
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Zero nn.Dropout modules whose rate is hard-coded rather than read from the config."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
 def load_model(model_config: DictConfig, dtype: torch.dtype, cache_dir: Path, seed: int) -> torch.nn.Module:
     """A causal LM in `dtype` with dropout off, optionally overwritten by `model.archive` (a policy.pt)."""
     path = resolve_model_dir(model_config.name_or_path, cache_dir)
@@ -107,9 +114,7 @@ def load_model(model_config: DictConfig, dtype: torch.dtype, cache_dir: Path, se
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=model_config.trust_remote_code)
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, **common)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
+    disable_dropout(model)
     if model_config.archive is not None:
         state = torch.load(model_config.archive, map_location="cpu", weights_only=True)["state"]
         model.load_state_dict(state)

@@ -22,7 +22,7 @@ def test_cli_run_writes_metrics_checkpoints_and_loadable_export(tmp_path, pairs_
     home.mkdir()
     result = run_cli(
         "model=tiny", f"datasets=[{pairs_file}]", f"local_run_dir={run_dir}", f"local_dirs=[{tmp_path}]",
-        "batch_size=8", "eval_batch_size=8", "eval_every=16", "n_eval_examples=8", "lr=1e-3",
+        "batch_size=8", "eval_batch_size=8", "eval_every=16", "n_eval_examples=8", "lr=1e-3", "minimum_log_interval_secs=0",
         env_extra={"HOME": str(home), "WANDB_MODE": None, "WANDB_API_KEY": None},
     )
     assert result.returncode == 0, result.stderr[-3000:]
