@@ -242,3 +242,32 @@ def test_batch_schedule_seeded_epochs_and_limits():
     assert len(batch_schedule(10, 4, seed=0, n_epochs=1, n_examples=100)) == 2
     with pytest.raises(UserError, match="fewer than batch_size"):
         batch_schedule(3, 4, seed=0, n_epochs=1, n_examples=None)
+
+
+# --- Hub datasets, with the Hub replaced by local rows --------------------------------------------------
+
+
+def test_hub_loaders_parse_rows_and_split_se(monkeypatch, tiny_tokenizer):
+    import datasets
+
+    se_rows = [{"question": f"<p>q{i}</p>", "answers": [{"text": f"a{i}", "pm_score": 2}, {"text": f"b{i}", "pm_score": 1}]} for i in range(300)]
+    hh_rows = [hh_row(f"q{i}?", f" yes {i}", f" no {i}") for i in range(5)]
+    asked = []
+
+    def fake_load_dataset(name, cache_dir=None, split=None):
+        asked.append((name, split))
+        return datasets.Dataset.from_list(se_rows if name == "HuggingFaceH4/stack-exchange-preferences" else hh_rows)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    hh = get_dataset("hh", tiny_tokenizer, 0, None, cache_dir="unused")
+    assert asked == [("Anthropic/hh-rlhf", "train"), ("Anthropic/hh-rlhf", "test")]
+    assert hh["train"][0].prompt == "\n\nHuman: q0?\n\nAssistant:" and hh["train"][0].truncation_mode == "keep_end"
+    se = get_dataset("se", tiny_tokenizer, 0, None, cache_dir="unused")
+    # the reference's split: the first 1% after a fixed shuffle is test, the rest train
+    assert (len(se["test"]), len(se["train"])) == (3, 297)
+    assert not {p.prompt for p in se["test"]} & {p.prompt for p in se["train"]}
+
+
+def test_unreachable_hub_dataset_is_one_clear_line(tiny_tokenizer, tmp_path):
+    with pytest.raises(UserError, match=r"could not load dataset 'shp' \(stanfordnlp/SHP\) from the Hugging Face Hub .*give a local copy"):
+        get_dataset("shp", tiny_tokenizer, 0, 8, cache_dir=tmp_path)

