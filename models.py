@@ -3,6 +3,7 @@ initialisation of a config (`model.random_init`), or, offline, the SmolLM2 copy 
 import functools
 import importlib.util
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -100,6 +101,19 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
+def load_archive(model: torch.nn.Module, archive: str) -> None:
+    """Load the weights of a reference-format policy.pt ({"step_idx", "state", "metrics"})."""
+    try:
+        checkpoint = torch.load(archive, map_location="cpu", weights_only=True)
+        model.load_state_dict(checkpoint["state"])
+    except FileNotFoundError:
+        raise UserError(f"model.archive={archive}: no such file") from None
+    except (KeyError, TypeError, RuntimeError, pickle.UnpicklingError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"model.archive={archive}: not a policy.pt for {type(model).__name__} ({reason})") from None
+    print(f"loaded weights from {archive}")
+
+
 def load_model(model_config: DictConfig, dtype: torch.dtype, cache_dir: Path, seed: int) -> torch.nn.Module:
     """A causal LM in `dtype` with dropout off, optionally overwritten by `model.archive` (a policy.pt)."""
     path = resolve_model_dir(model_config.name_or_path, cache_dir)
@@ -116,7 +130,5 @@ def load_model(model_config: DictConfig, dtype: torch.dtype, cache_dir: Path, se
         model = transformers.AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, **common)
     disable_dropout(model)
     if model_config.archive is not None:
-        state = torch.load(model_config.archive, map_location="cpu", weights_only=True)["state"]
-        model.load_state_dict(state)
-        print(f"loaded weights from {model_config.archive}")
+        load_archive(model, model_config.archive)
     return model

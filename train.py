@@ -70,6 +70,8 @@ def validate(config: DictConfig, world_size: int) -> None:
             raise UserError(f"{key}={config[key]} must be a positive multiple of gradient_accumulation_steps x world size = {per_step}")
     if config.eval_every <= 0 or config.eval_every % config.batch_size:
         raise UserError(f"eval_every={config.eval_every} must be a positive multiple of batch_size={config.batch_size}")
+    if config.n_eval_examples is not None and config.n_eval_examples <= 0:
+        raise UserError(f"n_eval_examples={config.n_eval_examples} must be positive, or null for a whole test split")
     if config.n_epochs is None and config.n_examples is None:
         raise UserError("set n_epochs or n_examples: training stops at whichever comes first")
     if not 0 < config.max_prompt_length < config.max_length:

@@ -138,6 +138,7 @@ class BasicTrainer:
             for name, values in batch_metrics.items():
                 metrics[name].extend(values.float().cpu().tolist())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
+        metrics["lr"].append(self.scheduler.get_last_lr()[0])  # the rate this step uses
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -157,18 +158,17 @@ class BasicTrainer:
             examples = self.tokenize([self.train_examples[i] for i in indices])
             for name, values in self.train_step(examples).items():
                 interval[name].extend(values)
-            interval_lr = self.scheduler.get_last_lr()[0]
             interval_time += time.time() - start
             interval_tokens += sum(len(ex["prompt"]) * len(ex["responses"]) + sum(map(len, ex["responses"])) for ex in examples)
             interval_examples += len(examples)
             self.example_counter += len(examples)
             self.batch_counter += 1
             progress.update()
-            progress.set_postfix(loss=f"{sum(interval[f'loss/train']) / len(interval['loss/train']):.4f}")
+            progress.set_postfix(loss=f"{sum(interval['loss/train']) / len(interval['loss/train']):.4f}")
             # Metrics of every step count: they are averaged over the interval, not sampled at its end.
             if time.time() - last_log >= c.minimum_log_interval_secs or self.batch_counter == len(self.schedule):
                 record = {name: sum(values) / len(values) for name, values in interval.items()}
-                record.update(lr=interval_lr, examples_per_second=interval_examples / interval_time, tokens_per_second=interval_tokens / interval_time)
+                record.update(examples_per_second=interval_examples / interval_time, tokens_per_second=interval_tokens / interval_time)
                 self.log(record)
                 interval = defaultdict(list)
                 interval_time = interval_tokens = interval_examples = 0

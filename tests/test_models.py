@@ -54,6 +54,14 @@ def test_archive_loads_reference_format_weights(tmp_path):
         assert q.dtype == torch.bfloat16 and torch.equal(p.to(torch.bfloat16), q), name
 
 
+def test_bad_archive_is_one_clear_line(tmp_path):
+    with pytest.raises(UserError, match=r"model.archive=.*missing.pt: no such file"):
+        load_model(model_config(archive=str(tmp_path / "missing.pt")), torch.float32, tmp_path, seed=0)
+    torch.save({"step_idx": 0, "state": {"wrong.weight": torch.zeros(1)}, "metrics": {}}, tmp_path / "other.pt")
+    with pytest.raises(UserError, match=r"model.archive=.*other.pt: not a policy.pt for LlamaForCausalLM \(Error"):
+        load_model(model_config(archive=str(tmp_path / "other.pt")), torch.float32, tmp_path, seed=0)
+
+
 def test_tokenizer_has_eos_and_pad(tmp_path):
     tokenizer = load_tokenizer(model_config(), tmp_path)
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token_id is not None

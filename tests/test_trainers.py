@@ -34,6 +34,13 @@ def test_first_step_loss_is_ln2_with_zero_rewards(make_config):
     assert metrics["loss/train"] == pytest.approx([math.log(2)] * 8, abs=1e-6)
     assert max(map(abs, metrics["rewards_train/chosen"] + metrics["rewards_train/rejected"])) < 1e-6
     assert metrics["grad_norm"][0] > 0
+    assert metrics["lr"] == [trainer.config.lr]  # warmup_steps=0: the full rate from the first step
+
+
+def test_warmup_is_linear_in_optimizer_steps(make_config):
+    trainer = build_trainer(make_config("warmup_steps=3"))
+    rates = [trainer.train_step(trainer.tokenize([trainer.train_examples[i] for i in indices]))["lr"][0] for indices in trainer.schedule[:5]]
+    assert rates == pytest.approx([c * trainer.config.lr for c in (1 / 4, 2 / 4, 3 / 4, 1, 1)])
 
 
 def test_gradient_accumulation_matches_full_batch(make_config):
@@ -172,6 +179,7 @@ def test_existing_run_dir_is_not_overwritten(make_config):
     (["trainer=FSDPTrainer"], "trainer=FSDPTrainer is not available yet; available: BasicTrainer"),
     (["trainer=Foo"], "unknown trainer 'Foo'; valid: BasicTrainer"),
     (["n_epochs=null"], "set n_epochs or n_examples"),
+    (["n_eval_examples=0"], "n_eval_examples=0 must be positive"),
     (["model.policy_dtype=float64"], "model.policy_dtype=float64 is not a dtype; expected one of float32, bfloat16, float16"),
     (["model=blank_model"], "model.block_name, model.name_or_path must be set"),
 ])
