@@ -82,6 +82,7 @@ def validate(config: DictConfig, world_size: int) -> None:
         raise UserError(f"loss.label_smoothing={config.loss.label_smoothing} must be in [0, 0.5]")
     for key in ("policy_dtype", "reference_dtype", "fsdp_policy_mp"):
         parse_dtype(config.model[key], f"model.{key}")
+    trainers.optimizer_class(config.optimizer, OmegaConf.to_container(config.optimizer_kwargs))
 
 
 def prepare_run_dir(config: DictConfig) -> Path:

@@ -19,18 +19,22 @@ from preference_datasets import PreferencePair, batch_schedule, collate, sft_exa
 from utils import UserError, append_jsonl, get_device, replace_dir
 
 
-def build_optimizer(name: str, params, lr: float, knobs: dict) -> torch.optim.Optimizer:
-    """`torch.optim.<name>(params, lr=lr, **knobs)`, with one-line errors for unknown names or knobs."""
+def optimizer_class(name: str, knobs: dict) -> type[torch.optim.Optimizer]:
+    """`torch.optim.<name>`, checked to accept `knobs`; one-line errors list the valid names or knobs."""
     optimizers = sorted(n for n, c in vars(torch.optim).items() if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer)
     if name not in optimizers:
         raise UserError(f"unknown optimizer '{name}'; torch.optim has: {', '.join(optimizers)}")
-    optimizer_class = getattr(torch.optim, name)
-    accepted = [p for p in inspect.signature(optimizer_class).parameters if p not in ("params", "lr")]
+    optimizer = getattr(torch.optim, name)
+    accepted = [p for p in inspect.signature(optimizer).parameters if p not in ("params", "lr")]
     unknown = sorted(set(knobs) - set(accepted))
     if unknown:
         raise UserError(f"optimizer {name} has no setting {', '.join(unknown)}; its settings: {', '.join(accepted)}")
+    return optimizer
+
+
+def build_optimizer(name: str, params, lr: float, knobs: dict) -> torch.optim.Optimizer:
     knobs = {k: tuple(v) if isinstance(v, list) else v for k, v in knobs.items()}  # e.g. betas
-    return optimizer_class(params, lr=lr, **knobs)
+    return optimizer_class(name, knobs)(params, lr=lr, **knobs)
 
 
 def split_evenly(items: list, parts: int) -> list[list]:

@@ -180,6 +180,7 @@ def test_existing_run_dir_is_not_overwritten(make_config):
     (["trainer=Foo"], "unknown trainer 'Foo'; valid: BasicTrainer"),
     (["n_epochs=null"], "set n_epochs or n_examples"),
     (["n_eval_examples=0"], "n_eval_examples=0 must be positive"),
+    (["optimizer=Adamm"], "unknown optimizer 'Adamm'; torch.optim has: "),
     (["model.policy_dtype=float64"], "model.policy_dtype=float64 is not a dtype; expected one of float32, bfloat16, float16"),
     (["model=blank_model"], "model.block_name, model.name_or_path must be set"),
 ])
