@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 import transformers
 from omegaconf import DictConfig
 
@@ -99,6 +100,20 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+
+
+def checkpoint_blocks(model: torch.nn.Module, block_name: str) -> int:
+    """Recompute each `block_name` module's activations in the backward pass (non-reentrant checkpointing).
+
+    The block's forward is wrapped in place, so parameter names and state dicts are unchanged. Returns the
+    number of blocks wrapped."""
+    blocks = [module for module in model.modules() if type(module).__name__ == block_name]
+    if not blocks:
+        known = getattr(model, "_no_split_modules", None) or []
+        raise UserError(f"model.block_name={block_name} matches no module of {type(model).__name__}" + (f"; its blocks: {', '.join(known)}" if known else ""))
+    for block in blocks:
+        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
+    return len(blocks)
 
 
 def load_archive(model: torch.nn.Module, archive: str) -> None:

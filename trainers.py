@@ -14,7 +14,7 @@ import tqdm
 from omegaconf import DictConfig, OmegaConf
 
 from losses import preference_loss, sequence_logps
-from models import parse_dtype
+from models import checkpoint_blocks, parse_dtype
 from preference_datasets import PreferencePair, batch_schedule, collate, sft_examples, tokenize_pair
 from utils import UserError, append_jsonl, get_device, replace_dir
 
@@ -57,9 +57,7 @@ class BasicTrainer:
         # Mixed precision on one process: fp32 master weights, compute in this dtype (FSDP's param_dtype analogue).
         self.autocast_dtype = parse_dtype(config.model.fsdp_policy_mp, "model.fsdp_policy_mp")
         if config.activation_checkpointing:
-            if not self.policy.supports_gradient_checkpointing:
-                raise UserError(f"activation_checkpointing=true: {type(self.policy).__name__} does not support it")
-            self.policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            checkpoint_blocks(self.policy, config.model.block_name)
 
         self.train_examples = sft_examples(data["train"]) if self.sft else data["train"]
         eval_examples = sft_examples(data["test"]) if self.sft else data["test"]

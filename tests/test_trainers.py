@@ -138,11 +138,20 @@ def test_sampling_during_eval_strips_prompt(make_config):
         assert not sample["policy"].startswith("Q: ") and len(sample["policy"]) <= 5 * 4  # <= 5 byte tokens
 
 
-def test_activation_checkpointing_gives_same_step(make_config, tmp_path):
+def test_activation_checkpointing_recomputes_blocks_and_gives_same_step(make_config, tmp_path):
     plain = build_trainer(make_config(f"local_run_dir={tmp_path / 'a'}"))
     checkpointed = build_trainer(make_config(f"local_run_dir={tmp_path / 'b'}", "activation_checkpointing=true"))
+    calls = {"plain": 0, "checkpointed": 0}
+    plain.policy.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.__setitem__("plain", calls["plain"] + 1))
+    checkpointed.policy.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.__setitem__("checkpointed", calls["checkpointed"] + 1))
     examples = plain.tokenize([plain.train_examples[i] for i in plain.schedule[0]])
-    assert plain.train_step(examples)["grad_norm"] == pytest.approx(checkpointed.train_step(examples)["grad_norm"], rel=1e-6)
+    plain_metrics, checkpointed_metrics = plain.train_step(examples), checkpointed.train_step(examples)
+    assert calls == {"plain": 1, "checkpointed": 2}  # the block's forward runs again in the backward pass
+    assert checkpointed_metrics["loss/train"] == pytest.approx(plain_metrics["loss/train"], abs=1e-7)
+    assert checkpointed_metrics["grad_norm"] == pytest.approx(plain_metrics["grad_norm"], rel=1e-6)
+    for a, b in zip(plain.policy.parameters(), checkpointed.policy.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+    assert list(plain.policy.state_dict()) == list(checkpointed.policy.state_dict())
 
 
 def test_mixed_precision_autocast_runs_in_bfloat16(make_config):
@@ -183,6 +192,7 @@ def test_existing_run_dir_is_not_overwritten(make_config):
     (["optimizer=Adamm"], "unknown optimizer 'Adamm'; torch.optim has: "),
     (["model.policy_dtype=float64"], "model.policy_dtype=float64 is not a dtype; expected one of float32, bfloat16, float16"),
     (["model=blank_model"], "model.block_name, model.name_or_path must be set"),
+    (["activation_checkpointing=true", "model.block_name=GPT2Block"], "model.block_name=GPT2Block matches no module of LlamaForCausalLM; its blocks: LlamaDecoderLayer"),
 ])
 def test_config_errors(make_config, overrides, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
