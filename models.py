@@ -80,7 +80,12 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(target)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process finished the same conversion first
+        if not (target / "config.json").exists():
+            raise
+        shutil.rmtree(tmp)
 
 
 def load_tokenizer(model_config: DictConfig, cache_dir: Path):

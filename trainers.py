@@ -6,6 +6,7 @@ torch.backends.cudnn.allow_tf32 = True
 
 import contextlib
 import inspect
+import shutil
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -252,7 +253,8 @@ class BasicTrainer:
         if self.config.debug:
             return
         tmp_dir = output_dir.with_name(output_dir.name + ".tmp")
-        tmp_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a crashed save: none of it may leak into this one
+        tmp_dir.mkdir(parents=True)
         for name, state in (("policy", self.policy.state_dict()), ("optimizer", self.optimizer.state_dict()), ("scheduler", self.scheduler.state_dict())):
             torch.save({"step_idx": self.example_counter, "state": state, "metrics": metrics}, tmp_dir / f"{name}.pt")
         if export_hf:

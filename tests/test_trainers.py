@@ -197,3 +197,13 @@ def test_existing_run_dir_is_not_overwritten(make_config):
 def test_config_errors(make_config, overrides, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         train.run(make_config(*overrides))
+
+
+def test_save_ignores_leftovers_of_a_crashed_save(make_config):
+    trainer = build_trainer(make_config())
+    stale = trainer.run_dir / "step-8.tmp"
+    stale.mkdir()
+    (stale / "stale.bin").write_text("from a crashed save")
+    trainer.save(trainer.run_dir / "step-8", {"loss/eval": 0.5}, export_hf=False)
+    assert sorted(p.name for p in (trainer.run_dir / "step-8").iterdir()) == ["optimizer.pt", "policy.pt", "scheduler.pt"]
+    assert not stale.exists()
