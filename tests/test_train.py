@@ -85,3 +85,16 @@ def test_cli_default_model_smoke(tmp_path):
     evals = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss/eval" in r]
     assert evals[0]["loss/eval"] == pytest.approx(0.6931472, abs=1e-6)  # policy == reference at step 0
     assert evals[-1]["step"] == 16 and evals[-1]["loss/eval"] < evals[0]["loss/eval"]
+
+
+@pytest.mark.slow
+def test_cli_wandb_login_without_network_falls_back_offline(tmp_path, pairs_file):
+    # A key is configured but the server is unreachable (a closed local port): the run must go on offline.
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        "model=tiny", f"datasets=[{pairs_file}]", f"local_run_dir={run_dir}", f"local_dirs=[{tmp_path}]", "n_examples=8", "n_eval_examples=8",
+        env_extra={"WANDB_MODE": None, "WANDB_API_KEY": "0" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9", "HOME": str(tmp_path)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "wandb: could not start online" in result.stdout and "logging offline" in result.stdout
+    assert list((run_dir / "wandb").glob("offline-run-*")) and (run_dir / "LATEST" / "policy.pt").exists()
