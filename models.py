@@ -3,7 +3,6 @@ initialisation of a config (`model.random_init`), or, offline, the SmolLM2 copy 
 import functools
 import importlib.util
 import os
-import pickle
 import shutil
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import torch.utils.checkpoint
 import transformers
 from omegaconf import DictConfig
 
-from utils import UserError
+from utils import UserError, load_checkpoint_file, load_state
 
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -122,15 +121,8 @@ def checkpoint_blocks(model: torch.nn.Module, block_name: str) -> int:
 
 
 def load_archive(model: torch.nn.Module, archive: str) -> None:
-    """Load the weights of a reference-format policy.pt ({"step_idx", "state", "metrics"})."""
-    try:
-        checkpoint = torch.load(archive, map_location="cpu", weights_only=True)
-        model.load_state_dict(checkpoint["state"])
-    except FileNotFoundError:
-        raise UserError(f"model.archive={archive}: no such file") from None
-    except (KeyError, TypeError, RuntimeError, pickle.UnpicklingError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"model.archive={archive}: not a policy.pt for {type(model).__name__} ({reason})") from None
+    """Load the weights of a reference-format policy.pt."""
+    load_state(model, load_checkpoint_file(Path(archive), "model.archive")["state"], "model.archive", Path(archive))
     print(f"loaded weights from {archive}")
 
 

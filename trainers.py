@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from losses import preference_loss, sequence_logps
 from models import checkpoint_blocks, parse_dtype
 from preference_datasets import PreferencePair, batch_schedule, collate, sft_examples, tokenize_pair
-from utils import UserError, append_jsonl, get_device, replace_dir
+from utils import UserError, append_jsonl, get_device, load_checkpoint_file, load_state, replace_dir
 
 
 def optimizer_class(name: str, knobs: dict) -> type[torch.optim.Optimizer]:
@@ -265,18 +265,13 @@ class BasicTrainer:
 
     def load_checkpoint(self, checkpoint_dir: Path) -> None:
         """Continue from a checkpoint: weights, optimizer and schedule state, and the position in the data."""
-        states = {}
-        for name in ("policy", "optimizer", "scheduler"):
-            path = checkpoint_dir / f"{name}.pt"
-            if not path.exists():
-                raise UserError(f"resume_from={checkpoint_dir}: missing {path.name}")
-            states[name] = torch.load(path, map_location="cpu", weights_only=True)
+        setting = f"resume_from={checkpoint_dir}"
+        states = {name: load_checkpoint_file(checkpoint_dir / f"{name}.pt", setting) for name in ("policy", "optimizer", "scheduler")}
         step_idx = states["policy"]["step_idx"]
         if step_idx % self.config.batch_size:
-            raise UserError(f"resume_from={checkpoint_dir}: {step_idx} examples seen is not a multiple of batch_size={self.config.batch_size}")
-        self.policy.load_state_dict(states["policy"]["state"])
-        self.optimizer.load_state_dict(states["optimizer"]["state"])
-        self.scheduler.load_state_dict(states["scheduler"]["state"])
+            raise UserError(f"{setting}: {step_idx} examples seen is not a multiple of batch_size={self.config.batch_size}")
+        for name, target in (("policy", self.policy), ("optimizer", self.optimizer), ("scheduler", self.scheduler)):
+            load_state(target, states[name]["state"], setting, checkpoint_dir / f"{name}.pt")
         self.example_counter = step_idx
         self.batch_counter = step_idx // self.config.batch_size
         self.last_eval_at = step_idx

@@ -2,6 +2,7 @@
 import getpass
 import json
 import os
+import pickle
 import random
 import shutil
 from datetime import datetime
@@ -62,3 +63,30 @@ def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
 def append_jsonl(path: Path, record: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def load_checkpoint_file(path: Path, setting: str) -> dict:
+    """A checkpoint file in the reference format ({"step_idx", "state", "metrics"}), read with weights_only.
+    Anything else raises a UserError that names the `setting` it came from."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"{setting}: {path} does not exist") from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+        raise UserError(f"{setting}: {path} is not a readable checkpoint ({first_line(error)})") from None
+    if not isinstance(checkpoint, dict) or "state" not in checkpoint:
+        raise UserError(f"{setting}: {path} is not a checkpoint in the reference format (no 'state')")
+    return checkpoint
+
+
+def load_state(target, state: dict, setting: str, path: Path) -> None:
+    """target.load_state_dict(state) for a module, optimizer or scheduler, with a one-line error on mismatch."""
+    try:
+        target.load_state_dict(state)
+    except (RuntimeError, ValueError, KeyError) as error:
+        raise UserError(f"{setting}: {path} does not fit this {type(target).__name__} ({first_line(error)})") from None
+
+
+def first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -207,3 +207,18 @@ def test_save_ignores_leftovers_of_a_crashed_save(make_config):
     trainer.save(trainer.run_dir / "step-8", {"loss/eval": 0.5}, export_hf=False)
     assert sorted(p.name for p in (trainer.run_dir / "step-8").iterdir()) == ["optimizer.pt", "policy.pt", "scheduler.pt"]
     assert not stale.exists()
+
+
+def test_resume_from_a_bad_checkpoint_is_one_clear_line(make_config, tmp_path):
+    with pytest.raises(UserError, match=r"resume_from=.*: .*nowhere/policy.pt does not exist"):
+        build_trainer(make_config(f"resume_from={tmp_path / 'nowhere'}"))
+    config = make_config(f"local_run_dir={tmp_path / 'first'}", "n_examples=8")
+    train.run(config)
+    latest = tmp_path / "first" / "LATEST"
+    with pytest.raises(UserError, match=r"examples seen is not a multiple of batch_size=16"):
+        build_trainer(make_config(f"local_run_dir={tmp_path / 'second'}", "batch_size=16", f"resume_from={latest}"))
+    optimizer = torch.load(latest / "optimizer.pt", weights_only=True)
+    optimizer["state"]["param_groups"].append(optimizer["state"]["param_groups"][0])
+    torch.save(optimizer, latest / "optimizer.pt")
+    with pytest.raises(UserError, match=r"optimizer.pt does not fit this AdamW"):
+        build_trainer(make_config(f"local_run_dir={tmp_path / 'third'}", f"resume_from={latest}"))
