@@ -76,7 +76,6 @@ def preference_loss(
     beta: float,
     label_smoothing: float = 0.0,
     ipo: bool = False,
-    reference_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair preference losses and implicit rewards; all inputs and outputs are [B].
 
@@ -85,12 +84,9 @@ def preference_loss(
       conservative DPO (Mitchell 2023):    -(1 - eps) log sigmoid(beta * h) - eps log sigmoid(-beta * h),
                                            eps = label_smoothing, the assumed rate of flipped labels
       IPO (Azar et al. 2023, eq. 17):      (h - 1 / (2 beta))^2
-    reference_free sets the reference log-probs to zero (a uniform reference).
+    Reference-free DPO passes zeros as the reference log-probs (a uniform reference).
     Rewards are beta * (log pi - log ref), detached: they are metrics, not loss terms.
     """
-    if reference_free:
-        reference_chosen_logps = torch.zeros_like(reference_chosen_logps)
-        reference_rejected_logps = torch.zeros_like(reference_rejected_logps)
     logits = (policy_chosen_logps - policy_rejected_logps) - (reference_chosen_logps - reference_rejected_logps)
     if ipo:
         losses = (logits - 1 / (2 * beta)) ** 2

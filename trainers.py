@@ -114,7 +114,6 @@ class BasicTrainer:
             beta=loss_config.beta,
             label_smoothing=loss_config.get("label_smoothing", 0.0),
             ipo=loss_config.name == "ipo",
-            reference_free=loss_config.reference_free,
         )
         metrics = {
             f"rewards_{split}/chosen": chosen_rewards,
@@ -187,9 +186,9 @@ class BasicTrainer:
         """Mean of each metric over all eval examples."""
         self.policy.eval()
         values = defaultdict(list)
-        parts = self.config.gradient_accumulation_steps
+        size = self.config.eval_batch_size // self.config.gradient_accumulation_steps  # the training micro-batch budget
         for batch in tqdm.tqdm(self.eval_batches, desc="eval", leave=False, dynamic_ncols=True):
-            for micro_batch in split_evenly(batch, parts) if len(batch) % parts == 0 else [batch]:
+            for micro_batch in (batch[i : i + size] for i in range(0, len(batch), size)):
                 for name, metric in self.batch_metrics(micro_batch, "eval")[1].items():
                     values[name].extend(metric.float().cpu().tolist())
         return {name: sum(v) / len(v) for name, v in values.items()}

@@ -49,7 +49,7 @@ def pairs_file(tmp_path) -> Path:
 @pytest.fixture
 def make_config(tmp_path, pairs_file):
     """A composed config for a fast tiny-model run in tmp_path; extra Hydra overrides go last."""
-    import train  # registers the repo_path resolver
+    import train  # noqa: F401  (registers the repo_path resolver)
 
     def make(*overrides: str):
         base = [

@@ -51,13 +51,6 @@ def test_ipo_closed_form():
     assert loss_for(beta=0.1, ipo=True)[0] == pytest.approx((2 - 5) ** 2)
 
 
-def test_reference_free_ignores_reference():
-    # h = pi_c - pi_r = 2 whatever the reference says
-    loss, chosen_reward, _ = loss_for(beta=0.5, reference_free=True)
-    assert loss == pytest.approx(log1p_exp(-1.0), abs=1e-7)
-    assert chosen_reward == pytest.approx(0.5 * -1.0)
-
-
 def test_ln2_and_zero_rewards_when_policy_equals_reference():
     logps = torch.tensor([-12.5, -3.25, -40.0])
     other = torch.tensor([-7.0, -9.5, -1.0])

@@ -1,4 +1,3 @@
-import copy
 import math
 
 import pytest
@@ -222,3 +221,16 @@ def test_resume_from_a_bad_checkpoint_is_one_clear_line(make_config, tmp_path):
     torch.save(optimizer, latest / "optimizer.pt")
     with pytest.raises(UserError, match=r"optimizer.pt does not fit this AdamW"):
         build_trainer(make_config(f"local_run_dir={tmp_path / 'third'}", f"resume_from={latest}"))
+
+
+def test_eval_micro_batches_give_the_same_metrics(make_config, tmp_path):
+    # 6 held-out pairs: with eval_batch_size=8 and 4 accumulation steps they go through in micro-batches of 2.
+    whole = build_trainer(make_config(f"local_run_dir={tmp_path / 'a'}", "n_eval_examples=6"))
+    micro = build_trainer(make_config(f"local_run_dir={tmp_path / 'b'}", "n_eval_examples=6", "gradient_accumulation_steps=4"))
+    calls = []
+    micro.policy.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[0]))
+    metrics, micro_metrics = whole.evaluate(), micro.evaluate()
+    assert calls == [4, 4, 4]  # 3 micro-batches of 2 pairs (chosen + rejected)
+    assert micro_metrics.keys() == metrics.keys()
+    for name, value in metrics.items():
+        assert micro_metrics[name] == pytest.approx(value, abs=1e-5), name
