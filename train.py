@@ -1,26 +1,32 @@
-"""Entry point: python train.py [key=value ...] (Hydra; see config/config.yaml)."""
+"""Entry point: python train.py [key=value ...] (Hydra; see config/config.yaml).
+
+BasicTrainer runs in this process. FSDPTrainer and TensorParallelTrainer run on every rank of a
+torch.distributed process group: under torchrun this process is one rank; otherwise train.py starts one
+worker per GPU (or `nproc` CPU workers) on this machine."""
 import torch
 
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
 
 import difflib
+import logging
 import netrc
 import os
 import sys
 from pathlib import Path
 
 import hydra
+import torch.distributed as dist
+import torch.multiprocessing
 from omegaconf import DictConfig, OmegaConf
 
 import trainers
 from models import load_model, load_tokenizer, parse_dtype
 from preference_datasets import get_dataset
-from utils import REPO_ROOT, UserError, get_local_dir, get_local_run_dir, set_seed
+from utils import REPO_ROOT, UserError, broadcast_object, free_port, get_local_dir, get_local_run_dir, init_distributed, local_main_first, rank, run_on_main, set_seed
 
 CONFIG_DIR = REPO_ROOT / "config"
-TRAINERS = {"BasicTrainer": trainers.BasicTrainer}
-NOT_YET_AVAILABLE_TRAINERS = ("FSDPTrainer", "TensorParallelTrainer")
+TRAINERS = {"BasicTrainer": trainers.BasicTrainer, "FSDPTrainer": trainers.FSDPTrainer, "TensorParallelTrainer": trainers.TensorParallelTrainer}
 
 OmegaConf.register_new_resolver("repo_path", lambda path: str(REPO_ROOT / path))
 
@@ -56,18 +62,40 @@ def check_overrides(args: list[str]) -> None:
             )
 
 
+def launched_by_torchrun() -> bool:
+    return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def world_size(config: DictConfig) -> int:
+    """How many processes the run takes: torchrun's world, 1 for BasicTrainer, else `nproc` or one per GPU."""
+    if launched_by_torchrun():
+        if config.nproc is not None:
+            raise UserError(f"nproc={config.nproc} is for train.py's own launcher; under torchrun the world size comes from torchrun (--nproc_per_node, --nnodes)")
+        return int(os.environ["WORLD_SIZE"])
+    if config.trainer == "BasicTrainer":
+        return 1
+    if config.nproc is not None and config.nproc <= 0:
+        raise UserError(f"nproc={config.nproc} must be a positive number of processes")
+    gpus = torch.cuda.device_count()
+    if gpus and config.nproc is not None and config.nproc > gpus:
+        raise UserError(f"nproc={config.nproc} but this machine has {gpus} GPUs (one process per GPU)")
+    return config.nproc or gpus or 2
+
+
 def validate(config: DictConfig, world_size: int) -> None:
     missing = sorted(OmegaConf.missing_keys(config))
     if missing:
         raise UserError(f"{', '.join(missing)} must be set on the command line (e.g. model.name_or_path=ORG/NAME)")
-    if config.trainer in NOT_YET_AVAILABLE_TRAINERS:
-        raise UserError(f"trainer={config.trainer} is not available yet; available: {', '.join(TRAINERS)}")
     if config.trainer not in TRAINERS:
         raise UserError(f"unknown trainer '{config.trainer}'; valid: {', '.join(TRAINERS)}")
-    per_step = config.gradient_accumulation_steps * world_size
+    if config.trainer == "BasicTrainer" and (world_size > 1 or config.nproc is not None):
+        raise UserError(f"BasicTrainer runs on one process; for {config.nproc or world_size} use trainer=FSDPTrainer or trainer=TensorParallelTrainer")
+    # A batch is split over the data-parallel ranks (FSDP's are all ranks; tensor-parallel ranks share each batch).
+    data_ranks = world_size if TRAINERS[config.trainer].data_parallel else 1
+    per_step = config.gradient_accumulation_steps * data_ranks
     for key in ("batch_size", "eval_batch_size"):
         if config[key] <= 0 or config[key] % per_step:
-            raise UserError(f"{key}={config[key]} must be a positive multiple of gradient_accumulation_steps x world size = {per_step}")
+            raise UserError(f"{key}={config[key]} must be a positive multiple of gradient_accumulation_steps x data-parallel ranks = {per_step}")
     if config.eval_every <= 0 or config.eval_every % config.batch_size:
         raise UserError(f"eval_every={config.eval_every} must be a positive multiple of batch_size={config.batch_size}")
     if config.n_eval_examples is not None and config.n_eval_examples <= 0:
@@ -123,38 +151,87 @@ def has_wandb_login() -> bool:
 
 
 def run(config: DictConfig) -> None:
-    validate(config, world_size=1)
+    """One rank's whole run (the only rank, for BasicTrainer)."""
+    validate(config, dist.get_world_size() if dist.is_initialized() else 1)
     set_seed(config.seed)
-    run_dir = prepare_run_dir(config)
+    run_dir = Path(broadcast_object(run_on_main(lambda: str(prepare_run_dir(config)))))
+    config.local_run_dir = str(run_dir)
     print(f"run directory: {run_dir}")
     cache_dir = get_local_dir(config.local_dirs)
 
-    tokenizer = load_tokenizer(config.model, cache_dir)
-    data = {"train": [], "test": []}
-    for name in config.datasets:
-        for split, pairs in get_dataset(name, tokenizer, config.seed, config.n_eval_examples, cache_dir).items():
-            data[split].extend(pairs)
+    with local_main_first():
+        tokenizer = load_tokenizer(config.model, cache_dir)
+        data = {"train": [], "test": []}
+        for name in config.datasets:
+            for split, pairs in get_dataset(name, tokenizer, config.seed, config.n_eval_examples, cache_dir).items():
+                data[split].extend(pairs)
 
-    policy = load_model(config.model, parse_dtype(config.model.policy_dtype, "model.policy_dtype"), cache_dir, config.seed)
-    needs_reference = config.loss.name != "sft" and not config.loss.reference_free
-    reference = load_model(config.model, parse_dtype(config.model.reference_dtype, "model.reference_dtype"), cache_dir, config.seed) if needs_reference else None
+        policy = load_model(config.model, parse_dtype(config.model.policy_dtype, "model.policy_dtype"), cache_dir, config.seed)
+        needs_reference = config.loss.name != "sft" and not config.loss.reference_free
+        reference = load_model(config.model, parse_dtype(config.model.reference_dtype, "model.reference_dtype"), cache_dir, config.seed) if needs_reference else None
     if reference is not None:
         reference.requires_grad_(False)
 
-    wandb_run = init_wandb(config, run_dir) if config.wandb.enabled and not config.debug else None
+    wandb_run = init_wandb(config, run_dir) if config.wandb.enabled and not config.debug and rank() == 0 else None
     trainer = TRAINERS[config.trainer](config, policy, reference, tokenizer, data, run_dir, wandb_run)
     trainer.train()
     if wandb_run is not None:
         wandb_run.finish()
 
 
-@hydra.main(version_base="1.3", config_path="config", config_name="config")
-def main(config: DictConfig) -> None:
+def run_rank(config: DictConfig) -> None:
+    """Join the process group (set up by torchrun or `spawn_workers`), run, and leave it."""
+    init_distributed(config.distributed_timeout_secs)
+    if dist.get_rank() != 0:
+        sys.stdout = open(os.devnull, "w")  # rank 0 reports for all
     try:
         run(config)
     except UserError as error:
+        exit_with(error)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawned_worker(local_rank: int, nproc: int, port: int, config: DictConfig) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank), LOCAL_RANK=str(local_rank),
+                      WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))  # oversubscribed cores slow every rank
+    run_rank(config)
+
+
+def spawn_workers(config: DictConfig) -> None:
+    """Start one rank per GPU (or `nproc` CPU ranks) on this machine and wait for them."""
+    nproc = world_size(config)
+    validate(config, nproc)  # before starting anything
+    OmegaConf.resolve(config)
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its "terminating process" notes would bury a rank's one-line error
+    print(f"{config.trainer}: starting {nproc} processes ({'nccl, one per GPU' if torch.cuda.is_available() else 'gloo, on the CPU'})")
+    try:
+        torch.multiprocessing.spawn(spawned_worker, args=(nproc, free_port(), config), nprocs=nproc)
+    except torch.multiprocessing.ProcessExitedException as error:
+        # A rank that stopped on a UserError has printed it; one that was killed has not.
+        if error.exit_code is None or error.exit_code < 0:
+            print(f"error: rank {error.error_index} was killed ({error.signal_name})", file=sys.stderr)
+        sys.exit(error.exit_code if error.exit_code and error.exit_code > 0 else 1)
+
+
+def exit_with(error: UserError) -> None:
+    if rank() == 0:  # every rank meets the same error; one line says it
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(2)
+
+
+@hydra.main(version_base="1.3", config_path="config", config_name="config")
+def main(config: DictConfig) -> None:
+    try:
+        if config.trainer != "BasicTrainer" and not launched_by_torchrun():
+            spawn_workers(config)
+        else:
+            validate(config, world_size(config))
+            run_rank(config) if launched_by_torchrun() else run(config)
+    except UserError as error:
+        exit_with(error)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
-"""The training loop: DPO / IPO / SFT updates, evaluation, sampling, logging and checkpoints."""
+"""The training loop: DPO / IPO / SFT updates, evaluation, sampling, logging and checkpoints.
+
+BasicTrainer runs on one process. FSDPTrainer and TensorParallelTrainer run the same loop on every rank of a
+torch.distributed process group; they differ from it only in how models are placed (`prepare_model`) and in
+which ranks share a batch (`data_parallel`)."""
 import torch
 
 torch.backends.cuda.matmul.allow_tf32 = True
@@ -11,13 +15,25 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import torch.distributed as dist
 import tqdm
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 
 from losses import preference_loss, sequence_logps
-from models import checkpoint_blocks, parse_dtype
+from models import checkpoint_blocks, find_blocks, parse_dtype, tensor_parallel_plan
 from preference_datasets import PreferencePair, batch_schedule, collate, sft_examples, tokenize_pair
-from utils import UserError, append_jsonl, get_device, load_checkpoint_file, load_state, replace_dir
+from utils import UserError, append_jsonl, broadcast_object, get_device, load_checkpoint_file, load_state, replace_dir, run_on_main
 
 
 def optimizer_class(name: str, knobs: dict) -> type[torch.optim.Optimizer]:
@@ -43,8 +59,33 @@ def split_evenly(items: list, parts: int) -> list[list]:
     return [items[i * size : (i + 1) * size] for i in range(parts)]
 
 
+def clip_grad_norm(parameters, max_norm: float) -> float:
+    """Scale gradients down to a total L2 norm of at most max_norm; return the norm before clipping.
+
+    Gradients may be plain tensors, FSDP's sharded DTensors, or tensor parallelism's mix of both, which
+    torch.nn.utils.clip_grad_norm_ refuses: each group of gradients with one layout gets one norm, reduced over
+    the ranks that hold its shards."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    groups = defaultdict(list)
+    for grad in grads:
+        groups[(grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None].append(grad)
+    squares = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
+    total = torch.stack(squares).sum().sqrt().item()
+    scale = max_norm / (total + 1e-6)  # torch's rule, so clipping matches clip_grad_norm_
+    if scale < 1:
+        for grad in grads:
+            grad.mul_(scale)
+    return total
+
+
 class BasicTrainer:
     """Trains the policy on one process (CUDA if present, else CPU); the reference model stays frozen."""
+
+    data_parallel = False  # whether each rank trains on its own slice of every batch
+    autocast = True  # model.fsdp_policy_mp runs the policy under torch.autocast, over float32 master weights
 
     def __init__(self, config: DictConfig, policy: torch.nn.Module, reference: torch.nn.Module | None, tokenizer, data: dict[str, list[PreferencePair]], run_dir: Path, wandb_run=None):
         self.config = config
@@ -53,12 +94,14 @@ class BasicTrainer:
         self.tokenizer = tokenizer
         self.device = get_device()
         self.sft = config.loss.name == "sft"
-        self.policy = policy.to(self.device)
-        self.reference = reference.to(self.device) if reference is not None else None
-        # Mixed precision on one process: fp32 master weights, compute in this dtype (FSDP's param_dtype analogue).
-        self.autocast_dtype = parse_dtype(config.model.fsdp_policy_mp, "model.fsdp_policy_mp")
-        if config.activation_checkpointing:
-            checkpoint_blocks(self.policy, config.model.block_name)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.is_main = self.rank == 0
+        self.data_rank, self.data_world_size = (self.rank, self.world_size) if self.data_parallel else (0, 1)
+        self.mixed_precision = parse_dtype(config.model.fsdp_policy_mp, "model.fsdp_policy_mp")
+        self.autocast_dtype = self.mixed_precision if self.autocast else None
+        self.policy = self.prepare_model(policy, is_policy=True)
+        self.reference = self.prepare_model(reference, is_policy=False) if reference is not None else None
 
         self.train_examples = sft_examples(data["train"]) if self.sft else data["train"]
         eval_examples = sft_examples(data["test"]) if self.sft else data["test"]
@@ -67,7 +110,7 @@ class BasicTrainer:
         self.eval_batches = [self.tokenize(eval_examples[i : i + config.eval_batch_size]) for i in range(0, len(eval_examples), config.eval_batch_size)]
         self.schedule = batch_schedule(len(self.train_examples), config.batch_size, config.seed, config.n_epochs, config.n_examples)
         print(f"{len(self.train_examples)} training and {len(eval_examples)} eval examples; {len(self.schedule)} steps of {config.batch_size}")
-
+        # Built after sharding and before any forward pass: FSDP then hands it the sharded parameters each rank owns.
         self.optimizer = build_optimizer(config.optimizer, self.policy.parameters(), config.lr, OmegaConf.to_container(config.optimizer_kwargs))
         warmup = config.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
@@ -76,6 +119,34 @@ class BasicTrainer:
         self.last_eval_at = None
         if config.resume_from is not None:
             self.load_checkpoint(Path(config.resume_from))
+
+    def prepare_model(self, model: torch.nn.Module, is_policy: bool) -> torch.nn.Module:
+        model = model.to(self.device)
+        if is_policy and self.config.activation_checkpointing:
+            checkpoint_blocks(model, self.config.model.block_name)
+        return model
+
+    # ---------------------------------------------------------------------------------------------------
+    # Ranks
+
+    def local_shard(self, items: list) -> tuple[list, int]:
+        """This rank's contiguous share of `items` and how many of it are real: a short share is padded with
+        copies of items[0], so that every rank runs the same number of forward passes (sharded models need
+        all ranks in each one)."""
+        size = -(-len(items) // self.data_world_size)
+        local = items[self.data_rank * size : (self.data_rank + 1) * size]
+        return local + [items[0]] * (size - len(local)), len(local)
+
+    def gather(self, values: dict[str, list]) -> dict[str, list]:
+        """Each list concatenated over the data-parallel ranks, in rank order (which is batch order)."""
+        if self.data_world_size == 1:
+            return dict(values)
+        parts = [None] * self.data_world_size
+        dist.all_gather_object(parts, dict(values))
+        return {name: [v for part in parts for v in part[name]] for name in parts[0]}
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        """Whether the next backward pass reduces gradients across ranks (one process: nothing to reduce)."""
 
     # ---------------------------------------------------------------------------------------------------
     # Loss
@@ -134,22 +205,25 @@ class BasicTrainer:
         self.policy.train()
         accumulation = self.config.gradient_accumulation_steps
         metrics = defaultdict(list)
-        for micro_batch in split_evenly(examples, accumulation):
+        micro_batches = split_evenly(self.local_shard(examples)[0], accumulation)
+        for i, micro_batch in enumerate(micro_batches):
+            self.set_gradient_sync(i == len(micro_batches) - 1)  # reduce once per step, not per micro-batch
             loss, batch_metrics = self.batch_metrics(micro_batch, "train")
+            # Each rank's loss is the mean over its share; averaging gradients over ranks gives the batch mean.
             (loss / accumulation).backward()
             for name, values in batch_metrics.items():
                 metrics[name].extend(values.float().cpu().tolist())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
-        metrics["lr"].append(self.scheduler.get_last_lr()[0])  # the rate this step uses
+        metrics = self.gather(metrics)
+        metrics["grad_norm"] = [clip_grad_norm(self.policy.parameters(), self.config.max_grad_norm)]
+        metrics["lr"] = [self.scheduler.get_last_lr()[0]]  # the rate this step uses
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        metrics["grad_norm"].append(grad_norm.item())
         return metrics
 
     def train(self) -> None:
         c = self.config
-        progress = tqdm.tqdm(total=len(self.schedule), initial=self.batch_counter, desc="train", unit="step", dynamic_ncols=True)
+        progress = tqdm.tqdm(total=len(self.schedule), initial=self.batch_counter, desc="train", unit="step", dynamic_ncols=True, disable=not self.is_main)
         interval = defaultdict(list)
         interval_time = interval_tokens = interval_examples = 0
         last_log = time.time()
@@ -186,11 +260,16 @@ class BasicTrainer:
         """Mean of each metric over all eval examples."""
         self.policy.eval()
         values = defaultdict(list)
-        size = self.config.eval_batch_size // self.config.gradient_accumulation_steps  # the training micro-batch budget
-        for batch in tqdm.tqdm(self.eval_batches, desc="eval", leave=False, dynamic_ncols=True):
-            for micro_batch in (batch[i : i + size] for i in range(0, len(batch), size)):
+        # The training micro-batch budget: a rank's share of a batch goes through in gradient_accumulation_steps parts.
+        size = self.config.eval_batch_size // (self.config.gradient_accumulation_steps * self.data_world_size)
+        for batch in tqdm.tqdm(self.eval_batches, desc="eval", leave=False, dynamic_ncols=True, disable=not self.is_main):
+            local, n_real = self.local_shard(batch)
+            local_values = defaultdict(list)
+            for micro_batch in (local[i : i + size] for i in range(0, len(local), size)):
                 for name, metric in self.batch_metrics(micro_batch, "eval")[1].items():
-                    values[name].extend(metric.float().cpu().tolist())
+                    local_values[name].extend(metric.float().cpu().tolist())
+            for name, v in self.gather({name: v[:n_real] for name, v in local_values.items()}).items():
+                values[name].extend(v)
         return {name: sum(v) / len(v) for name, v in values.items()}
 
     @torch.no_grad()
@@ -206,15 +285,20 @@ class BasicTrainer:
             temperature=g.temperature,
             top_p=g.top_p,
             pad_token_id=self.tokenizer.pad_token_id,
+            synced_gpus=self.world_size > 1,  # ranks done early keep joining the sharded forward passes of the others
         )
         return self.tokenizer.batch_decode(output[:, prompt_ids.shape[1] :], skip_special_tokens=True)
 
     def sample(self) -> list[dict]:
         examples = [ex for batch in self.eval_batches for ex in batch][: self.config.n_eval_model_samples]
-        batch = collate(examples, self.tokenizer.pad_token_id)
+        local, n_real = self.local_shard(examples)
+        # The same seed on every rank: tensor-parallel ranks must draw the same tokens.
+        torch.manual_seed(self.config.seed + self.example_counter)
+        batch = collate(local, self.tokenizer.pad_token_id)
         policy_texts = self.generate(self.policy, batch)
-        reference_texts = self.generate(self.reference, batch) if self.reference is not None else [None] * len(examples)
-        return [{"step": self.example_counter, "prompt": ex["pair"].prompt, "policy": p, "reference": r} for ex, p, r in zip(examples, policy_texts, reference_texts)]
+        reference_texts = self.generate(self.reference, batch) if self.reference is not None else [None] * len(local)
+        samples = [{"step": self.example_counter, "prompt": ex["pair"].prompt, "policy": p, "reference": r} for ex, p, r in zip(local, policy_texts, reference_texts)]
+        return self.gather({"samples": samples[:n_real]})["samples"]
 
     def evaluate_and_save(self, final: bool) -> None:
         if self.last_eval_at == self.example_counter and not final:
@@ -224,7 +308,7 @@ class BasicTrainer:
         print(f"eval at {self.example_counter} examples: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
         if self.config.sample_during_eval:
             samples = self.sample()
-            for sample in samples:
+            for sample in samples if self.is_main else []:
                 append_jsonl(self.run_dir / "samples.jsonl", sample)
             if self.wandb_run is not None:
                 import wandb
@@ -238,40 +322,122 @@ class BasicTrainer:
             self.save(self.run_dir / f"step-{self.example_counter}", metrics, export_hf=False)
 
     def log(self, metrics: dict[str, float]) -> None:
+        if not self.is_main:
+            return
         metrics = {**metrics, "counters/examples": self.example_counter, "counters/updates": self.batch_counter}
         append_jsonl(self.run_dir / "metrics.jsonl", {"step": self.example_counter, **metrics})
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=self.example_counter)
 
     # ---------------------------------------------------------------------------------------------------
-    # Checkpoints, in the reference's format: {"step_idx": examples seen, "state": state_dict, "metrics": ...}
+    # Checkpoints, in the reference's format: {"step_idx": examples seen, "state": state_dict, "metrics": ...}.
+    # States are full (unsharded) and keyed by parameter name, whatever the trainer, so that any trainer
+    # resumes from any other's checkpoint.
 
     def save(self, output_dir: Path, metrics: dict[str, float], export_hf: bool) -> None:
         """Write policy.pt, optimizer.pt and scheduler.pt (and, if export_hf, a from_pretrained-ready copy
-        of the policy and tokenizer) to a temporary directory, then swap it in whole."""
+        of the policy and tokenizer) to a temporary directory, then swap it in whole. Every rank takes part
+        in gathering the states; rank 0 writes."""
         if self.config.debug:
+            return
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the full states land on rank 0's CPU
+        policy_state = get_model_state_dict(self.policy, options=options)
+        optimizer_state = get_optimizer_state_dict(self.policy, self.optimizer, options=options)
+        if not self.is_main:
             return
         tmp_dir = output_dir.with_name(output_dir.name + ".tmp")
         shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a crashed save: none of it may leak into this one
         tmp_dir.mkdir(parents=True)
-        for name, state in (("policy", self.policy.state_dict()), ("optimizer", self.optimizer.state_dict()), ("scheduler", self.scheduler.state_dict())):
+        for name, state in (("policy", policy_state), ("optimizer", optimizer_state), ("scheduler", self.scheduler.state_dict())):
             torch.save({"step_idx": self.example_counter, "state": state, "metrics": metrics}, tmp_dir / f"{name}.pt")
         if export_hf:
-            self.policy.save_pretrained(tmp_dir)
+            self.policy.save_pretrained(tmp_dir, state_dict=policy_state)
             self.tokenizer.save_pretrained(tmp_dir)
         replace_dir(tmp_dir, output_dir)
         print(f"saved {output_dir}")
 
     def load_checkpoint(self, checkpoint_dir: Path) -> None:
-        """Continue from a checkpoint: weights, optimizer and schedule state, and the position in the data."""
+        """Continue from a checkpoint: weights, optimizer and schedule state, and the position in the data.
+        Rank 0 reads and checks the files; the states reach the other ranks by broadcast."""
         setting = f"resume_from={checkpoint_dir}"
-        states = {name: load_checkpoint_file(checkpoint_dir / f"{name}.pt", setting) for name in ("policy", "optimizer", "scheduler")}
-        step_idx = states["policy"]["step_idx"]
-        if step_idx % self.config.batch_size:
-            raise UserError(f"{setting}: {step_idx} examples seen is not a multiple of batch_size={self.config.batch_size}")
-        for name, target in (("policy", self.policy), ("optimizer", self.optimizer), ("scheduler", self.scheduler)):
-            load_state(target, states[name]["state"], setting, checkpoint_dir / f"{name}.pt")
+        states = run_on_main(lambda: self.read_checkpoint(checkpoint_dir, setting))
+        step_idx, scheduler_state = broadcast_object((states["policy"]["step_idx"], states["scheduler"]["state"]) if self.is_main else None)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world_size > 1)
+        set_model_state_dict(self.policy, states["policy"]["state"] if self.is_main else {}, options=options)
+        set_optimizer_state_dict(self.policy, self.optimizer, states["optimizer"]["state"] if self.is_main else {}, options=options)
+        load_state(self.scheduler, scheduler_state, setting, checkpoint_dir / "scheduler.pt")
         self.example_counter = step_idx
         self.batch_counter = step_idx // self.config.batch_size
         self.last_eval_at = step_idx
         print(f"resumed from {checkpoint_dir} at {step_idx} examples")
+
+    def read_checkpoint(self, checkpoint_dir: Path, setting: str) -> dict[str, dict]:
+        """The three checkpoint files, checked to fit this run, so that loading them cannot fail half-way
+        through a broadcast."""
+        states = {name: load_checkpoint_file(checkpoint_dir / f"{name}.pt", setting) for name in ("policy", "optimizer", "scheduler")}
+        step_idx = states["policy"]["step_idx"]
+        if step_idx % self.config.batch_size:
+            raise UserError(f"{setting}: {step_idx} examples seen is not a multiple of batch_size={self.config.batch_size}")
+        # DTensor shapes are global, so these are the full shapes whatever the sharding.
+        expected = {name: tuple(value.shape) for name, value in self.policy.state_dict().items()}
+        found = {name: tuple(value.shape) for name, value in states["policy"]["state"].items()}
+        mismatches = [f"{name} is missing" for name in expected.keys() - found.keys()] + [f"{name} is unexpected" for name in found.keys() - expected.keys()]
+        mismatches += [f"{name} has shape {list(found[name])}, expected {list(expected[name])}" for name in expected.keys() & found.keys() if found[name] != expected[name]]
+        if mismatches:
+            raise UserError(f"{setting}: {checkpoint_dir / 'policy.pt'} does not fit this {type(self.policy).__name__} ({sorted(mismatches)[0]})")
+        optimizer_state = states["optimizer"]["state"]
+        groups = optimizer_state.get("param_groups", [])
+        unknown = [p for p in [p for group in groups for p in group.get("params", [])] + list(optimizer_state.get("state", {})) if p not in expected]
+        if unknown:
+            raise UserError(f"{setting}: {checkpoint_dir / 'optimizer.pt'} does not fit this {type(self.optimizer).__name__} (state for unknown parameter {unknown[0]!r})")
+        if len(groups) != len(self.optimizer.param_groups):
+            raise UserError(f"{setting}: {checkpoint_dir / 'optimizer.pt'} does not fit this {type(self.optimizer).__name__} ({len(groups)} parameter groups, expected {len(self.optimizer.param_groups)})")
+        return states
+
+
+class FSDPTrainer(BasicTrainer):
+    """Shards parameters, gradients and optimizer state of the policy, and the reference's parameters, over all
+    ranks with PyTorch FSDP2 (`fully_shard`, per transformer block); each rank trains on its slice of every
+    batch (Zhao et al. 2023, "PyTorch FSDP")."""
+
+    data_parallel = True
+    autocast = False  # FSDP's MixedPrecisionPolicy casts the parameters instead
+
+    def prepare_model(self, model: torch.nn.Module, is_policy: bool) -> torch.nn.Module:
+        config = self.config
+        if is_policy and config.activation_checkpointing:
+            checkpoint_blocks(model, config.model.block_name)
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        # Parameters are gathered and gradients reduced in the compute dtype (buffers, e.g. Llama's rotary
+        # frequencies, keep theirs). The reference runs in model.reference_dtype as loaded.
+        dtype = self.mixed_precision if is_policy else None
+        mixed_precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+        for block in find_blocks(model, config.model.block_name):
+            fully_shard(block, mesh=mesh, mp_policy=mixed_precision)
+        # The root (embeddings, final norm, head) stays gathered between the policy's forward and backward;
+        # the reference has no backward, so it reshards at once.
+        return fully_shard(model, mesh=mesh, mp_policy=mixed_precision, reshard_after_forward=None if is_policy else True)
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        self.policy.set_requires_gradient_sync(enabled)
+
+    def evaluate(self) -> dict[str, float]:
+        metrics = super().evaluate()
+        self.policy.reshard()  # a forward without backward leaves the root gathered
+        return metrics
+
+    def sample(self) -> list[dict]:
+        samples = super().sample()
+        self.policy.reshard()
+        return samples
+
+
+class TensorParallelTrainer(BasicTrainer):
+    """Splits every attention and MLP projection of policy and reference over all ranks (DTensor tensor
+    parallelism, Megatron-LM's column/row split: Shoeybi et al. 2019); every rank sees the whole batch."""
+
+    def prepare_model(self, model: torch.nn.Module, is_policy: bool) -> torch.nn.Module:
+        model = super().prepare_model(model, is_policy)
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        parallelize_module(model.base_model, mesh, tensor_parallel_plan(model, self.world_size))
+        return model

@@ -1,15 +1,19 @@
-"""Small helpers shared by the entry point and the trainers: errors, run directories, atomic writes."""
+"""Small helpers shared by the entry point and the trainers: errors, run directories, atomic writes, and the
+few torch.distributed calls made outside the trainers."""
+import contextlib
 import getpass
 import json
 import os
 import pickle
 import random
 import shutil
-from datetime import datetime
+import socket
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 REPO_ROOT = Path(__file__).resolve().parent
 
@@ -45,6 +49,62 @@ def get_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_secs: float) -> None:
+    """Join the process group described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (torchrun's
+    variables): NCCL with one GPU per process, else gloo on the CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_secs))
+
+
+def rank() -> int:
+    """This process's rank: in the process group, else as torchrun announced it, else 0."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def broadcast_object(obj):
+    """Rank 0's `obj` on every rank (just `obj` outside a process group)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def run_on_main(fn):
+    """fn() on rank 0 only; its result there (None elsewhere). A UserError it raises is raised on every rank,
+    so that no rank is left waiting in a collective for one that stopped."""
+    result = error = None
+    if rank() == 0:
+        try:
+            result = fn()
+        except UserError as e:
+            error = str(e)
+    error = broadcast_object(error)
+    if error is not None:
+        raise UserError(error)
+    return result
+
+
+@contextlib.contextmanager
+def local_main_first():
+    """Local rank 0 runs the block first and the other ranks of its machine after it, so they find its
+    downloads, conversions and caches complete instead of racing to write them."""
+    first = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    if dist.is_initialized() and not first:
+        dist.barrier()
+    yield
+    if dist.is_initialized() and first:
+        dist.barrier()
 
 
 def replace_dir(tmp_dir: Path, final_dir: Path) -> None:

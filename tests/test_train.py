@@ -1,19 +1,9 @@
 """The command line, end to end, in subprocesses."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO_ROOT, read_jsonl
-
-
-def run_cli(*args: str, env_extra: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2", **(env_extra or {})}
-    env = {k: v for k, v in env.items() if v is not None}
-    return subprocess.run([sys.executable, str(REPO_ROOT / "train.py"), *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+from conftest import read_jsonl, run_cli
 
 
 def test_cli_run_writes_metrics_checkpoints_and_loadable_export(tmp_path, pairs_file):
@@ -51,14 +41,17 @@ def test_cli_run_writes_metrics_checkpoints_and_loadable_export(tmp_path, pairs_
     (["model.dtype=float32"], "error: unknown key 'model.dtype' in model=smollm2-135m; valid: name_or_path, tokenizer_name_or_path"),
     (["loss=sft", "loss.beta=0.1"], "error: unknown key 'loss.beta' in loss=sft; valid: name"),
     (["model=nope"], "error: unknown model 'nope'; valid: blank_model, gpt2-large"),
-    (["model=tiny", "trainer=FSDPTrainer"], "error: trainer=FSDPTrainer is not available yet; available: BasicTrainer"),
+    (["model=tiny", "trainer=FSDPTrainer", "nproc=0"], "error: nproc=0 must be a positive number of processes"),
+    # raised in every worker: printed once, by rank 0
+    (["model=tiny", "trainer=TensorParallelTrainer", "nproc=3", "wandb.enabled=false", "distributed_timeout_secs=60"],
+     "error: TensorParallelTrainer splits attention heads over ranks, but LlamaForCausalLM has num_attention_heads=4, not a multiple of the world size 3"),
     (["model=tiny", "datasets=[nope]", "wandb.enabled=false"], "error: unknown dataset 'nope': expected one of hh, shp, se, demo"),
 ])
 def test_cli_errors_are_one_line(tmp_path, args, message):
     result = run_cli(*args, f"local_dirs=[{tmp_path}]")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(message), result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.count("error: ") == 1
 
 
 def test_cli_trains_on_the_real_hh_file(tmp_path):
