@@ -186,6 +186,7 @@ def run_rank(config: DictConfig) -> None:
         sys.stdout = open(os.devnull, "w")  # rank 0 reports for all
     try:
         run(config)
+        dist.barrier()  # leave together: rank 0 may still be writing the last checkpoint
     except UserError as error:
         exit_with(error)
     finally:

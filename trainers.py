@@ -437,7 +437,7 @@ class TensorParallelTrainer(BasicTrainer):
     parallelism, Megatron-LM's column/row split: Shoeybi et al. 2019); every rank sees the whole batch."""
 
     def prepare_model(self, model: torch.nn.Module, is_policy: bool) -> torch.nn.Module:
-        model = super().prepare_model(model, is_policy)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
+        # Split first: each split weight goes to the device as its shard, never whole.
         parallelize_module(model.base_model, mesh, tensor_parallel_plan(model, self.world_size))
-        return model
+        return super().prepare_model(model, is_policy)

@@ -249,7 +249,8 @@ TIMINGS = ("examples_per_second", "tokens_per_second")
 
 def launch(run_dir, pairs_file, *overrides: str, launcher: str = "spawn"):
     """A tiny-model run of train.py; "spawn": train.py starts 2 workers, "torchrun": torchrun starts 2 ranks."""
-    args = [*tiny_run_overrides(run_dir.parent, pairs_file), f"local_run_dir={run_dir}", "distributed_timeout_secs=120", *overrides]
+    # Gradient norms here run from 2.6 down to 1.2: max_grad_norm=1.5 clips most steps but not all.
+    args = [*tiny_run_overrides(run_dir.parent, pairs_file), f"local_run_dir={run_dir}", "distributed_timeout_secs=120", "max_grad_norm=1.5", *overrides]
     torchrun = (str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2")
     if launcher == "spawn" and not any(arg.startswith("trainer=BasicTrainer") for arg in overrides):
         args.append("nproc=2")
@@ -343,6 +344,7 @@ def fsdp_rank(local_rank: int, port: int, config, check, out_file: Path) -> None
         result = check(build_trainer(config, run_dir=Path(config.local_run_dir), trainer_class=FSDPTrainer), local_rank)
         if local_rank == 0:
             out_file.write_text(json.dumps(result))
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
 
