@@ -74,18 +74,32 @@ def world_size(config: DictConfig) -> int:
         return int(os.environ["WORLD_SIZE"])
     if config.trainer == "BasicTrainer":
         return 1
-    if config.nproc is not None and config.nproc <= 0:
-        raise UserError(f"nproc={config.nproc} must be a positive number of processes")
+    if config.nproc is not None and (isinstance(config.nproc, bool) or not isinstance(config.nproc, int) or config.nproc <= 0):
+        raise UserError(f"nproc={config.nproc} must be a positive number of processes, or null")
     gpus = torch.cuda.device_count()
     if gpus and config.nproc is not None and config.nproc > gpus:
         raise UserError(f"nproc={config.nproc} but this machine has {gpus} GPUs (one process per GPU)")
     return config.nproc or gpus or 2
 
 
+INTEGER_KEYS = ("seed", "batch_size", "eval_batch_size", "gradient_accumulation_steps", "eval_every", "n_epochs", "n_examples",
+                "n_eval_examples", "n_eval_model_samples", "max_length", "max_prompt_length", "warmup_steps", "generation.max_new_tokens")
+NUMBER_KEYS = ("lr", "max_grad_norm", "minimum_log_interval_secs", "distributed_timeout_secs", "loss.beta", "loss.label_smoothing")
+
+
 def validate(config: DictConfig, world_size: int) -> None:
     missing = sorted(OmegaConf.missing_keys(config))
     if missing:
         raise UserError(f"{', '.join(missing)} must be set on the command line (e.g. model.name_or_path=ORG/NAME)")
+    # Hydra reads `batch_size=abc` as a string: name the key here rather than fail later with a TypeError.
+    for keys, types, kind in ((INTEGER_KEYS, int, "an integer"), (NUMBER_KEYS, (int, float), "a number")):
+        for key in keys:
+            value = OmegaConf.select(config, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+                raise UserError(f"{key}={value} must be {kind}")
+    for key in ("gradient_accumulation_steps", "distributed_timeout_secs"):
+        if config[key] <= 0:
+            raise UserError(f"{key}={config[key]} must be positive")
     if config.trainer not in TRAINERS:
         raise UserError(f"unknown trainer '{config.trainer}'; valid: {', '.join(TRAINERS)}")
     if config.trainer == "BasicTrainer" and (world_size > 1 or config.nproc is not None):
@@ -205,7 +219,7 @@ def spawn_workers(config: DictConfig) -> None:
     """Start one rank per GPU (or `nproc` CPU ranks) on this machine and wait for them."""
     nproc = world_size(config)
     validate(config, nproc)  # before starting anything
-    OmegaConf.resolve(config)
+    OmegaConf.resolve(config)  # the workers have no Hydra context to resolve ${hydra:...} in
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its "terminating process" notes would bury a rank's one-line error
     print(f"{config.trainer}: starting {nproc} processes ({'nccl, one per GPU' if torch.cuda.is_available() else 'gloo, on the CPU'})")
     try:

@@ -414,22 +414,12 @@ class FSDPTrainer(BasicTrainer):
         mixed_precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
         for block in find_blocks(model, config.model.block_name):
             fully_shard(block, mesh=mesh, mp_policy=mixed_precision)
-        # The root (embeddings, final norm, head) stays gathered between the policy's forward and backward;
-        # the reference has no backward, so it reshards at once.
-        return fully_shard(model, mesh=mesh, mp_policy=mixed_precision, reshard_after_forward=None if is_policy else True)
+        # The root (embeddings, final norm, head) reshards after each forward too, unlike FSDP2's default: evals,
+        # sampling and the reference run forwards without a backward, which would leave it gathered.
+        return fully_shard(model, mesh=mesh, mp_policy=mixed_precision, reshard_after_forward=True)
 
     def set_gradient_sync(self, enabled: bool) -> None:
         self.policy.set_requires_gradient_sync(enabled)
-
-    def evaluate(self) -> dict[str, float]:
-        metrics = super().evaluate()
-        self.policy.reshard()  # a forward without backward leaves the root gathered
-        return metrics
-
-    def sample(self) -> list[dict]:
-        samples = super().sample()
-        self.policy.reshard()
-        return samples
 
 
 class TensorParallelTrainer(BasicTrainer):

@@ -102,9 +102,11 @@ def local_main_first():
     first = int(os.environ.get("LOCAL_RANK", 0)) == 0
     if dist.is_initialized() and not first:
         dist.barrier()
-    yield
-    if dist.is_initialized() and first:
-        dist.barrier()
+    try:
+        yield
+    finally:  # also on an error: the others then meet the same error themselves instead of a broken barrier
+        if dist.is_initialized() and first:
+            dist.barrier()
 
 
 def replace_dir(tmp_dir: Path, final_dir: Path) -> None:

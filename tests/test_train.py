@@ -41,7 +41,10 @@ def test_cli_run_writes_metrics_checkpoints_and_loadable_export(tmp_path, pairs_
     (["model.dtype=float32"], "error: unknown key 'model.dtype' in model=smollm2-135m; valid: name_or_path, tokenizer_name_or_path"),
     (["loss=sft", "loss.beta=0.1"], "error: unknown key 'loss.beta' in loss=sft; valid: name"),
     (["model=nope"], "error: unknown model 'nope'; valid: blank_model, gpt2-large"),
-    (["model=tiny", "trainer=FSDPTrainer", "nproc=0"], "error: nproc=0 must be a positive number of processes"),
+    (["model=tiny", "trainer=FSDPTrainer", "nproc=abc"], "error: nproc=abc must be a positive number of processes, or null"),
+    # raised while local rank 0 loads first and the other rank waits for it: still one line
+    (["model=tiny", "trainer=FSDPTrainer", "nproc=2", "datasets=[nope]", "wandb.enabled=false", "distributed_timeout_secs=60"],
+     "error: unknown dataset 'nope': expected one of hh, shp, se, demo"),
     # raised in every worker: printed once, by rank 0
     (["model=tiny", "trainer=TensorParallelTrainer", "nproc=3", "wandb.enabled=false", "distributed_timeout_secs=60"],
      "error: TensorParallelTrainer splits attention heads over ranks, but LlamaForCausalLM has num_attention_heads=4, not a multiple of the world size 3"),
