@@ -16,17 +16,6 @@ from utils import UserError, load_checkpoint_file, load_state
 
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_dtype(name: str | None, key: str) -> torch.dtype | None:
-    if name is None:
-        return None
-    if name not in DTYPES:
-        raise UserError(f"{key}={name} is not a dtype; expected one of {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
 @functools.cache  # policy, reference and tokenizer share one answer: an unreachable Hub costs ~25 s a lookup
 def resolve_model_dir(name_or_path: str, cache_dir: Path) -> str:
     """A local directory as is; a Hub id when the Hub answers; else SmolLM2's offline copy, else an error."""

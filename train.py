@@ -21,7 +21,9 @@ import torch.multiprocessing
 from omegaconf import DictConfig, OmegaConf
 
 import trainers
-from models import load_model, load_tokenizer, parse_dtype
+from layouts import LAYOUTS
+from models import load_model, load_tokenizer
+from precision import parse_dtype
 from preference_datasets import get_dataset
 from utils import REPO_ROOT, UserError, broadcast_object, free_port, get_local_dir, get_local_run_dir, init_distributed, local_main_first, rank, run_on_main, set_seed
 
@@ -84,6 +86,7 @@ def world_size(config: DictConfig) -> int:
 
 INTEGER_KEYS = ("seed", "batch_size", "eval_batch_size", "gradient_accumulation_steps", "eval_every", "n_epochs", "n_examples",
                 "n_eval_examples", "n_eval_model_samples", "max_length", "max_prompt_length", "warmup_steps", "generation.max_new_tokens")
+BOOLEAN_KEYS = ("scored_logits_only", "reference_cache")
 NUMBER_KEYS = ("lr", "max_grad_norm", "minimum_log_interval_secs", "distributed_timeout_secs", "loss.beta", "loss.label_smoothing")
 
 
@@ -122,8 +125,14 @@ def validate(config: DictConfig, world_size: int) -> None:
         raise UserError(f"loss.beta={config.loss.beta} must be positive")
     if not 0 <= config.loss.get("label_smoothing", 0.0) <= 0.5:
         raise UserError(f"loss.label_smoothing={config.loss.label_smoothing} must be in [0, 0.5]")
-    for key in ("policy_dtype", "reference_dtype", "fsdp_policy_mp"):
-        parse_dtype(config.model[key], f"model.{key}")
+    parse_dtype(config.model.policy_dtype, "model.policy_dtype")
+    for key in ("reference_dtype", "fsdp_policy_mp"):
+        parse_dtype(config.model[key], f"model.{key}", allow_auto=True)
+    if config.layout not in LAYOUTS:
+        raise UserError(f"layout={config.layout} is not a layout; expected one of {', '.join(LAYOUTS)}")
+    for key in BOOLEAN_KEYS:
+        if not isinstance(OmegaConf.select(config, key), bool):
+            raise UserError(f"{key}={OmegaConf.select(config, key)} must be true or false")
     trainers.optimizer_class(config.optimizer, OmegaConf.to_container(config.optimizer_kwargs))
 
 
@@ -180,14 +189,17 @@ def run(config: DictConfig) -> None:
             for split, pairs in get_dataset(name, tokenizer, config.seed, config.n_eval_examples, cache_dir).items():
                 data[split].extend(pairs)
 
-        policy = load_model(config.model, parse_dtype(config.model.policy_dtype, "model.policy_dtype"), cache_dir, config.seed)
-        needs_reference = config.loss.name != "sft" and not config.loss.reference_free
-        reference = load_model(config.model, parse_dtype(config.model.reference_dtype, "model.reference_dtype"), cache_dir, config.seed) if needs_reference else None
-    if reference is not None:
-        reference.requires_grad_(False)
+        policy_dtype = parse_dtype(config.model.policy_dtype, "model.policy_dtype")
+        policy = load_model(config.model, policy_dtype, cache_dir, config.seed)
+    # auto: the reference is loaded like the policy, and computes like it (see BasicTrainer).
+    reference_dtype = parse_dtype(config.model.reference_dtype, "model.reference_dtype", allow_auto=True)
+    reference_dtype = policy_dtype if reference_dtype == "auto" else reference_dtype
+    load_reference = None
+    if config.loss.name != "sft" and not config.loss.reference_free:
+        load_reference = lambda: load_model(config.model, reference_dtype, cache_dir, config.seed)  # noqa: E731
 
     wandb_run = init_wandb(config, run_dir) if config.wandb.enabled and not config.debug and rank() == 0 else None
-    trainer = TRAINERS[config.trainer](config, policy, reference, tokenizer, data, run_dir, wandb_run)
+    trainer = TRAINERS[config.trainer](config, policy, load_reference, tokenizer, data, run_dir, wandb_run)
     trainer.train()
     if wandb_run is not None:
         wandb_run.finish()

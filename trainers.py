@@ -8,14 +8,15 @@ import torch
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
 
-import contextlib
 import inspect
 import shutil
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 import torch.distributed as dist
+from torch import nn
 import tqdm
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint.state_dict import (
@@ -30,10 +31,24 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from losses import preference_loss, sequence_logps
-from models import checkpoint_blocks, find_blocks, parse_dtype, tensor_parallel_plan
+import reference_cache
+from layouts import make_batch
+from losses import preference_loss
+from models import checkpoint_blocks, find_blocks, tensor_parallel_plan
+from precision import choose_compute_dtype, parse_dtype
 from preference_datasets import PreferencePair, batch_schedule, collate, sft_examples, tokenize_pair
-from utils import UserError, append_jsonl, broadcast_object, get_device, load_checkpoint_file, load_state, replace_dir, run_on_main
+from scoring import packing_problem, scored_head_problem, sequence_logps
+from utils import (
+    UserError,
+    append_jsonl,
+    broadcast_object,
+    get_device,
+    get_local_dir,
+    load_checkpoint_file,
+    load_state,
+    replace_dir,
+    run_on_main,
+)
 
 
 def optimizer_class(name: str, knobs: dict) -> type[torch.optim.Optimizer]:
@@ -52,11 +67,6 @@ def optimizer_class(name: str, knobs: dict) -> type[torch.optim.Optimizer]:
 def build_optimizer(name: str, params, lr: float, knobs: dict) -> torch.optim.Optimizer:
     knobs = {k: tuple(v) if isinstance(v, list) else v for k, v in knobs.items()}  # e.g. betas
     return optimizer_class(name, knobs)(params, lr=lr, **knobs)
-
-
-def split_evenly(items: list, parts: int) -> list[list]:
-    size = len(items) // parts
-    return [items[i * size : (i + 1) * size] for i in range(parts)]
 
 
 def clip_grad_norm(parameters, max_norm: float) -> float:
@@ -85,9 +95,19 @@ class BasicTrainer:
     """Trains the policy on one process (CUDA if present, else CPU); the reference model stays frozen."""
 
     data_parallel = False  # whether each rank trains on its own slice of every batch
-    autocast = True  # model.fsdp_policy_mp runs the policy under torch.autocast, over float32 master weights
+    autocast = True  # a compute dtype runs the model under torch.autocast, over its own weights' dtype
 
-    def __init__(self, config: DictConfig, policy: torch.nn.Module, reference: torch.nn.Module | None, tokenizer, data: dict[str, list[PreferencePair]], run_dir: Path, wandb_run=None):
+    def __init__(
+        self,
+        config: DictConfig,
+        policy: torch.nn.Module,
+        load_reference: Callable[[], torch.nn.Module] | None,
+        tokenizer,
+        data: dict[str, list[PreferencePair]],
+        run_dir: Path,
+        wandb_run=None,
+    ):
+        """load_reference: loads the frozen reference (None: the loss needs none); called only if it is needed."""
         self.config = config
         self.run_dir = run_dir
         self.wandb_run = wandb_run
@@ -98,18 +118,30 @@ class BasicTrainer:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.is_main = self.rank == 0
         self.data_rank, self.data_world_size = (self.rank, self.world_size) if self.data_parallel else (0, 1)
-        self.mixed_precision = parse_dtype(config.model.fsdp_policy_mp, "model.fsdp_policy_mp")
-        self.autocast_dtype = self.mixed_precision if self.autocast else None
-        self.policy = self.prepare_model(policy, is_policy=True)
-        self.reference = self.prepare_model(reference, is_policy=False) if reference is not None else None
+        self.cache_dir = get_local_dir(config.local_dirs)
+        self.policy_compute = self.choose_precision()
+        self.layout, self.scored_logits_only = self.choose_layout(policy)
 
-        self.train_examples = sft_examples(data["train"]) if self.sft else data["train"]
-        eval_examples = sft_examples(data["test"]) if self.sft else data["test"]
+        self.train_examples = self.tokenize(sft_examples(data["train"]) if self.sft else data["train"])
+        eval_examples = self.tokenize(sft_examples(data["test"]) if self.sft else data["test"])
         if config.n_eval_examples is not None:
             eval_examples = eval_examples[: config.n_eval_examples]
-        self.eval_batches = [self.tokenize(eval_examples[i : i + config.eval_batch_size]) for i in range(0, len(eval_examples), config.eval_batch_size)]
+        size = config.eval_batch_size
+        self.eval_batches = [eval_examples[i : i + size] for i in range(0, len(eval_examples), size)]
         self.schedule = batch_schedule(len(self.train_examples), config.batch_size, config.seed, config.n_epochs, config.n_examples)
         print(f"{len(self.train_examples)} training and {len(eval_examples)} eval examples; {len(self.schedule)} steps of {config.batch_size}")
+
+        # The reference computes like the policy (same weights dtype, same compute dtype) unless a dtype is given:
+        # at step 0, policy == reference then holds to the last bit, so rewards are 0 and the loss ln 2.
+        reference_dtype = parse_dtype(config.model.reference_dtype, "model.reference_dtype", allow_auto=True)
+        self.reference_compute = self.policy_compute if reference_dtype == "auto" else None
+        initial_weights = reference_cache.weights_digest(policy) if load_reference and config.reference_cache else None
+        self.policy = self.prepare_model(policy, is_policy=True, compute_dtype=self.policy_compute)
+        self.reference = self.reference_logps = None
+        if load_reference is not None and config.reference_cache:
+            self.reference_logps = self.cached_reference_logps(initial_weights, load_reference, reference_dtype)
+        if load_reference is not None and (not config.reference_cache or config.sample_during_eval):
+            self.reference = self.load_reference(load_reference)
         # Built after sharding and before any forward pass: FSDP then hands it the sharded parameters each rank owns.
         self.optimizer = build_optimizer(config.optimizer, self.policy.parameters(), config.lr, OmegaConf.to_container(config.optimizer_kwargs))
         warmup = config.warmup_steps
@@ -120,11 +152,43 @@ class BasicTrainer:
         if config.resume_from is not None:
             self.load_checkpoint(Path(config.resume_from))
 
-    def prepare_model(self, model: torch.nn.Module, is_policy: bool) -> torch.nn.Module:
+    def prepare_model(self, model: torch.nn.Module, is_policy: bool, compute_dtype: torch.dtype | None) -> nn.Module:
+        """The model placed for this trainer; compute_dtype: the dtype it computes in (None: its weights')."""
         model = model.to(self.device)
         if is_policy and self.config.activation_checkpointing:
             checkpoint_blocks(model, self.config.model.block_name)
         return model
+
+    def load_reference(self, load: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+        return self.prepare_model(load().requires_grad_(False), is_policy=False, compute_dtype=self.reference_compute)
+
+    def choose_precision(self) -> torch.dtype | None:
+        """The policy's compute dtype (None: its weights' dtype): model.fsdp_policy_mp, or, for `auto`, bfloat16
+        where this device runs it fast. One line says what was chosen and why."""
+        setting = parse_dtype(self.config.model.fsdp_policy_mp, "model.fsdp_policy_mp", allow_auto=True)
+        if setting != "auto":
+            return setting
+        dtype, why = run_on_main(lambda: choose_compute_dtype(self.device, self.cache_dir)) or (None, None)
+        dtype, why = broadcast_object((dtype, why))  # every rank must compute alike
+        how = "float32 weights under autocast" if self.autocast else "FSDP mixed precision over float32 shards"
+        chosen = f"bfloat16 compute ({how})" if dtype else "float32"
+        print(f"precision: {chosen}, because {why} (model.fsdp_policy_mp=auto)")
+        return dtype
+
+    def choose_layout(self, policy: torch.nn.Module) -> tuple[str, bool]:
+        """(layout, whether the LM head runs on scored positions only), as configured where the model allows;
+        each fallback is one line saying why."""
+        c = self.config
+        layout, scored = c.layout, c.scored_logits_only
+        problem = packing_problem(policy, c.max_length) if layout == "packed" else None
+        if problem:
+            print(f"layout: padded, not packed: {problem}")
+            layout = "padded"
+        problem = scored_head_problem(policy) if scored else None
+        if problem:
+            print(f"logits: computed at every position, not only where a token is scored: {problem}")
+            scored = False
+        return layout, scored
 
     # ---------------------------------------------------------------------------------------------------
     # Ranks
@@ -152,30 +216,45 @@ class BasicTrainer:
     # Loss
 
     def tokenize(self, pairs: list[PreferencePair]) -> list[dict]:
+        """Token ids of each pair, once per run; `key` identifies the ids for the reference cache."""
         c = self.config
-        return [tokenize_pair(pair, self.tokenizer, c.max_length, c.max_prompt_length, self.sft) for pair in pairs]
+        examples = [tokenize_pair(pair, self.tokenizer, c.max_length, c.max_prompt_length, self.sft) for pair in pairs]
+        for example in examples:
+            example["key"] = reference_cache.pair_key(example)
+        return examples
 
-    def sequence_logps(self, model: torch.nn.Module, batch: dict, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """[R * B] float32 summed log-probs of each sequence's response tokens, in one forward pass."""
-        autocast = torch.autocast(self.device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-        with autocast:
-            logits = model(batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-        return sequence_logps(logits, batch["labels"])
+    def sequence_logps(self, model: torch.nn.Module, examples: list[dict], compute: torch.dtype | None) -> torch.Tensor:
+        """[R * B] float32 summed log-probs of each sequence's response tokens (all first responses, then all
+        second ones), in one forward pass in this run's layout; compute: the model's compute dtype, or None."""
+        batch = make_batch(self.layout, examples, self.tokenizer.pad_token_id).to(self.device)
+        autocast = compute if self.autocast else None
+        mask_dtype = compute or next(model.parameters()).dtype
+        return sequence_logps(model, batch, autocast, mask_dtype, scored_head=self.scored_logits_only)
+
+    def micro_batches(self, examples: list[dict], batch_size: int) -> tuple[list[list[dict]], int]:
+        """This rank's share of `examples` (a batch of batch_size) in gradient_accumulation_steps micro-batches, and
+        how many of the share are real (see local_shard)."""
+        local, n_real = self.local_shard(examples)
+        size = batch_size // (self.config.gradient_accumulation_steps * self.data_world_size)
+        return [local[i : i + size] for i in range(0, len(local), size)], n_real
 
     def batch_metrics(self, examples: list[dict], split: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Mean loss over the examples, and per-example metrics ([B] tensors) named as in the reference."""
-        batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in collate(examples, self.tokenizer.pad_token_id).items()}
-        policy_logps = self.sequence_logps(self.policy, batch, self.autocast_dtype)
+        policy_logps = self.sequence_logps(self.policy, examples, self.policy_compute)
         if self.sft:
             losses = -policy_logps
             return losses.mean(), {f"logps_{split}/chosen": policy_logps.detach(), f"loss/{split}": losses.detach()}
 
         policy_chosen, policy_rejected = policy_logps.chunk(2)
-        if self.reference is None:  # reference-free: a uniform reference contributes zeros
-            reference_chosen = reference_rejected = torch.zeros_like(policy_chosen)
-        else:
+        if self.reference_logps is not None:
+            reference = torch.tensor([self.reference_logps[ex["key"]] for ex in examples], device=self.device)
+            reference_chosen, reference_rejected = reference.T
+        elif self.reference is not None:
             with torch.no_grad():
-                reference_chosen, reference_rejected = self.sequence_logps(self.reference, batch).chunk(2)
+                reference_logps = self.sequence_logps(self.reference, examples, self.reference_compute)
+            reference_chosen, reference_rejected = reference_logps.chunk(2)
+        else:  # reference-free: a uniform reference contributes zeros
+            reference_chosen = reference_rejected = torch.zeros_like(policy_chosen)
         loss_config = self.config.loss
         losses, chosen_rewards, rejected_rewards = preference_loss(
             policy_chosen,
@@ -198,6 +277,63 @@ class BasicTrainer:
         return losses.mean(), metrics
 
     # ---------------------------------------------------------------------------------------------------
+    # Reference log-probs, computed once
+
+    def cached_reference_logps(self, weights: str, load: Callable[[], torch.nn.Module], reference_dtype) -> dict:
+        """Reference log-probs of every pair that training and eval will use, by pair key, from the cache where it
+        has them; the others are computed now and added to it. With model.reference_dtype=auto the initial policy
+        itself computes them, through its own precision path and on the same micro-batches as the first epoch's
+        steps and the evals, so that at step 0 policy and reference agree to the last bit; no reference is loaded."""
+        c = self.config
+        weights_dtype = c.model.policy_dtype if reference_dtype == "auto" else c.model.reference_dtype
+        micro = [size // c.gradient_accumulation_steps for size in (c.batch_size, c.eval_batch_size)]
+        how = "autocast" if self.autocast else "FSDP"
+        computation = (
+            f"{weights_dtype} weights, {self.reference_compute or 'no'} {how} compute, "
+            f"{self.layout} layout, {'scored' if self.scored_logits_only else 'all'} logits, "
+            f"{type(self).__name__} x{self.world_size}, micro-batches of {micro[0]} and {micro[1]}, seed {c.seed}"
+        )
+        path = reference_cache.cache_path(self.cache_dir, weights, computation)
+        entries, why = run_on_main(lambda: reference_cache.load(path, weights, computation)) or ({}, None)
+        entries = broadcast_object(entries)
+        if why:
+            print(f"reference log-probs: recomputing, since {why}")
+        first_use = list(dict.fromkeys(i for indices in self.schedule for i in indices))
+        train = [self.train_examples[i] for i in first_use if self.train_examples[i]["key"] not in entries]
+        evals = [[ex for ex in batch if ex["key"] not in entries] for batch in self.eval_batches]
+        evals = [batch for batch in evals if batch]
+        eval_keys = {ex["key"] for batch in self.eval_batches for ex in batch}
+        needed = len({self.train_examples[i]["key"] for i in first_use} | eval_keys)
+        missing = len({ex["key"] for ex in train} | {ex["key"] for batch in evals for ex in batch})
+        if not missing:
+            print(f"reference log-probs: all {needed} pairs from {path}")
+            return entries
+        print(f"reference log-probs: computing {missing} of {needed} pairs, then caching them in {path}")
+        model = self.policy if reference_dtype == "auto" else self.load_reference(load)
+        mode = model.training
+        model.eval()
+        batch_size = self.config.batch_size
+        groups = [(train[i : i + batch_size], batch_size) for i in range(0, len(train), batch_size)]
+        groups += [(batch, self.config.eval_batch_size) for batch in evals]
+        total = len(train) + sum(map(len, evals))
+        progress = tqdm.tqdm(total=total, desc="reference log-probs", unit="pair", disable=not self.is_main)
+        with torch.no_grad():
+            for examples, size in groups:
+                micro, n_real = self.micro_batches(examples, size)
+                # [R * b] per micro-batch -> [b, R]: the responses of each pair
+                logps = [self.sequence_logps(model, mb, self.reference_compute).view(-1, len(mb)).T for mb in micro]
+                local = torch.cat(logps).cpu().tolist()[:n_real]
+                keys = [ex["key"] for ex in self.local_shard(examples)[0][:n_real]]
+                gathered = self.gather({"keys": keys, "logps": local})
+                entries.update(zip(gathered["keys"], gathered["logps"]))
+                progress.update(len(examples))
+        progress.close()
+        model.train(mode)
+        if self.is_main:
+            reference_cache.save(path, weights, computation, entries)
+        return entries
+
+    # ---------------------------------------------------------------------------------------------------
     # Training
 
     def train_step(self, examples: list[dict]) -> dict[str, list[float]]:
@@ -205,7 +341,7 @@ class BasicTrainer:
         self.policy.train()
         accumulation = self.config.gradient_accumulation_steps
         metrics = defaultdict(list)
-        micro_batches = split_evenly(self.local_shard(examples)[0], accumulation)
+        micro_batches = self.micro_batches(examples, self.config.batch_size)[0]
         for i, micro_batch in enumerate(micro_batches):
             self.set_gradient_sync(i == len(micro_batches) - 1)  # reduce once per step, not per micro-batch
             loss, batch_metrics = self.batch_metrics(micro_batch, "train")
@@ -231,7 +367,7 @@ class BasicTrainer:
             if self.example_counter % c.eval_every == 0 and (self.example_counter > 0 or c.do_first_eval):
                 self.evaluate_and_save(final=False)
             start = time.time()
-            examples = self.tokenize([self.train_examples[i] for i in indices])
+            examples = [self.train_examples[i] for i in indices]
             for name, values in self.train_step(examples).items():
                 interval[name].extend(values)
             interval_time += time.time() - start
@@ -260,12 +396,11 @@ class BasicTrainer:
         """Mean of each metric over all eval examples."""
         self.policy.eval()
         values = defaultdict(list)
-        # The training micro-batch budget: a rank's share of a batch goes through in gradient_accumulation_steps parts.
-        size = self.config.eval_batch_size // (self.config.gradient_accumulation_steps * self.data_world_size)
         for batch in tqdm.tqdm(self.eval_batches, desc="eval", leave=False, dynamic_ncols=True, disable=not self.is_main):
-            local, n_real = self.local_shard(batch)
+            # The training micro-batch budget: a rank's share goes through in gradient_accumulation_steps parts.
+            micro_batches, n_real = self.micro_batches(batch, self.config.eval_batch_size)
             local_values = defaultdict(list)
-            for micro_batch in (local[i : i + size] for i in range(0, len(local), size)):
+            for micro_batch in micro_batches:
                 for name, metric in self.batch_metrics(micro_batch, "eval")[1].items():
                     local_values[name].extend(metric.float().cpu().tolist())
             for name, v in self.gather({name: v[:n_real] for name, v in local_values.items()}).items():
@@ -403,15 +538,14 @@ class FSDPTrainer(BasicTrainer):
     data_parallel = True
     autocast = False  # FSDP's MixedPrecisionPolicy casts the parameters instead
 
-    def prepare_model(self, model: torch.nn.Module, is_policy: bool) -> torch.nn.Module:
+    def prepare_model(self, model: torch.nn.Module, is_policy: bool, compute_dtype: torch.dtype | None) -> nn.Module:
         config = self.config
         if is_policy and config.activation_checkpointing:
             checkpoint_blocks(model, config.model.block_name)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         # Parameters are gathered and gradients reduced in the compute dtype (buffers, e.g. Llama's rotary
-        # frequencies, keep theirs). The reference runs in model.reference_dtype as loaded.
-        dtype = self.mixed_precision if is_policy else None
-        mixed_precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+        # frequencies, keep theirs).
+        mixed_precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=compute_dtype)
         for block in find_blocks(model, config.model.block_name):
             fully_shard(block, mesh=mesh, mp_policy=mixed_precision)
         # The root (embeddings, final norm, head) reshards after each forward too, unlike FSDP2's default: evals,
@@ -426,8 +560,8 @@ class TensorParallelTrainer(BasicTrainer):
     """Splits every attention and MLP projection of policy and reference over all ranks (DTensor tensor
     parallelism, Megatron-LM's column/row split: Shoeybi et al. 2019); every rank sees the whole batch."""
 
-    def prepare_model(self, model: torch.nn.Module, is_policy: bool) -> torch.nn.Module:
+    def prepare_model(self, model: torch.nn.Module, is_policy: bool, compute_dtype: torch.dtype | None) -> nn.Module:
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         # Split first: each split weight goes to the device as its shard, never whole.
         parallelize_module(model.base_model, mesh, tensor_parallel_plan(model, self.world_size))
-        return super().prepare_model(model, is_policy)
+        return super().prepare_model(model, is_policy, compute_dtype)

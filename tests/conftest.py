@@ -35,6 +35,13 @@ def arithmetic_pairs(n: int) -> list[dict]:
     ]
 
 
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
 @pytest.fixture
 def tiny_tokenizer():
     from transformers import AutoTokenizer

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from losses import IGNORE_INDEX, preference_loss, sequence_logps
+import losses
+from losses import IGNORE_INDEX, preference_loss, token_logps_from_logits
 
 
 def log1p_exp(x: float) -> float:
@@ -68,6 +69,14 @@ def test_dpo_gradient_closed_form():
     assert not chosen_rewards.requires_grad
 
 
+def scored_rows(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat positions, targets) of labelled tokens: position t predicts token t + 1."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    rows = (targets.flatten() != IGNORE_INDEX).nonzero().squeeze(-1)
+    return rows, targets.flatten()[rows]
+
+
 def naive_sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The reference's computation: upcast all logits, shift, log_softmax, gather, mask, sum."""
     logits = logits[:, :-1].float()
@@ -78,9 +87,22 @@ def naive_sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return (token_logps * mask).sum(-1)
 
 
+def chunked_sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    rows, targets = scored_rows(labels)
+    token_logps = token_logps_from_logits(logits.flatten(0, 1), rows, targets)
+    return torch.zeros(labels.shape[0]).index_add_(0, rows // labels.shape[1], token_logps)
+
+
+@pytest.fixture
+def chunk_rows_of(monkeypatch):
+    """Chunks of `rows` rows of a `vocab` vocabulary: many chunks even for small test tensors."""
+    return lambda rows, vocab: monkeypatch.setattr(losses, "CHUNK_ELEMENTS", rows * vocab)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("chunk_rows", [1, 7, 4096])
-def test_chunked_logps_match_naive_float32(dtype, chunk_rows):
+@pytest.mark.parametrize("rows_per_chunk", [1, 7, 4096])
+def test_chunked_logps_match_naive_float32(dtype, rows_per_chunk, chunk_rows_of):
+    chunk_rows_of(rows_per_chunk, 50)
     torch.manual_seed(0)
     logits = (torch.randn(4, 9, 50) * 3).to(dtype)
     labels = torch.randint(0, 50, (4, 9))
@@ -88,7 +110,7 @@ def test_chunked_logps_match_naive_float32(dtype, chunk_rows):
     labels[1, 6:] = IGNORE_INDEX  # padding
     logits_a = logits.clone().requires_grad_()
     logits_b = logits.clone().requires_grad_()
-    chunked = sequence_logps(logits_a, labels, chunk_rows=chunk_rows)
+    chunked = chunked_sequence_logps(logits_a, labels)
     naive = naive_sequence_logps(logits_b, labels)
     assert chunked.dtype == torch.float32
     torch.testing.assert_close(chunked, naive, rtol=0, atol=1e-5)
@@ -99,23 +121,77 @@ def test_chunked_logps_match_naive_float32(dtype, chunk_rows):
     torch.testing.assert_close(logits_a.grad.float(), logits_b.grad.float(), rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
 
 
-def test_chunked_logps_per_token_precision():
+def test_chunked_logps_per_token_precision(chunk_rows_of):
     # Per token, the chunked log-prob equals the naive float32 upcast to 1e-6.
+    chunk_rows_of(1, 1000)
     torch.manual_seed(1)
     logits = torch.randn(2, 6, 1000, dtype=torch.bfloat16) * 4
     labels = torch.randint(0, 1000, (2, 6))
     labels[:, :5] = IGNORE_INDEX  # score exactly one token per sequence
-    torch.testing.assert_close(sequence_logps(logits, labels, chunk_rows=1), naive_sequence_logps(logits, labels), rtol=0, atol=1e-6)
+    torch.testing.assert_close(chunked_sequence_logps(logits, labels), naive_sequence_logps(logits, labels), rtol=0, atol=1e-6)
 
 
-def test_chunked_logps_never_hold_full_float32_logits():
-    batch, length, vocab, chunk_rows = 4, 16, 300, 8
+def test_chunked_logps_never_hold_full_float32_logits(chunk_rows_of):
+    batch, length, vocab, rows_per_chunk = 4, 16, 300, 8
+    chunk_rows_of(rows_per_chunk, vocab)
     logits = torch.randn(batch, length, vocab, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, vocab, (batch, length))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        total = sequence_logps(logits, labels, chunk_rows=chunk_rows).sum()
+        total = chunked_sequence_logps(logits, labels).sum()
     float32_saved = [t.numel() for t in saved if t.dtype == torch.float32]
-    assert max(float32_saved, default=0) < chunk_rows * vocab  # the naive upcast saves batch*length*vocab
+    assert max(float32_saved, default=0) < rows_per_chunk * vocab  # the naive upcast saves batch*length*vocab
     total.backward()
     assert logits.grad.shape == logits.shape
+
+
+def test_chunk_size_is_bounded_in_elements_not_rows():
+    assert losses.chunk_rows(2**14) == 1024 and losses.chunk_rows(2**17) == 128
+    assert losses.chunk_rows(2**17) * 2**17 == losses.chunk_rows(2**14) * 2**14 == losses.CHUNK_ELEMENTS
+    assert losses.chunk_rows(2**30) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_head_logps_match_head_then_log_softmax(dtype, bias, chunk_rows_of):
+    # The fused head equals lm_head(hidden[rows]).float().log_softmax()[targets], in value and in the gradients of
+    # hidden, weight and bias, including rows used twice (the last prompt token predicts chosen[0] and rejected[0]).
+    chunk_rows_of(3, 40)
+    torch.manual_seed(2)
+    hidden = torch.randn(6, 16, requires_grad=True)
+    head = torch.nn.Linear(16, 40, bias=bias)
+    rows = torch.tensor([0, 2, 2, 3, 5, 5, 5, 1])
+    targets = torch.randint(0, 40, (8,))
+    weights = torch.randn(8)
+    autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+    with autocast:
+        fused = losses.token_logps_from_hidden(hidden, head.weight, head.bias, rows, targets)
+    (fused * weights).sum().backward()
+    fused_grads = [hidden.grad, head.weight.grad] + ([head.bias.grad] if bias else [])
+    hidden.grad = None
+    head.zero_grad(set_to_none=True)
+    with autocast:
+        logits = head(hidden)
+    naive = logits.float().log_softmax(-1)[rows, targets]
+    (naive * weights).sum().backward()
+    naive_grads = [hidden.grad, head.weight.grad] + ([head.bias.grad] if bias else [])
+    assert fused.dtype == torch.float32
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused, naive, rtol=0, atol=tolerance)
+    for a, b in zip(fused_grads, naive_grads):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
+
+
+def test_fused_head_never_holds_logits(chunk_rows_of):
+    # Nothing of size rows x vocabulary is saved for backward: only hidden, weight and per-row statistics.
+    chunk_rows_of(4, 500)
+    hidden = torch.randn(64, 8, requires_grad=True)
+    weight = torch.randn(500, 8, requires_grad=True)
+    rows = torch.arange(64)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        total = losses.token_logps_from_hidden(hidden, weight, None, rows, torch.randint(0, 500, (64,))).sum()
+    assert max(t.numel() for t in saved) == weight.numel() and all(t.shape != (64, 500) for t in saved)
+    total.backward()
+    assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape

@@ -23,8 +23,7 @@ def build_trainer(config, run_dir=None, trainer_class=BasicTrainer):
     tokenizer = load_tokenizer(config.model, run_dir)
     data = get_dataset(config.datasets[0], tokenizer, config.seed, config.n_eval_examples, run_dir)
     policy = load_model(config.model, torch.float32, run_dir, config.seed)
-    reference = load_model(config.model, torch.float32, run_dir, config.seed).requires_grad_(False)
-    return trainer_class(config, policy, reference, tokenizer, data, run_dir)
+    return trainer_class(config, policy, lambda: load_model(config.model, torch.float32, run_dir, config.seed), tokenizer, data, run_dir)
 
 
 def records(run_dir, split):
@@ -33,7 +32,7 @@ def records(run_dir, split):
 
 def test_first_step_loss_is_ln2_with_zero_rewards(make_config):
     trainer = build_trainer(make_config())
-    examples = trainer.tokenize([trainer.train_examples[i] for i in trainer.schedule[0]])
+    examples = [trainer.train_examples[i] for i in trainer.schedule[0]]
     metrics = trainer.train_step(examples)
     assert metrics["loss/train"] == pytest.approx([math.log(2)] * 8, abs=1e-6)
     assert max(map(abs, metrics["rewards_train/chosen"] + metrics["rewards_train/rejected"])) < 1e-6
@@ -43,7 +42,7 @@ def test_first_step_loss_is_ln2_with_zero_rewards(make_config):
 
 def test_warmup_is_linear_in_optimizer_steps(make_config):
     trainer = build_trainer(make_config("warmup_steps=3"))
-    rates = [trainer.train_step(trainer.tokenize([trainer.train_examples[i] for i in indices]))["lr"][0] for indices in trainer.schedule[:5]]
+    rates = [trainer.train_step([trainer.train_examples[i] for i in indices])["lr"][0] for indices in trainer.schedule[:5]]
     assert rates == pytest.approx([c * trainer.config.lr for c in (1 / 4, 2 / 4, 3 / 4, 1, 1)])
 
 
@@ -54,8 +53,8 @@ def test_gradient_accumulation_matches_full_batch(make_config):
     accumulated = build_trainer(make_config(*base, "gradient_accumulation_steps=4", "local_run_dir=" + str(full.run_dir) + "_ga"))
     for step in range(2):
         indices = full.schedule[step]
-        full_metrics = full.train_step(full.tokenize([full.train_examples[i] for i in indices]))
-        accumulated_metrics = accumulated.train_step(accumulated.tokenize([accumulated.train_examples[i] for i in indices]))
+        full_metrics = full.train_step([full.train_examples[i] for i in indices])
+        accumulated_metrics = accumulated.train_step([accumulated.train_examples[i] for i in indices])
         assert accumulated_metrics["loss/train"] == pytest.approx(full_metrics["loss/train"], abs=1e-6)
         assert accumulated_metrics["grad_norm"] == pytest.approx(full_metrics["grad_norm"], rel=1e-5)
     for (name, a), b in zip(full.policy.named_parameters(), accumulated.policy.parameters()):
@@ -148,7 +147,7 @@ def test_activation_checkpointing_recomputes_blocks_and_gives_same_step(make_con
     calls = {"plain": 0, "checkpointed": 0}
     plain.policy.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.__setitem__("plain", calls["plain"] + 1))
     checkpointed.policy.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.__setitem__("checkpointed", calls["checkpointed"] + 1))
-    examples = plain.tokenize([plain.train_examples[i] for i in plain.schedule[0]])
+    examples = [plain.train_examples[i] for i in plain.schedule[0]]
     plain_metrics, checkpointed_metrics = plain.train_step(examples), checkpointed.train_step(examples)
     assert calls == {"plain": 1, "checkpointed": 2}  # the block's forward runs again in the backward pass
     assert checkpointed_metrics["loss/train"] == pytest.approx(plain_metrics["loss/train"], abs=1e-7)
@@ -161,10 +160,85 @@ def test_activation_checkpointing_recomputes_blocks_and_gives_same_step(make_con
 def test_mixed_precision_autocast_runs_in_bfloat16(make_config):
     trainer = build_trainer(make_config("model.fsdp_policy_mp=bfloat16"))
     seen = []
-    trainer.policy.lm_head.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
-    metrics = trainer.train_step(trainer.tokenize([trainer.train_examples[i] for i in trainer.schedule[0]]))
+    trainer.policy.model.layers[0].mlp.down_proj.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+    metrics = trainer.train_step([trainer.train_examples[i] for i in trainer.schedule[0]])
     assert seen == [torch.bfloat16] and all(p.dtype == torch.float32 for p in trainer.policy.parameters())
     assert metrics["loss/train"][0] == pytest.approx(math.log(2), abs=0.05)
+
+
+PADDED_BASELINE = ("layout=padded", "scored_logits_only=false", "reference_cache=false")
+
+
+def test_default_levers_equal_the_padded_run_step_by_step(make_config, tmp_path, capsys):
+    # Packed layout, scored-only logits and cached reference log-probs against today's padded path: every
+    # per-step and eval metric and the final weights, over two epochs (the second reads the cache).
+    # AdamW's eps at 1e-6, as in launch below: the weights then measure the layouts, not near-zero gradients.
+    train.run(make_config(f"local_run_dir={tmp_path / 'padded'}", "n_epochs=2", "+optimizer_kwargs.eps=1e-6", *PADDED_BASELINE))
+    train.run(make_config(f"local_run_dir={tmp_path / 'default'}", "n_epochs=2", "+optimizer_kwargs.eps=1e-6"))
+    assert "reference log-probs: computing 35 of 35 pairs" in capsys.readouterr().out
+    assert_same_metrics(read_jsonl(tmp_path / "padded" / "metrics.jsonl"), read_jsonl(tmp_path / "default" / "metrics.jsonl"))
+    assert_same_weights(tmp_path / "padded", tmp_path / "default")
+
+
+def test_cached_reference_equals_live_reference_and_is_reused(make_config, tmp_path, capsys):
+    live = build_trainer(make_config(f"local_run_dir={tmp_path / 'live'}", "reference_cache=false"))
+    cached = build_trainer(make_config(f"local_run_dir={tmp_path / 'cached'}"))
+    assert live.reference is not None and cached.reference is None  # the cache needs no reference model
+    examples = live.train_examples + [ex for batch in live.eval_batches for ex in batch]
+    with torch.no_grad():
+        expected = live.sequence_logps(live.reference, examples, None).view(2, -1).T
+    computed = torch.tensor([cached.reference_logps[ex["key"]] for ex in examples])
+    torch.testing.assert_close(computed, expected, rtol=0, atol=1e-6)
+    assert "computing 35 of 35 pairs" in capsys.readouterr().out
+
+    def no_reference():
+        raise AssertionError("the reference was loaded although the cache holds every pair")
+
+    config = make_config(f"local_run_dir={tmp_path / 'again'}")
+    tokenizer, policy = cached.tokenizer, load_model(config.model, torch.float32, tmp_path, config.seed)
+    data = get_dataset(config.datasets[0], tokenizer, config.seed, config.n_eval_examples, tmp_path)
+    again = BasicTrainer(config, policy, no_reference, tokenizer, data, tmp_path / "again")
+    assert "reference log-probs: all 35 pairs from" in capsys.readouterr().out
+    assert again.reference_logps == cached.reference_logps
+
+    # A damaged file is recomputed, with a line that says why; another precision is another file.
+    [path] = (tmp_path / "reference_logps").glob("*.pt")
+    path.write_bytes(path.read_bytes()[:100])
+    rebuilt = build_trainer(make_config(f"local_run_dir={tmp_path / 'rebuilt'}"))
+    assert f"reference log-probs: recomputing, since {path} is unreadable" in capsys.readouterr().out
+    assert rebuilt.reference_logps == cached.reference_logps
+    build_trainer(make_config(f"local_run_dir={tmp_path / 'bf16'}", "model.fsdp_policy_mp=bfloat16"))
+    assert "computing 35 of 35 pairs" in capsys.readouterr().out
+    assert len(list((tmp_path / "reference_logps").glob("*.pt"))) == 2
+
+
+@pytest.mark.parametrize("reference_cache", ["true", "false"])
+def test_bfloat16_compute_starts_at_exactly_ln2(make_config, reference_cache):
+    # The reference computes like the policy (autocast over float32 weights), so at step 0 they agree to the bit.
+    config = make_config("model.fsdp_policy_mp=bfloat16", f"reference_cache={reference_cache}", "n_examples=16")
+    train.run(config)
+    run_dir = train.Path(config.local_run_dir)
+    first_eval, first_step = records(run_dir, "eval")[0], records(run_dir, "train")[0]
+    ln2 = torch.tensor(math.log(2)).item()  # float32 ln 2
+    assert first_eval["loss/eval"] == ln2 and first_step["loss/train"] == ln2
+    for name in ("rewards_eval/chosen", "rewards_eval/rejected", "rewards_eval/margins", "rewards_train/chosen", "rewards_train/rejected"):
+        assert (first_eval | first_step)[name] == 0.0, name
+
+
+def test_automatic_precision_follows_the_probe(make_config, tmp_path, capsys):
+    from precision import machine_key
+
+    for speedup, expected in ((4.0, "precision: bfloat16 compute (float32 weights under autocast)"), (0.01, "precision: float32")):
+        (tmp_path / "precision_probe.json").write_text(json.dumps({machine_key(): speedup}))
+        config = make_config(f"local_run_dir={tmp_path / str(speedup)}", "model.fsdp_policy_mp=auto", "n_examples=8")
+        train.run(config)
+        assert expected in capsys.readouterr().out
+        seen = []
+        trainer = build_trainer(make_config(f"local_run_dir={tmp_path / f'{speedup}-step'}", "model.fsdp_policy_mp=auto"))
+        trainer.policy.model.layers[0].mlp.down_proj.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+        trainer.train_step([trainer.train_examples[i] for i in trainer.schedule[0]])
+        assert seen == [torch.bfloat16 if speedup > 1 else torch.float32]
+        assert records(train.Path(config.local_run_dir), "eval")[0]["loss/eval"] == torch.tensor(math.log(2)).item()
 
 
 def test_optimizer_errors_list_valid_choices():
@@ -234,9 +308,9 @@ def test_resume_from_a_bad_checkpoint_is_one_clear_line(make_config, tmp_path):
 def test_eval_micro_batches_give_the_same_metrics(make_config, tmp_path):
     # 6 held-out pairs: with eval_batch_size=8 and 4 accumulation steps they go through in micro-batches of 2.
     whole = build_trainer(make_config(f"local_run_dir={tmp_path / 'a'}", "n_eval_examples=6"))
-    micro = build_trainer(make_config(f"local_run_dir={tmp_path / 'b'}", "n_eval_examples=6", "gradient_accumulation_steps=4"))
+    micro = build_trainer(make_config(f"local_run_dir={tmp_path / 'b'}", "n_eval_examples=6", "gradient_accumulation_steps=4", "layout=padded"))
     calls = []
-    micro.policy.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[0]))
+    micro.policy.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
     metrics, micro_metrics = whole.evaluate(), micro.evaluate()
     assert calls == [4, 4, 4]  # 3 micro-batches of 2 pairs (chosen + rejected)
     assert micro_metrics.keys() == metrics.keys()
@@ -253,7 +327,10 @@ TIMINGS = ("examples_per_second", "tokens_per_second")
 def launch(run_dir, pairs_file, *overrides: str, launcher: str = "spawn"):
     """A tiny-model run of train.py; "spawn": train.py starts 2 workers, "torchrun": torchrun starts 2 ranks."""
     # Gradient norms here run from 2.6 down to 1.2: max_grad_norm=1.5 clips most steps but not all.
-    args = [*tiny_run_overrides(run_dir.parent, pairs_file), f"local_run_dir={run_dir}", "distributed_timeout_secs=120", "max_grad_norm=1.5", *overrides]
+    # AdamW's eps at 1e-6: with the default 1e-8, a gradient entry of ~1e-10 moves its weight by ~lr whatever its
+    # rounding, so summation order alone could move a weight by a fraction of lr = 1e-3.
+    args = [*tiny_run_overrides(run_dir.parent, pairs_file), f"local_run_dir={run_dir}", "distributed_timeout_secs=120", "max_grad_norm=1.5",
+            "+optimizer_kwargs.eps=1e-6", *overrides]
     torchrun = (str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2")
     if launcher == "spawn" and not any(arg.startswith("trainer=BasicTrainer") for arg in overrides):
         args.append("nproc=2")
@@ -264,16 +341,17 @@ def launch(run_dir, pairs_file, *overrides: str, launcher: str = "spawn"):
 
 @pytest.fixture(scope="module")
 def basic_run(tmp_path_factory):
-    """BasicTrainer's run of the tiny fixture: the run every distributed one must reproduce."""
+    """BasicTrainer's run of the tiny fixture in the padded layout, with full logits and a live reference: the run
+    every distributed one must reproduce with the default levers."""
     root = tmp_path_factory.mktemp("basic")
     pairs_file = write_jsonl(root / "pairs.jsonl", arithmetic_pairs(48))
-    launch(root / "run", pairs_file, "trainer=BasicTrainer")
+    launch(root / "run", pairs_file, "trainer=BasicTrainer", *PADDED_BASELINE)
     return root / "run", pairs_file
 
 
-# AdamW divides by sqrt(v): where a gradient entry is near zero, float rounding (a different summation order
-# across ranks) can move that weight by a sizeable fraction of lr = 1e-3. Metrics are not affected that way.
-PARAMETER_ATOL = 2e-5
+# Summation order differs between layouts and ranks; with AdamW's eps at 1e-6 (see launch) the final weights of
+# these runs agree to ~7e-7.
+PARAMETER_ATOL = 5e-6
 
 
 def assert_same_weights(expected_dir, actual_dir):
@@ -365,7 +443,7 @@ def sample_unevenly(trainer, rank: int) -> list[dict]:
 
 def test_fsdp_sampling_with_uneven_lengths_completes(make_config, tmp_path):
     # Rank 0 generates 8 tokens and rank 1 one: rank 1 must keep joining rank 0's sharded forward passes.
-    config = make_config("n_eval_model_samples=4", "generation.do_sample=false")
+    config = make_config("sample_during_eval=true", "n_eval_model_samples=4", "generation.do_sample=false")
     samples = run_fsdp_ranks(config, sample_unevenly, tmp_path)
     single = build_trainer(config, run_dir=tmp_path / "run")
     batch = collate([ex for batch in single.eval_batches for ex in batch][:4], single.tokenizer.pad_token_id)
@@ -388,7 +466,7 @@ def record_micro_batches(trainer, rank: int) -> list[tuple[int, bool]]:
         return batch_metrics(examples, split)
 
     trainer.batch_metrics = recording
-    metrics = trainer.train_step(trainer.tokenize([trainer.train_examples[i] for i in trainer.schedule[0]]))
+    metrics = trainer.train_step([trainer.train_examples[i] for i in trainer.schedule[0]])
     assert len(metrics["loss/train"]) == 8  # gathered from both ranks
     return seen
 

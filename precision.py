@@ -1,0 +1,89 @@
+"""`auto` precision: bfloat16 compute where the device runs it fast, float32 elsewhere.
+
+CUDA GPUs answer through torch (bf16 support). CPUs differ within one machine kind: with AVX512-BF16 or AMX a
+bfloat16 matmul runs several times faster than float32, without them ~100x slower. No flag tells reliably what
+oneDNN will do, so a micro-probe times both, once per machine (CPU model, core count, torch version), and the
+answer is cached in the run's cache directory.
+"""
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from utils import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# bfloat16 must beat float32 by this factor: the probe only has to tell ~4x faster from ~100x slower.
+REQUIRED_SPEEDUP = 1.5
+PROBE_SIZE = 512  # smaller matmuls time too noisily here (256: 1.6-3.0x on one AVX512-BF16 CPU; 512: 2.2-2.5x)
+
+
+def parse_dtype(name: str | None, key: str, allow_auto: bool = False) -> torch.dtype | str | None:
+    if name is None or (allow_auto and name == "auto"):
+        return name
+    if name not in DTYPES:
+        valid = [*DTYPES, "auto"] if allow_auto else list(DTYPES)
+        raise UserError(f"{key}={name} is not a dtype; expected one of {', '.join(valid)}")
+    return DTYPES[name]
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def matmul_seconds(dtype: torch.dtype, repeats: int = 5) -> float:
+    """Best time of a PROBE_SIZE square matmul in `dtype` on the CPU."""
+    a = torch.randn(PROBE_SIZE, PROBE_SIZE).to(dtype)
+    a @ a  # warm-up: kernel selection and first-touch
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def probe_cpu_bfloat16_speedup() -> float:
+    """How many times faster a bfloat16 matmul runs than a float32 one on this CPU."""
+    return matmul_seconds(torch.float32) / matmul_seconds(torch.bfloat16, repeats=3)
+
+
+def machine_key() -> str:
+    """What the probe's answer depends on: the CPU, how many cores, and torch's kernels."""
+    return f"{cpu_name()} x{os.cpu_count()} torch {torch.__version__}"
+
+
+def choose_compute_dtype(device: torch.device, cache_dir: Path) -> tuple[torch.dtype | None, str]:
+    """(bfloat16, why) where `device` runs bfloat16 fast, else (None, why): None means float32 compute."""
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, f"{torch.cuda.get_device_name(device)} supports bfloat16"
+        return None, f"{torch.cuda.get_device_name(device)} has no bfloat16 support"
+    machine = machine_key()
+    cache_file = cache_dir / "precision_probe.json"
+    try:
+        cached = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    speedup = cached.get(machine) if isinstance(cached, dict) else None
+    if not isinstance(speedup, (int, float)):
+        speedup = probe_cpu_bfloat16_speedup()
+        cached = {**(cached if isinstance(cached, dict) else {}), machine: speedup}
+        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(cached, indent=1))
+            tmp.replace(cache_file)
+        except OSError:
+            pass  # the answer stands; it is only measured again next time
+    verdict = f"bfloat16 matmuls run {speedup:.2g}x as fast as float32 on this CPU ({cpu_name()}; {cache_file})"
+    return (torch.bfloat16 if speedup >= REQUIRED_SPEEDUP else None), verdict

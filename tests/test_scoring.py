@@ -1,0 +1,170 @@
+"""Every layout and head computes the padded layout's per-sequence log-probs and gradients (float32, 1e-5)."""
+
+import pytest
+import torch
+import transformers
+
+from conftest import TINY_DIR
+from layouts import pack, pad
+from preference_datasets import PreferencePair, tokenize_pair
+from scoring import packing_problem, scored_head_problem, sequence_logps
+
+
+def tiny_model(architecture: str, attention: str) -> torch.nn.Module:
+    """A 2-layer random model over the tiny byte tokenizer's 259 ids: Llama (rotary positions) or GPT-2 (learned
+    absolute positions)."""
+    if architecture == "llama":
+        config = transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=259,
+            max_position_embeddings=256,
+        )
+    else:
+        config = transformers.GPT2Config(
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            vocab_size=259,
+            n_positions=256,
+            bos_token_id=0,
+            eos_token_id=258,
+            resid_pdrop=0,
+            embd_pdrop=0,
+            attn_pdrop=0,
+        )
+    config._attn_implementation = attention
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.fixture(scope="module")
+def examples() -> list[dict]:
+    """Tokenized pairs covering the edge cases: a prompt truncated at its start (keep_end) and at its end
+    (keep_start), one-token responses (just EOS), responses of very different lengths, and an empty prompt."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+    pairs = [
+        PreferencePair("Q: 2 + 3?\nA:", " 5, glad to help.", " 8, go away.", " 5, glad to help.", "keep_start"),
+        PreferencePair(
+            "\n\nHuman: a long question " * 4 + "\n\nAssistant:", " yes", " no, not that, never", " yes", "keep_end"
+        ),
+        PreferencePair("A long explicit prompt that will not fit. " * 3, " fine", " bad", " fine", "keep_start"),
+        PreferencePair("Say nothing.", "", "", "", "keep_start"),  # responses of one token: EOS
+        PreferencePair("", " no prompt here", " none", " no prompt here", "keep_start"),
+        PreferencePair("Why?", " because the sky is blue and the grass is green", " no", " x", "keep_start"),
+    ]
+    examples = [tokenize_pair(pair, tokenizer, max_length=64, max_prompt_length=24, sft=False) for pair in pairs]
+    assert len(examples[1]["prompt"]) == len(examples[2]["prompt"]) == 24  # truncated
+    assert [len(r) for r in examples[3]["responses"]] == [1, 1]
+    return examples
+
+
+def logps_and_gradients(model, batch, scored_head: bool):
+    model.zero_grad(set_to_none=True)
+    logps = sequence_logps(model, batch, None, torch.float32, scored_head)
+    weights = torch.linspace(-1, 1, logps.numel())  # any weighting: every sequence's gradient counts separately
+    (logps * weights).sum().backward()
+    return logps.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+LAYOUTS = {
+    "packed": lambda examples: pack(examples, 0),
+    "packed, one row": lambda examples: pack(examples, 0, row_tokens=10_000),
+    "packed, one segment per row": lambda examples: pack(examples, 0, row_tokens=1),
+    "padded": lambda examples: pad(examples, 0),
+}
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("scored_head", [True, False])
+@pytest.mark.parametrize("sft", [False, True])
+def test_layouts_and_heads_equal_padded_full_logits(examples, architecture, attention, layout, scored_head, sft):
+    if sft:
+        examples = [{**ex, "responses": ex["responses"][:1]} for ex in examples]
+    model = tiny_model(architecture, attention)
+    expected, expected_grads = logps_and_gradients(model, pad(examples, 0), scored_head=False)
+    batch = LAYOUTS[layout](examples)
+    logps, grads = logps_and_gradients(model, batch, scored_head)
+    assert logps.shape == (len(examples) * (1 if sft else 2),)
+    torch.testing.assert_close(logps, expected, rtol=0, atol=1e-5)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+    if layout == "packed":
+        assert batch.n_tokens < pad(examples, 0).n_tokens  # each prompt once, less padding
+
+
+def test_probes_accept_models_that_take_both():
+    for architecture in ("llama", "gpt2"):
+        for attention in ("sdpa", "eager"):
+            model = tiny_model(architecture, attention)
+            assert packing_problem(model, max_length=64) is None and scored_head_problem(model) is None
+
+
+def test_packing_probe_rejects_what_cannot_take_a_custom_mask():
+    model = tiny_model("llama", "sdpa")
+    model.config._attn_implementation = "flash_attention_2"
+    assert "attention implementation 'flash_attention_2' takes no 4-D mask" in packing_problem(model, 64)
+    model = tiny_model("llama", "sdpa")
+    original = model.forward
+    model.forward = lambda input_ids, attention_mask=None, position_ids=None, **kwargs: original(input_ids, **kwargs)
+    assert "does not honour a custom 4-D mask and position ids" in packing_problem(model, 64)
+    windowed = transformers.MistralConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=259,
+        sliding_window=16,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(windowed)
+    assert "sliding window (16 tokens, below max_length=64) is not applied to a custom mask" in packing_problem(
+        model, 64
+    )
+    assert packing_problem(model, 16) is None  # a window no sequence can exceed changes nothing
+
+
+def test_scored_head_probe_rejects_models_that_change_the_head_output():
+    # Gemma 2 soft-caps its logits after the head: log-probs in place of logits would be soft-capped too.
+    config = transformers.Gemma2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=259,
+        final_logit_softcapping=0.5,
+    )
+    assert "Gemma2ForCausalLM changes its head's output" in scored_head_problem(
+        transformers.AutoModelForCausalLM.from_config(config)
+    )
+    model = tiny_model("llama", "sdpa")
+    original = model.forward
+    model.forward = lambda input_ids, attention_mask=None, position_ids=None, use_cache=None: original(
+        input_ids, attention_mask=attention_mask
+    )
+    assert scored_head_problem(model) == "LlamaForCausalLM.forward takes no logits_to_keep"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layouts_and_heads_equal_padded_on_cuda(examples, architecture, dtype):
+    # float32 without TF32 to 1e-4; bfloat16 autocast within bf16 rounding of the padded run on the same GPU.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        model = tiny_model(architecture, "sdpa").cuda()
+        autocast = dtype if dtype == torch.bfloat16 else None
+        expected = sequence_logps(model, pad(examples, 0).to(torch.device("cuda")), autocast, dtype, scored_head=False)
+        for batch in (pack(examples, 0), pad(examples, 0)):
+            logps = sequence_logps(model, batch.to(torch.device("cuda")), autocast, dtype, scored_head=True)
+            tolerance = 1e-4 if dtype == torch.float32 else 0.1
+            torch.testing.assert_close(logps, expected, rtol=0, atol=tolerance)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = True
