@@ -272,6 +272,11 @@ def test_existing_run_dir_is_not_overwritten(make_config):
     (["n_eval_examples=0"], "n_eval_examples=0 must be positive"),
     (["optimizer=Adamm"], "unknown optimizer 'Adamm'; torch.optim has: "),
     (["model.policy_dtype=float64"], "model.policy_dtype=float64 is not a dtype; expected one of float32, bfloat16, float16"),
+    (["model.policy_dtype=auto"], "model.policy_dtype=auto is not a dtype; expected one of float32, bfloat16, float16$"),
+    (["model.fsdp_policy_mp=fp8"], "model.fsdp_policy_mp=fp8 is not a dtype; expected one of float32, bfloat16, float16, auto"),
+    (["layout=ragged"], "layout=ragged is not a layout; expected one of packed, padded"),
+    (["reference_cache=maybe"], "reference_cache=maybe must be true or false"),
+    (["scored_logits_only=1"], "scored_logits_only=1 must be true or false"),
     (["model=blank_model"], "model.name_or_path must be set"),
     (["activation_checkpointing=true", "model.block_name=GPT2Block"], "model.block_name=GPT2Block matches no module of LlamaForCausalLM; its blocks: LlamaDecoderLayer"),
 ])
