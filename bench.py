@@ -30,8 +30,11 @@ import torch.distributed as dist
 import transformers
 
 import losses
-from losses import IGNORE_INDEX, token_logps_from_hidden, token_logps_from_logits
+from losses import token_logps_from_hidden, token_logps_from_logits
 from utils import REPO_ROOT, free_port
+
+
+IGNORE_INDEX = -100  # labels that are not scored (the reference implementation's convention)
 
 
 def best_of(fn, repeats: int) -> float:

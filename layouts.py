@@ -54,6 +54,19 @@ def make_batch(layout: str, examples: list[dict], pad_token_id: int) -> ModelBat
     return (pack if layout == "packed" else pad)(examples, pad_token_id)
 
 
+def left_padded_prompts(examples: list[dict], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask): [B, P] prompts padded on the left, for generation. Masks come from lengths,
+    never from comparing with pad_token_id (pad may equal EOS)."""
+    length = max(len(ex["prompt"]) for ex in examples)
+    input_ids = torch.full((len(examples), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), length), dtype=torch.long)
+    for row, ex in enumerate(examples):
+        if ex["prompt"]:
+            input_ids[row, -len(ex["prompt"]) :] = torch.tensor(ex["prompt"])
+            attention_mask[row, -len(ex["prompt"]) :] = 1
+    return input_ids, attention_mask
+
+
 def scored_tokens(prompt_end: int, prompt_length: int, response: list[int], offset: int) -> list[tuple[int, int]]:
     """(predicting position, token) of each scored token of a response whose first token is at `offset` and whose
     prompt ends just before `prompt_end`. The first token is predicted by the last prompt token (in the packed
@@ -63,30 +76,30 @@ def scored_tokens(prompt_end: int, prompt_length: int, response: list[int], offs
     return [(p, token) for p, token in zip(predictors, response) if p >= 0]
 
 
+def model_batch(
+    input_ids, attention_mask, position_ids, scored: list[tuple[int, int, int]], n_sequences: int
+) -> ModelBatch:
+    """A ModelBatch from (flat predicting position, token, sequence) triples."""
+    positions, targets, sequences = torch.tensor(scored, dtype=torch.long).view(-1, 3).T
+    return ModelBatch(input_ids, attention_mask, position_ids, positions, targets, sequences, n_sequences)
+
+
 def pad(examples: list[dict], pad_token_id: int) -> ModelBatch:
     """Rows [prompt | response | pad], all first responses, then all second responses."""
     sequences = [(ex["prompt"], ex["responses"][r]) for r in range(len(examples[0]["responses"])) for ex in examples]
     length = max(len(prompt) + len(response) for prompt, response in sequences)
     input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
-    positions, targets, owners = [], [], []
+    scored = []
     for row, (prompt, response) in enumerate(sequences):
         tokens = prompt + response
         input_ids[row, : len(tokens)] = torch.tensor(tokens)
         attention_mask[row, : len(tokens)] = 1
-        for position, token in scored_tokens(len(prompt), len(prompt), response, len(prompt)):
-            positions.append(row * length + position)
-            targets.append(token)
-            owners.append(row)
-    return ModelBatch(
-        input_ids,
-        attention_mask,
-        None,
-        torch.tensor(positions, dtype=torch.long),
-        torch.tensor(targets, dtype=torch.long),
-        torch.tensor(owners, dtype=torch.long),
-        len(sequences),
-    )
+        scored += [
+            (row * length + p, token, row)
+            for p, token in scored_tokens(len(prompt), len(prompt), response, len(prompt))
+        ]
+    return model_batch(input_ids, attention_mask, None, scored, len(sequences))
 
 
 def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:
@@ -118,7 +131,7 @@ def pack(examples: list[dict], pad_token_id: int, row_tokens: int | None = None)
     position_ids = torch.zeros((len(rows), length), dtype=torch.long)
     segment = torch.full((len(rows), length), -1, dtype=torch.long)  # -1: padding
     branch = torch.zeros((len(rows), length), dtype=torch.long)  # 0: prompt, r + 1: response r
-    positions, targets, owners = [], [], []
+    scored = []
     for row, members in enumerate(rows):
         start = 0
         for index in members:
@@ -132,10 +145,8 @@ def pack(examples: list[dict], pad_token_id: int, row_tokens: int | None = None)
                 input_ids[row, span] = torch.tensor(response, dtype=torch.long)
                 position_ids[row, span] = torch.arange(len(prompt), len(prompt) + len(response))
                 branch[row, span] = r + 1
-                for position, token in scored_tokens(start + len(prompt), len(prompt), response, offset):
-                    positions.append(row * length + position)
-                    targets.append(token)
-                    owners.append(r * n_examples + index)
+                tokens = scored_tokens(start + len(prompt), len(prompt), response, offset)
+                scored += [(row * length + p, token, r * n_examples + index) for p, token in tokens]
                 offset += len(response)
             start += lengths[index]
     query, key = (slice(None), slice(None), None), (slice(None), None, slice(None))
@@ -146,12 +157,4 @@ def pack(examples: list[dict], pad_token_id: int, row_tokens: int | None = None)
     allowed = same_segment & visible_branch & causal
     # Padding attends to itself: a query with no key at all gives NaN in SDPA, which would reach the gradients.
     allowed |= torch.eye(length, dtype=torch.bool) & (segment < 0)[query]
-    return ModelBatch(
-        input_ids,
-        allowed[:, None],
-        position_ids,
-        torch.tensor(positions, dtype=torch.long),
-        torch.tensor(targets, dtype=torch.long),
-        torch.tensor(owners, dtype=torch.long),
-        len(examples[0]["responses"]) * n_examples,
-    )
+    return model_batch(input_ids, allowed[:, None], position_ids, scored, len(examples[0]["responses"]) * n_examples)

@@ -5,9 +5,6 @@ Shapes: B = pairs in a batch, T = sequence length, V = vocabulary size.
 import torch
 import torch.nn.functional as F
 
-# Labels equal to this are not scored (prompt and padding positions).
-IGNORE_INDEX = -100
-
 # Float32 elements of one chunk of logits (64 MiB): the log-prob computation never holds more, whatever the
 # batch, sequence length or vocabulary size (1024 rows of a 16k vocabulary, 128 rows of a 128k one).
 CHUNK_ELEMENTS = 2**24

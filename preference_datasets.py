@@ -20,7 +20,6 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from losses import IGNORE_INDEX
 from utils import REPO_ROOT, UserError
 
 HUB_DATASETS = {"hh": "Anthropic/hh-rlhf", "shp": "stanfordnlp/SHP", "se": "HuggingFaceH4/stack-exchange-preferences"}
@@ -311,41 +310,6 @@ def tokenize_pair(pair: PreferencePair, tokenizer, max_length: int, max_prompt_l
     if len(prompt) + longest > max_length:
         responses = [response[: max_length - max_prompt_length] for response in responses]
     return {"prompt": prompt, "responses": responses, "pair": pair}
-
-
-def collate(examples: list[dict], pad_token_id: int) -> dict:
-    """Pad tokenized examples into one batch whose sequences are all chosen responses, then all rejected.
-
-    Returns input_ids, attention_mask, labels: [R * B, T] with R = responses per example (2, or 1 for SFT);
-    prompt_input_ids, prompt_attention_mask: [B, P] left-padded for generation; plus the raw pairs.
-    Masks come from lengths, never from comparing with pad_token_id (pad may equal EOS).
-    """
-    n_responses = len(examples[0]["responses"])
-    sequences = [(ex["prompt"], ex["responses"][r]) for r in range(n_responses) for ex in examples]
-    length = max(len(prompt) + len(response) for prompt, response in sequences)
-    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
-    labels = torch.full((len(sequences), length), IGNORE_INDEX, dtype=torch.long)
-    for row, (prompt, response) in enumerate(sequences):
-        n = len(prompt) + len(response)
-        input_ids[row, :n] = torch.tensor(prompt + response)
-        attention_mask[row, :n] = 1
-        labels[row, len(prompt) : n] = torch.tensor(response)
-    prompt_length = max(len(ex["prompt"]) for ex in examples)
-    prompt_input_ids = torch.full((len(examples), prompt_length), pad_token_id, dtype=torch.long)
-    prompt_attention_mask = torch.zeros((len(examples), prompt_length), dtype=torch.long)
-    for row, ex in enumerate(examples):
-        if ex["prompt"]:
-            prompt_input_ids[row, -len(ex["prompt"]) :] = torch.tensor(ex["prompt"])
-            prompt_attention_mask[row, -len(ex["prompt"]) :] = 1
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "labels": labels,
-        "prompt_input_ids": prompt_input_ids,
-        "prompt_attention_mask": prompt_attention_mask,
-        "pairs": [ex["pair"] for ex in examples],
-    }
 
 
 def sft_examples(pairs: list[PreferencePair]) -> list[PreferencePair]:

@@ -4,7 +4,7 @@ One file per reference and way of computing it: `<cache_dir>/reference_logps/<we
 digest>.pt`, holding the summed log-prob of each response of each pair, keyed by a digest of the pair's token ids
 (prompt and responses, after truncation). Tokenizer, data and truncation settings all change those ids, so a pair
 computed under other settings is simply absent and gets computed. The computation names everything that changes
-the rounding of the numbers (computation, layout, trainer and ranks, micro-batch sizes, data order): a run that
+the rounding of the numbers (precision, layout, trainer and ranks, micro-batch sizes, data order): a run that
 computes like the one that filled the cache (a resume, a sweep over beta or lr) finds numbers equal to its own
 initial policy's to the last bit. A file whose contents do not match its name is never used: it is recomputed,
 and a line says why.

@@ -32,11 +32,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import reference_cache
-from layouts import make_batch
+from layouts import ModelBatch, left_padded_prompts, make_batch
 from losses import preference_loss
 from models import checkpoint_blocks, find_blocks, tensor_parallel_plan
 from precision import choose_compute_dtype, parse_dtype
-from preference_datasets import PreferencePair, batch_schedule, collate, sft_examples, tokenize_pair
+from preference_datasets import PreferencePair, batch_schedule, sft_examples, tokenize_pair
 from scoring import packing_problem, scored_head_problem, sequence_logps
 from utils import (
     UserError,
@@ -223,10 +223,13 @@ class BasicTrainer:
             example["key"] = reference_cache.pair_key(example)
         return examples
 
-    def sequence_logps(self, model: torch.nn.Module, examples: list[dict], compute: torch.dtype | None) -> torch.Tensor:
+    def model_batch(self, examples: list[dict]) -> ModelBatch:
+        """The examples in this run's layout, on this rank's device."""
+        return make_batch(self.layout, examples, self.tokenizer.pad_token_id).to(self.device)
+
+    def sequence_logps(self, model: torch.nn.Module, batch: ModelBatch, compute: torch.dtype | None) -> torch.Tensor:
         """[R * B] float32 summed log-probs of each sequence's response tokens (all first responses, then all
-        second ones), in one forward pass in this run's layout; compute: the model's compute dtype, or None."""
-        batch = make_batch(self.layout, examples, self.tokenizer.pad_token_id).to(self.device)
+        second ones), in one forward pass; compute: the model's compute dtype, or None for its weights'."""
         autocast = compute if self.autocast else None
         mask_dtype = compute or next(model.parameters()).dtype
         return sequence_logps(model, batch, autocast, mask_dtype, scored_head=self.scored_logits_only)
@@ -240,7 +243,8 @@ class BasicTrainer:
 
     def batch_metrics(self, examples: list[dict], split: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Mean loss over the examples, and per-example metrics ([B] tensors) named as in the reference."""
-        policy_logps = self.sequence_logps(self.policy, examples, self.policy_compute)
+        batch = self.model_batch(examples)  # built once: policy and a live reference share it
+        policy_logps = self.sequence_logps(self.policy, batch, self.policy_compute)
         if self.sft:
             losses = -policy_logps
             return losses.mean(), {f"logps_{split}/chosen": policy_logps.detach(), f"loss/{split}": losses.detach()}
@@ -251,7 +255,7 @@ class BasicTrainer:
             reference_chosen, reference_rejected = reference.T
         elif self.reference is not None:
             with torch.no_grad():
-                reference_logps = self.sequence_logps(self.reference, examples, self.reference_compute)
+                reference_logps = self.sequence_logps(self.reference, batch, self.reference_compute)
             reference_chosen, reference_rejected = reference_logps.chunk(2)
         else:  # reference-free: a uniform reference contributes zeros
             reference_chosen = reference_rejected = torch.zeros_like(policy_chosen)
@@ -321,7 +325,7 @@ class BasicTrainer:
             for examples, size in groups:
                 micro, n_real = self.micro_batches(examples, size)
                 # [R * b] per micro-batch -> [b, R]: the responses of each pair
-                logps = [self.sequence_logps(model, mb, self.reference_compute).view(-1, len(mb)).T for mb in micro]
+                logps = [self.reference_pass(model, mb) for mb in micro]
                 local = torch.cat(logps).cpu().tolist()[:n_real]
                 keys = [ex["key"] for ex in self.local_shard(examples)[0][:n_real]]
                 gathered = self.gather({"keys": keys, "logps": local})
@@ -332,6 +336,10 @@ class BasicTrainer:
         if self.is_main:
             reference_cache.save(path, weights, computation, entries)
         return entries
+
+    def reference_pass(self, model: torch.nn.Module, examples: list[dict]) -> torch.Tensor:
+        """[B, R] reference log-probs of each example's responses."""
+        return self.sequence_logps(model, self.model_batch(examples), self.reference_compute).view(-1, len(examples)).T
 
     # ---------------------------------------------------------------------------------------------------
     # Training
@@ -408,13 +416,14 @@ class BasicTrainer:
         return {name: sum(v) / len(v) for name, v in values.items()}
 
     @torch.no_grad()
-    def generate(self, model: torch.nn.Module, batch: dict) -> list[str]:
-        """Sampled continuations of the batch's prompts, without the prompt text."""
+    def generate(self, model: torch.nn.Module, examples: list[dict]) -> list[str]:
+        """Sampled continuations of the examples' prompts, without the prompt text."""
         g = self.config.generation
-        prompt_ids = batch["prompt_input_ids"].to(self.device)
+        prompt_ids, attention_mask = left_padded_prompts(examples, self.tokenizer.pad_token_id)
+        prompt_ids = prompt_ids.to(self.device)
         output = model.generate(
             prompt_ids,
-            attention_mask=batch["prompt_attention_mask"].to(self.device),
+            attention_mask=attention_mask.to(self.device),
             max_new_tokens=g.max_new_tokens,
             do_sample=g.do_sample,
             temperature=g.temperature,
@@ -429,9 +438,8 @@ class BasicTrainer:
         local, n_real = self.local_shard(examples)
         # The same seed on every rank: tensor-parallel ranks must draw the same tokens.
         torch.manual_seed(self.config.seed + self.example_counter)
-        batch = collate(local, self.tokenizer.pad_token_id)
-        policy_texts = self.generate(self.policy, batch)
-        reference_texts = self.generate(self.reference, batch) if self.reference is not None else [None] * len(local)
+        policy_texts = self.generate(self.policy, local)
+        reference_texts = self.generate(self.reference, local) if self.reference is not None else [None] * len(local)
         samples = [{"step": self.example_counter, "prompt": ex["pair"].prompt, "policy": p, "reference": r} for ex, p, r in zip(local, policy_texts, reference_texts)]
         return self.gather({"samples": samples[:n_real]})["samples"]
 

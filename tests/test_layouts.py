@@ -1,6 +1,7 @@
 import torch
 
-from layouts import pack, pack_rows, pad
+from layouts import left_padded_prompts, pack, pack_rows, pad
+from preference_datasets import PreferencePair, tokenize_pair
 
 
 def test_pack_lays_out_prompt_chosen_rejected_with_restarted_positions():
@@ -69,3 +70,24 @@ def test_pad_scores_the_same_tokens_as_pack():
     )
     assert padded.position_ids is None and padded.attention_mask.tolist()[2:] == [[1] * 6, [1] + [0] * 5]
     assert torch.equal(padded.input_ids.flatten()[padded.score_positions + 1], padded.score_targets)
+
+
+def test_masks_and_scored_tokens_come_from_lengths_when_pad_is_eos(tiny_tokenizer):
+    eos = tiny_tokenizer.eos_token_id  # pad == EOS, as for SmolLM2: masks must not come from ids != pad
+    pairs = [
+        PreferencePair("Hello", " a", " bbbbbb", " a", "keep_start"),
+        PreferencePair("Hi", " cc", " d", " cc", "keep_start"),
+    ]
+    examples = [tokenize_pair(pair, tiny_tokenizer, 100, 50, False) for pair in pairs]
+    batch = pad(examples, pad_token_id=eos)
+    assert batch.input_ids.shape[0] == 4  # chosen 0, chosen 1, rejected 0, rejected 1
+    for row, (ex, r) in enumerate([(examples[0], 0), (examples[1], 0), (examples[0], 1), (examples[1], 1)]):
+        response = ex["responses"][r]
+        assert batch.attention_mask[row].sum() == len(ex["prompt"]) + len(response)  # includes the final EOS
+        assert batch.score_targets[batch.score_sequences == row].tolist() == response
+    for layout in (pack, pad):
+        assert (layout(examples, eos).score_targets == eos).sum() == 4  # each response's EOS is scored, padding never
+    # prompts are left-padded for generation
+    prompt_ids, prompt_mask = left_padded_prompts(examples, eos)
+    assert prompt_mask.tolist() == [[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]
+    assert prompt_ids[1, -2:].tolist() == examples[1]["prompt"]

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 import losses
-from losses import IGNORE_INDEX, preference_loss, token_logps_from_logits
+from losses import preference_loss, token_logps_from_logits
+
+IGNORE_INDEX = -100  # labels that are not scored
 
 
 def log1p_exp(x: float) -> float:

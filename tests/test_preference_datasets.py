@@ -6,11 +6,9 @@ import pyarrow.parquet
 import pytest
 
 from conftest import HH_TEST_FILE, arithmetic_pairs, write_jsonl
-from losses import IGNORE_INDEX
 from preference_datasets import (
     PreferencePair,
     batch_schedule,
-    collate,
     get_dataset,
     sft_examples,
     split_hh_dialogue,
@@ -208,22 +206,6 @@ def test_truncation(tiny_tokenizer, mode, kept):
     assert tiny_tokenizer.decode(example["prompt"]) == kept
     # prompt (5) + longest response (11) still exceeds 12, so responses are cut to 12 - 5 = 7 tokens
     assert [len(r) for r in example["responses"]] == [7, 3]
-
-
-def test_collate_labels_and_masks_from_lengths_when_pad_is_eos(tiny_tokenizer):
-    pad = tiny_tokenizer.eos_token_id  # pad == EOS, as for SmolLM2: masks must not come from ids != pad
-    examples = [tokenize_pair(pair(chosen=" a", rejected=" bbbbbb"), tiny_tokenizer, 100, 50, False),
-                tokenize_pair(pair(prompt="Hi", chosen=" cc", rejected=" d"), tiny_tokenizer, 100, 50, False)]
-    batch = collate(examples, pad)
-    assert batch["input_ids"].shape[0] == 4  # chosen 0, chosen 1, rejected 0, rejected 1
-    for row, (ex, r) in enumerate([(examples[0], 0), (examples[1], 0), (examples[0], 1), (examples[1], 1)]):
-        n_prompt, n_response = len(ex["prompt"]), len(ex["responses"][r])
-        assert batch["attention_mask"][row].sum() == n_prompt + n_response  # includes the final EOS
-        labels = batch["labels"][row]
-        assert (labels[:n_prompt] == IGNORE_INDEX).all() and (labels[n_prompt + n_response :] == IGNORE_INDEX).all()
-        assert labels[n_prompt : n_prompt + n_response].tolist() == ex["responses"][r]
-    # prompts are left-padded for generation
-    assert batch["prompt_attention_mask"][1].tolist()[-2:] == [1, 1] and batch["prompt_attention_mask"][1, 0] == 0
 
 
 def test_sft_examples_one_per_prompt():

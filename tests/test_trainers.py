@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 import train
 from conftest import arithmetic_pairs, read_jsonl, run_cli, tiny_run_overrides, write_jsonl
 from models import load_model, load_tokenizer
-from preference_datasets import collate, get_dataset
+from preference_datasets import get_dataset
 from trainers import BasicTrainer, FSDPTrainer, build_optimizer
 from utils import UserError, free_port, init_distributed
 
@@ -186,7 +186,7 @@ def test_cached_reference_equals_live_reference_and_is_reused(make_config, tmp_p
     assert live.reference is not None and cached.reference is None  # the cache needs no reference model
     examples = live.train_examples + [ex for batch in live.eval_batches for ex in batch]
     with torch.no_grad():
-        expected = live.sequence_logps(live.reference, examples, None).view(2, -1).T
+        expected = live.sequence_logps(live.reference, live.model_batch(examples), None).view(2, -1).T
     computed = torch.tensor([cached.reference_logps[ex["key"]] for ex in examples])
     torch.testing.assert_close(computed, expected, rtol=0, atol=1e-6)
     assert "computing 35 of 35 pairs" in capsys.readouterr().out
@@ -451,11 +451,11 @@ def test_fsdp_sampling_with_uneven_lengths_completes(make_config, tmp_path):
     config = make_config("sample_during_eval=true", "n_eval_model_samples=4", "generation.do_sample=false")
     samples = run_fsdp_ranks(config, sample_unevenly, tmp_path)
     single = build_trainer(config, run_dir=tmp_path / "run")
-    batch = collate([ex for batch in single.eval_batches for ex in batch][:4], single.tokenizer.pad_token_id)
+    examples = [ex for batch in single.eval_batches for ex in batch][:4]
     single.config.generation.max_new_tokens = 8
-    long = single.generate(single.policy, batch)
+    long = single.generate(single.policy, examples)
     single.config.generation.max_new_tokens = 1
-    short = single.generate(single.policy, batch)
+    short = single.generate(single.policy, examples)
     # Greedy decoding from the same weights: rank 0 had pairs 0-1, rank 1 pairs 2-3.
     assert [s["policy"] for s in samples] == long[:2] + short[2:]
     assert [s["reference"] for s in samples] == long[:2] + short[2:]
