@@ -30,9 +30,9 @@ import torch.distributed as dist
 import transformers
 
 import losses
+from distributed import free_port, rank_environment
 from losses import token_logps_from_hidden, token_logps_from_logits
-from utils import REPO_ROOT, free_port
-
+from utils import REPO_ROOT
 
 IGNORE_INDEX = -100  # labels that are not scored (the reference implementation's convention)
 
@@ -85,22 +85,21 @@ def lever_worker(overrides: list[str], warmup: int, steps: int, result_file: str
     seconds. compile_blocks: torch.compile each transformer block (dynamic shapes) before the first step."""
     import resource
 
-    from hydra import compose, initialize_config_dir
-
-    import train
+    import config as configuration
+    from distributed import Topology
     from models import find_blocks, load_model, load_tokenizer
     from preference_datasets import parse_rows, read_file_rows
-    from trainers import BasicTrainer
+    from trainers import Trainer
 
-    with initialize_config_dir(str(REPO_ROOT / "config"), version_base="1.3"):
-        config = compose("config", overrides=overrides)
+    config = configuration.load(overrides)
     cache_dir = Path(config.local_dirs[0])
     tokenizer = load_tokenizer(config.model, cache_dir)
     pairs = parse_rows([item for _, item in zip(range(48), read_file_rows(HH_FILE))], str(HH_FILE), tokenizer)
     data = {"train": pairs, "test": pairs[:1]}  # the eval pair plays no part in the timings
     start = time.perf_counter()
-    trainer = BasicTrainer(
+    trainer = Trainer(
         config,
+        Topology(),
         load_model(config.model, torch.float32, cache_dir, config.seed),
         lambda: load_model(config.model, torch.float32, cache_dir, config.seed),
         tokenizer,
@@ -311,9 +310,7 @@ def fsdp_rank(rank: int, world_size: int, port: int, variant: str, result_file: 
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
-    )
+    os.environ.update(rank_environment(rank, world_size, port))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
@@ -391,7 +388,7 @@ def main() -> None:
     n = args.size
     for dtype in (torch.float32, torch.bfloat16):
         a = torch.randn(n, n, device=device, dtype=dtype)
-        seconds = best_of(lambda: (a @ a, sync()), args.repeats)
+        seconds = best_of(lambda a=a: (a @ a, sync()), args.repeats)
         print(f"matmul {n}x{n} {str(dtype):15s} {2 * n**3 / seconds / 1e9:8.1f} GFLOP/s")
 
     batch, length, vocab = 16, 256, 49152
@@ -400,7 +397,7 @@ def main() -> None:
     labels[:, : length // 3] = IGNORE_INDEX
     for name, fn in (("chunked", chunked_sequence_logps), ("naive", naive_sequence_logps)):
 
-        def step():
+        def step(fn=fn):
             x = logits.clone().requires_grad_()
             fn(x, labels).sum().backward()
             sync()

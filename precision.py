@@ -87,3 +87,19 @@ def choose_compute_dtype(device: torch.device, cache_dir: Path) -> tuple[torch.d
             pass  # the answer stands; it is only measured again next time
     verdict = f"bfloat16 matmuls run {speedup:.2g}x as fast as float32 on this CPU ({cpu_name()}; {cache_file})"
     return (torch.bfloat16 if speedup >= REQUIRED_SPEEDUP else None), verdict
+
+
+def resolve_compute_dtype(setting: str | None, topology, cache_dir: Path, autocast: bool) -> torch.dtype | None:
+    """The policy's compute dtype (None: its weights' dtype) for model.fsdp_policy_mp=`setting`; `auto` takes
+    bfloat16 where this device runs it fast, decided on rank 0 for all ranks (they must compute alike). One line
+    says what was chosen and why."""
+    dtype = parse_dtype(setting, "model.fsdp_policy_mp", allow_auto=True)
+    if dtype != "auto":
+        return dtype
+    dtype, why = topology.run_on_main(lambda: choose_compute_dtype(topology.device, cache_dir)) or (None, None)
+    dtype, why = topology.broadcast((dtype, why))
+    how = "float32 weights under autocast" if autocast else "FSDP mixed precision over float32 shards"
+    print(
+        f"precision: {f'bfloat16 compute ({how})' if dtype else 'float32'}, because {why} (model.fsdp_policy_mp=auto)"
+    )
+    return dtype

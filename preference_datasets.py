@@ -9,6 +9,7 @@ Every source becomes a list of `PreferencePair`s. Formats are recognised by thei
   shp:            history, human_ref_A, human_ref_B, labels, score_A, score_B   (Stanford SHP)
   se:             question, answers[{text, pm_score}]                           (Stack Exchange preferences)
 """
+
 import gzip
 import html.parser
 import json
@@ -18,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-import torch
-
+from reference_cache import pair_key
 from utils import REPO_ROOT, UserError
 
 HUB_DATASETS = {"hh": "Anthropic/hh-rlhf", "shp": "stanfordnlp/SHP", "se": "HuggingFaceH4/stack-exchange-preferences"}
@@ -107,7 +107,9 @@ def parse_se(row: dict) -> list[PreferencePair]:
     return pairs
 
 
-def make_pair(prompt: str, chosen: str, rejected: str, truncation_mode: str, sft_target: str | None = None) -> PreferencePair:
+def make_pair(
+    prompt: str, chosen: str, rejected: str, truncation_mode: str, sft_target: str | None = None
+) -> PreferencePair:
     for name, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
         if not isinstance(value, str):
             raise ValueError(f"{name} is a {type(value).__name__}, expected a string")
@@ -190,7 +192,7 @@ def read_file_rows(path: Path) -> Iterator[tuple[str, Any]]:
     """(location, row) for each row of a .jsonl, .jsonl.gz, .json or .parquet file."""
     name = path.name
     if name.endswith((".jsonl", ".jsonl.gz")):
-        with (gzip.open(path, "rt", encoding="utf-8") if name.endswith(".gz") else open(path, encoding="utf-8")) as f:
+        with gzip.open(path, "rt", encoding="utf-8") if name.endswith(".gz") else open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, start=1):
                 if line.strip():
                     try:
@@ -268,7 +270,9 @@ def hold_out(pairs: list[PreferencePair], n_eval: int, seed: int, source: str) -
     return {"train": train, "test": [pair for pair in pairs if pair.prompt in eval_prompts]}
 
 
-def get_dataset(name: str, tokenizer, seed: int, n_eval_examples: int | None, cache_dir: Path) -> dict[str, list[PreferencePair]]:
+def get_dataset(
+    name: str, tokenizer, seed: int, n_eval_examples: int | None, cache_dir: Path
+) -> dict[str, list[PreferencePair]]:
     """{"train": pairs, "test": pairs} of a named dataset (hh, shp, se, demo) or a local file or directory."""
     if name in HUB_DATASETS:
         return {split: parse_rows(*load_hub_rows(name, split, cache_dir), tokenizer) for split in ("train", "test")}
@@ -290,6 +294,17 @@ def get_dataset(name: str, tokenizer, seed: int, n_eval_examples: int | None, ca
     return hold_out(splits["train"], n_eval_examples, seed, str(path))
 
 
+def load_datasets(
+    names: list[str], tokenizer, seed: int, n_eval_examples: int | None, cache_dir: Path
+) -> dict[str, list[PreferencePair]]:
+    """The train and test pairs of every dataset in `names`, concatenated in order."""
+    data = {"train": [], "test": []}
+    for name in names:
+        for split, pairs in get_dataset(name, tokenizer, seed, n_eval_examples, cache_dir).items():
+            data[split].extend(pairs)
+    return data
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Tokenization and batches
 
@@ -303,13 +318,25 @@ def tokenize_pair(pair: PreferencePair, tokenizer, max_length: int, max_prompt_l
     """
     responses = [pair.sft_target] if sft else [pair.chosen, pair.rejected]
     prompt = tokenizer(pair.prompt, add_special_tokens=False)["input_ids"]
-    responses = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in responses]
+    responses = [
+        tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in responses
+    ]
     longest = max(len(response) for response in responses)
     if len(prompt) + longest > max_length:
         prompt = prompt[-max_prompt_length:] if pair.truncation_mode == "keep_end" else prompt[:max_prompt_length]
     if len(prompt) + longest > max_length:
         responses = [response[: max_length - max_prompt_length] for response in responses]
     return {"prompt": prompt, "responses": responses, "pair": pair}
+
+
+def tokenize_examples(
+    pairs: list[PreferencePair], tokenizer, max_length: int, max_prompt_length: int, sft: bool
+) -> list[dict]:
+    """Token ids of each pair, once per run (see tokenize_pair); `key` identifies them for the reference cache."""
+    examples = [tokenize_pair(pair, tokenizer, max_length, max_prompt_length, sft) for pair in pairs]
+    for example in examples:
+        example["key"] = pair_key(example)
+    return examples
 
 
 def sft_examples(pairs: list[PreferencePair]) -> list[PreferencePair]:

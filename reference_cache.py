@@ -1,4 +1,5 @@
-"""Reference log-probs computed once and kept on disk, so that training runs no reference forward pass.
+"""The reference's log-probs: from the frozen reference model on each batch (`LiveReference`), or computed once and
+kept on disk (`CachedReference`, `fill`), so that training runs no reference forward pass.
 
 One file per reference and way of computing it: `<cache_dir>/reference_logps/<weights digest>-<computation
 digest>.pt`, holding the summed log-prob of each response of each pair, keyed by a digest of the pair's token ids
@@ -13,10 +14,16 @@ and a line says why.
 import hashlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import torch
+import tqdm
 
 from utils import first_line
+
+if TYPE_CHECKING:
+    from distributed import Topology
+    from scoring import Scorer
 
 FORMAT = 1
 
@@ -74,3 +81,80 @@ def save(path: Path, weights: str, computation: str, entries: dict[str, list[flo
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     torch.save(state, tmp)
     tmp.replace(path)
+
+
+class LiveReference:
+    """The frozen reference model, run on each batch without gradients."""
+
+    def __init__(self, model: torch.nn.Module, scorer: "Scorer", compute: torch.dtype | None):
+        self.model, self.scorer, self.compute = model, scorer, compute
+
+    @torch.no_grad()
+    def __call__(self, examples: list[dict], batch) -> torch.Tensor:
+        """[R * B] log-probs, ordered like the policy's."""
+        return self.scorer(self.model, batch, self.compute)
+
+
+class CachedReference:
+    """Log-probs looked up by pair key."""
+
+    def __init__(self, entries: dict[str, list[float]], device: torch.device):
+        self.entries, self.device = entries, device
+
+    def __call__(self, examples: list[dict], batch) -> torch.Tensor:
+        """[R * B] log-probs, ordered like the policy's: [B, R] per pair, transposed."""
+        return torch.tensor([self.entries[ex["key"]] for ex in examples], device=self.device).T.reshape(-1)
+
+
+def fill(
+    path: Path,
+    weights: str,
+    computation: str,
+    train: list[dict],
+    eval_batches: list[list[dict]],
+    batch_sizes: tuple[int, int],
+    accumulation: int,
+    load_model: Callable[[], tuple],
+    scorer: "Scorer",
+    topology: "Topology",
+) -> dict[str, list[float]]:
+    """Reference log-probs of the `train` examples (in first-use order) and of the eval batches, by pair key: from
+    the file where it has them; the others are computed now, in batches of batch_sizes (train, eval) cut into the
+    run's micro-batches, and added to it. load_model() gives (model, compute dtype), called only if any is missing."""
+    entries, why = topology.run_on_main(lambda: load(path, weights, computation)) or ({}, None)
+    entries = topology.broadcast(entries)
+    if why:
+        print(f"reference log-probs: recomputing, since {why}")
+    needed = len({ex["key"] for ex in train} | {ex["key"] for batch in eval_batches for ex in batch})
+    train = [ex for ex in train if ex["key"] not in entries]
+    evals = [batch for batch in ([ex for ex in batch if ex["key"] not in entries] for batch in eval_batches) if batch]
+    missing = len({ex["key"] for ex in train} | {ex["key"] for batch in evals for ex in batch})
+    if not missing:
+        print(f"reference log-probs: all {needed} pairs from {path}")
+        return entries
+    print(f"reference log-probs: computing {missing} of {needed} pairs, then caching them in {path}")
+    model, compute = load_model()
+    mode = model.training
+    model.eval()
+    groups = [(train[i : i + batch_sizes[0]], batch_sizes[0]) for i in range(0, len(train), batch_sizes[0])]
+    groups += [(batch, batch_sizes[1]) for batch in evals]
+    progress = tqdm.tqdm(
+        total=sum(len(examples) for examples, _ in groups),
+        desc="reference log-probs",
+        unit="pair",
+        disable=not topology.is_main,
+    )
+    with torch.no_grad():
+        for examples, size in groups:
+            micro, n_real = topology.micro_batches(examples, size, accumulation)
+            # [R * b] per micro-batch -> [b, R]: the responses of each pair
+            logps = [scorer(model, scorer.batch(mb), compute).view(-1, len(mb)).T for mb in micro]
+            keys = [ex["key"] for ex in topology.shard(examples)[0][:n_real]]
+            gathered = topology.gather({"keys": keys, "logps": torch.cat(logps).cpu().tolist()[:n_real]})
+            entries.update(zip(gathered["keys"], gathered["logps"]))
+            progress.update(len(examples))
+    progress.close()
+    model.train(mode)
+    if topology.is_main:
+        save(path, weights, computation, entries)
+    return entries

@@ -8,10 +8,11 @@ swapped, for that forward only, for one that returns their float32 log-probs wit
 
 import contextlib
 import inspect
+from dataclasses import dataclass
 
 import torch
 
-from layouts import ModelBatch, pack, pad
+from layouts import ModelBatch, make_batch, pack, pad
 from losses import token_logps_from_hidden, token_logps_from_logits
 from utils import first_line
 
@@ -122,3 +123,51 @@ def packing_problem(model: torch.nn.Module, max_length: int) -> str | None:
         difference = (packed - padded).abs().max()
         return f"{name} does not honour a custom 4-D mask and position ids (log-probs differ by {difference:.2g})"
     return None
+
+
+@dataclass
+class Scorer:
+    """How this run turns tokenized examples into per-sequence log-probs: the layout, whether the head runs on
+    scored positions only, and who applies the compute dtype (torch.autocast, or FSDP's mixed precision)."""
+
+    layout: str
+    scored_head: bool
+    pad_token_id: int
+    device: torch.device
+    autocast: bool
+
+    @classmethod
+    def create(
+        cls,
+        model: torch.nn.Module,
+        layout: str,
+        scored_head: bool,
+        max_length: int,
+        pad_token_id: int,
+        device: torch.device,
+        autocast: bool,
+    ) -> "Scorer":
+        """As configured where the model allows; each fallback is one line saying why."""
+        problem = packing_problem(model, max_length) if layout == "packed" else None
+        if problem:
+            print(f"layout: padded, not packed: {problem}")
+            layout = "padded"
+        problem = scored_head_problem(model) if scored_head else None
+        if problem:
+            print(f"logits: computed at every position, not only where a token is scored: {problem}")
+            scored_head = False
+        return cls(layout, scored_head, pad_token_id, device, autocast)
+
+    def describe(self) -> str:
+        return f"{self.layout} layout, {'scored' if self.scored_head else 'all'} logits"
+
+    def batch(self, examples: list[dict]) -> ModelBatch:
+        """The examples in this run's layout, on this rank's device."""
+        return make_batch(self.layout, examples, self.pad_token_id).to(self.device)
+
+    def __call__(self, model: torch.nn.Module, batch: ModelBatch, compute: torch.dtype | None) -> torch.Tensor:
+        """[R * B] float32 summed log-probs of each example's responses (all first responses, then all second
+        ones), in one forward pass; compute: the model's compute dtype, or None for its weights'."""
+        autocast = compute if self.autocast else None
+        mask_dtype = compute or next(model.parameters()).dtype
+        return sequence_logps(model, batch, autocast, mask_dtype, scored_head=self.scored_head)

@@ -1,19 +1,14 @@
-"""Small helpers shared by the entry point and the trainers: errors, run directories, atomic writes, and the
-few torch.distributed calls made outside the trainers."""
-import contextlib
+"""Small helpers shared across modules: the one-line error type, seeding, run directories, JSON lines."""
+
 import getpass
 import json
 import os
-import pickle
 import random
-import shutil
-import socket
-from datetime import datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 REPO_ROOT = Path(__file__).resolve().parent
 
@@ -44,109 +39,9 @@ def get_local_run_dir(exp_name: str, local_dirs: list[str]) -> Path:
     return get_local_dir(local_dirs) / getpass.getuser() / f"{exp_name}_{timestamp}"
 
 
-def get_device() -> torch.device:
-    """CUDA when present (this process's LOCAL_RANK under torchrun), otherwise the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_distributed(timeout_secs: float) -> None:
-    """Join the process group described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (torchrun's
-    variables): NCCL with one GPU per process, else gloo on the CPU."""
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_secs))
-
-
-def rank() -> int:
-    """This process's rank: in the process group, else as torchrun announced it, else 0."""
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-
-
-def broadcast_object(obj):
-    """Rank 0's `obj` on every rank (just `obj` outside a process group)."""
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def run_on_main(fn):
-    """fn() on rank 0 only; its result there (None elsewhere). A UserError it raises is raised on every rank,
-    so that no rank is left waiting in a collective for one that stopped."""
-    result = error = None
-    if rank() == 0:
-        try:
-            result = fn()
-        except UserError as e:
-            error = str(e)
-    error = broadcast_object(error)
-    if error is not None:
-        raise UserError(error)
-    return result
-
-
-@contextlib.contextmanager
-def local_main_first():
-    """Local rank 0 runs the block first and the other ranks of its machine after it, so they find its
-    downloads, conversions and caches complete instead of racing to write them."""
-    first = int(os.environ.get("LOCAL_RANK", 0)) == 0
-    if dist.is_initialized() and not first:
-        dist.barrier()
-    try:
-        yield
-    finally:  # also on an error: the others then meet the same error themselves instead of a broken barrier
-        if dist.is_initialized() and first:
-            dist.barrier()
-
-
-def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
-    """Move a fully written `tmp_dir` to `final_dir`; an older `final_dir` is removed only afterwards,
-    so a crash at any point leaves either the old or the new directory complete."""
-    old_dir = final_dir.with_name(final_dir.name + ".old")
-    if old_dir.exists():
-        shutil.rmtree(old_dir)
-    if final_dir.exists():
-        final_dir.rename(old_dir)
-    tmp_dir.rename(final_dir)
-    if old_dir.exists():
-        shutil.rmtree(old_dir)
-
-
 def append_jsonl(path: Path, record: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
-
-
-def load_checkpoint_file(path: Path, setting: str) -> dict:
-    """A checkpoint file in the reference format ({"step_idx", "state", "metrics"}), read with weights_only.
-    Anything else raises a UserError that names the `setting` it came from."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise UserError(f"{setting}: {path} does not exist") from None
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
-        raise UserError(f"{setting}: {path} is not a readable checkpoint ({first_line(error)})") from None
-    if not isinstance(checkpoint, dict) or "state" not in checkpoint:
-        raise UserError(f"{setting}: {path} is not a checkpoint in the reference format (no 'state')")
-    return checkpoint
-
-
-def load_state(target, state: dict, setting: str, path: Path) -> None:
-    """target.load_state_dict(state) for a module, optimizer or scheduler, with a one-line error on mismatch."""
-    try:
-        target.load_state_dict(state)
-    except (RuntimeError, ValueError, KeyError) as error:
-        raise UserError(f"{setting}: {path} does not fit this {type(target).__name__} ({first_line(error)})") from None
 
 
 def first_line(error: Exception) -> str:

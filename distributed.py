@@ -1,0 +1,335 @@
+"""Everything about processes: who this process is (`Topology`), how the processes are started (`launch`), and
+parallelism as functions that place a model on the device mesh (`apply_tensor_parallel`, `apply_fsdp`).
+
+The mesh is 2-D, data parallel x tensor parallel ("dp", "tp"), laid out row-major, so that the ranks of one tp
+group are neighbours (on one node under torchrun). The ranks of a tp group split every attention and MLP
+projection and see the same examples; each dp group trains on its own slice of every batch, with parameters,
+gradients and optimizer state sharded over the dp ranks by FSDP2. This is the arrangement of torchtitan and
+Megatron-LM: tensor parallelism inside a node, FSDP across nodes. A trainer name is a choice of these two."""
+
+import contextlib
+import logging
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
+
+from models import checkpoint_blocks, find_blocks, tensor_parallel_plan
+from utils import UserError
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """What a `trainer=` name selects; the Trainer itself is the same for all."""
+
+    one_process: bool  # runs in the launching process, without a process group
+    fsdp: bool  # shard policy and reference over the data-parallel ranks (FSDP2, per transformer block)
+    tensor_parallel_by_default: bool  # tensor_parallel_size=null means all ranks (else 1)
+
+
+TRAINERS = {
+    "BasicTrainer": Parallelism(one_process=True, fsdp=False, tensor_parallel_by_default=False),
+    # Zhao et al. 2023, "PyTorch FSDP"; with tensor_parallel_size > 1, FSDP over dp and TP within each tp group.
+    "FSDPTrainer": Parallelism(one_process=False, fsdp=True, tensor_parallel_by_default=False),
+    # Megatron-LM's column/row split of attention and MLP projections (Shoeybi et al. 2019) over all ranks.
+    "TensorParallelTrainer": Parallelism(one_process=False, fsdp=False, tensor_parallel_by_default=True),
+}
+
+
+def process_rank() -> int:
+    """This process's global rank: in the process group, else as torchrun announced it, else 0."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def default_device() -> torch.device:
+    """This process's GPU (LOCAL_RANK) when CUDA is present, otherwise the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def mesh_shape(trainer: str, world_size: int, tensor_parallel_size: int | None) -> tuple[int, int]:
+    """(data-parallel size, tensor-parallel size) of a `trainer` run on world_size ranks."""
+    parallelism = TRAINERS[trainer]
+    default = world_size if parallelism.tensor_parallel_by_default else 1
+    tp = default if tensor_parallel_size is None else tensor_parallel_size
+    if tp <= 0 or world_size % tp:
+        raise UserError(f"tensor_parallel_size={tp} must be a positive divisor of the world size {world_size}")
+    if tp != default and not parallelism.fsdp:
+        raise UserError(
+            f"tensor_parallel_size={tp} with {trainer} on {world_size} ranks: use trainer=FSDPTrainer "
+            "for data parallel x tensor parallel"
+        )
+    return world_size // tp, tp
+
+
+@dataclass
+class Topology:
+    """Who this process is: ranks, the 2-D mesh, and the collectives the run needs. Without a process group
+    (BasicTrainer) it is rank 0 of 1, and every helper is the identity."""
+
+    trainer: str = "BasicTrainer"
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp_size: int = 1
+    mesh: DeviceMesh | None = None
+    device: torch.device = torch.device("cpu")
+
+    @classmethod
+    def create(cls, trainer: str, tensor_parallel_size: int | None = None) -> "Topology":
+        device = default_device()
+        if not dist.is_initialized():
+            return cls(trainer=trainer, device=device)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        dp, tp = mesh_shape(trainer, world_size, tensor_parallel_size)
+        mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+        return cls(
+            trainer,
+            rank,
+            world_size,
+            int(os.environ.get("LOCAL_RANK", 0)),
+            mesh["dp"].get_local_rank(),
+            dp,
+            tp,
+            mesh,
+            device,
+        )
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def fsdp(self) -> bool:
+        return TRAINERS[self.trainer].fsdp
+
+    def describe(self) -> str:
+        return f"{self.trainer} x{self.world_size} (dp {self.dp_size} x tp {self.tp_size})"
+
+    def shard(self, items: list) -> tuple[list, int]:
+        """This data-parallel rank's contiguous share of `items` and how many of it are real: a short share is
+        padded with copies of items[0], so that every rank runs the same number of forward passes (sharded models
+        need all ranks in each one)."""
+        size = -(-len(items) // self.dp_size)
+        local = items[self.dp_rank * size : (self.dp_rank + 1) * size]
+        return local + [items[0]] * (size - len(local)), len(local)
+
+    def micro_batches(self, items: list, batch_size: int, accumulation: int) -> tuple[list[list], int]:
+        """This rank's share of `items` (a batch of at most batch_size) in micro-batches of
+        batch_size / (accumulation x dp ranks), and how many of the share are real (see shard)."""
+        local, n_real = self.shard(items)
+        size = batch_size // (accumulation * self.dp_size)
+        return [local[i : i + size] for i in range(0, len(local), size)], n_real
+
+    def gather(self, values: dict[str, list]) -> dict[str, list]:
+        """Each list concatenated over the data-parallel ranks, in rank order (which is batch order)."""
+        if self.dp_size == 1:
+            return dict(values)
+        parts = [None] * self.dp_size
+        dist.all_gather_object(parts, dict(values), group=self.mesh.get_group("dp"))
+        return {name: [v for part in parts for v in part[name]] for name in parts[0]}
+
+    def broadcast(self, obj):
+        """Rank 0's `obj` on every rank."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def run_on_main(self, fn: Callable):
+        """fn() on rank 0 only; its result there (None elsewhere). A UserError it raises is raised on every rank,
+        so that no rank is left waiting in a collective for one that stopped."""
+        result = error = None
+        if self.is_main:
+            try:
+                result = fn()
+            except UserError as e:
+                error = str(e)
+        error = self.broadcast(error)
+        if error is not None:
+            raise UserError(error)
+        return result
+
+    @contextlib.contextmanager
+    def main_first(self):
+        """Local rank 0 runs the block first and the other ranks of its machine after it, so they find its
+        downloads, conversions and caches complete instead of racing to write them."""
+        first = self.local_rank == 0
+        if self.world_size > 1 and not first:
+            dist.barrier()
+        try:
+            yield
+        finally:  # also on an error: the others then meet the same error themselves instead of a broken barrier
+            if self.world_size > 1 and first:
+                dist.barrier()
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Parallelism: functions that take a model and the mesh and return it placed
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, trainer: str) -> nn.Module:
+    """Split the base model's attention and MLP projections over the tp ranks (the model's own tp plan);
+    each split weight goes to the device as its shard, never whole."""
+    plan = tensor_parallel_plan(model, tp_mesh.size(), dist.get_world_size(), trainer)
+    parallelize_module(model.base_model, tp_mesh, plan)
+    return model
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, block_name: str | None, compute_dtype: torch.dtype | None):
+    """Shard each transformer block, then the root, over the dp ranks (FSDP2's `fully_shard`). Parameters are
+    gathered and gradients reduced in compute_dtype (None: the weights' dtype); buffers, e.g. Llama's rotary
+    frequencies, keep theirs."""
+    mixed_precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=compute_dtype)
+    for block in find_blocks(model, block_name):
+        fully_shard(block, mesh=dp_mesh, mp_policy=mixed_precision)
+    # The root (embeddings, final norm, head) reshards after each forward too, unlike FSDP2's default: evals,
+    # sampling and the reference run forwards without a backward, which would leave it gathered.
+    return fully_shard(model, mesh=dp_mesh, mp_policy=mixed_precision, reshard_after_forward=True)
+
+
+def parallelize(
+    model: nn.Module,
+    topology: Topology,
+    compute_dtype: torch.dtype | None,
+    block_name: str | None,
+    activation_checkpointing: bool,
+) -> nn.Module:
+    """The model placed on this topology: tensor parallel first (FSDP then shards the tp shards), activation
+    checkpointing per block, then FSDP, or else moved whole to the device."""
+    if topology.tp_size > 1:
+        apply_tensor_parallel(model, topology.mesh["tp"], topology.trainer)
+    if activation_checkpointing:
+        checkpoint_blocks(model, block_name)
+    if topology.fsdp:
+        return apply_fsdp(model, topology.mesh["dp"], block_name, compute_dtype)
+    return model.to(topology.device)
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Whether the next backward pass reduces gradients across ranks (only FSDP reduces any)."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Launching: in this process, as one rank under torchrun, or as `nproc` workers spawned here
+
+
+def launched_by_torchrun() -> bool:
+    return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def planned_world_size(trainer: str, nproc: int | None) -> int:
+    """How many processes the run takes: torchrun's world, 1 for BasicTrainer, else `nproc` or one per GPU."""
+    if launched_by_torchrun():
+        if nproc is not None:
+            raise UserError(
+                f"nproc={nproc} is for train.py's own launcher; under torchrun the world size comes from "
+                "torchrun (--nproc_per_node, --nnodes)"
+            )
+        return int(os.environ["WORLD_SIZE"])
+    if TRAINERS[trainer].one_process:
+        if nproc is not None:
+            raise UserError(
+                f"{trainer} runs on one process; for {nproc} use trainer=FSDPTrainer or trainer=TensorParallelTrainer"
+            )
+        return 1
+    gpus = torch.cuda.device_count()
+    if gpus and nproc is not None and nproc > gpus:
+        raise UserError(f"nproc={nproc} but this machine has {gpus} GPUs (one process per GPU)")
+    return nproc or gpus or 2
+
+
+def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """torchrun's variables for rank `rank` of a single-machine world."""
+    return dict(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(timeout_secs: float) -> None:
+    """Join the process group described by torchrun's variables: NCCL with one GPU per process, else gloo."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=timeout_secs))
+
+
+def report_and_exit(error: UserError) -> None:
+    """Every rank meets the same error; rank 0 says it in one line. Exit code 2, as for a bad command line."""
+    if process_rank() == 0:
+        print(f"error: {error}", file=sys.stderr)
+    sys.exit(2)
+
+
+def run_rank(run: Callable, config, timeout_secs: float) -> None:
+    """Join the process group (set up by torchrun or `spawn`), run(config), and leave it."""
+    init_process_group(timeout_secs)
+    if dist.get_rank() != 0:
+        sys.stdout = open(os.devnull, "w")  # rank 0 reports for all
+    try:
+        run(config)
+        dist.barrier()  # leave together: rank 0 may still be writing the last checkpoint
+    except UserError as error:
+        report_and_exit(error)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawned_worker(local_rank: int, nproc: int, port: int, run: Callable, config, timeout_secs: float) -> None:
+    os.environ.update(rank_environment(local_rank, nproc, port))
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))  # oversubscribed cores slow every rank
+    run_rank(run, config, timeout_secs)
+
+
+def launch(run: Callable, config, world_size: int) -> None:
+    """run(config) in this process (one-process trainers), as this torchrun rank, or on `world_size` workers
+    started here (one per GPU, or CPU workers with an equal share of the cores), waiting for them."""
+    try:
+        if launched_by_torchrun():
+            run_rank(run, config, config.distributed_timeout_secs)
+        elif TRAINERS[config.trainer].one_process:
+            run(config)
+        else:
+            spawn(run, config, world_size)
+    except UserError as error:
+        report_and_exit(error)
+
+
+def spawn(run: Callable, config, nproc: int) -> None:
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its notes would bury a rank's error
+    backend = "nccl, one per GPU" if torch.cuda.is_available() else "gloo, on the CPU"
+    print(f"{config.trainer}: starting {nproc} processes ({backend})")
+    try:
+        args = (nproc, free_port(), run, config, config.distributed_timeout_secs)
+        torch.multiprocessing.spawn(spawned_worker, args=args, nprocs=nproc)
+    except torch.multiprocessing.ProcessExitedException as error:
+        # A rank that stopped on a UserError has printed it; one that was killed has not.
+        if error.exit_code is None or error.exit_code < 0:
+            print(f"error: rank {error.error_index} was killed ({error.signal_name})", file=sys.stderr)
+        sys.exit(error.exit_code if error.exit_code and error.exit_code > 0 else 1)

@@ -1,0 +1,75 @@
+"""Evaluation on the held-out examples, and samples from policy and reference on their prompts."""
+
+from collections import defaultdict
+from typing import Callable
+
+import torch
+import tqdm
+
+from distributed import Topology
+from layouts import left_padded_prompts
+
+
+class Evaluator:
+    """Evaluates on fixed eval batches, each rank on its share in the training micro-batch budget.
+
+    batch_metrics(examples, split) -> (mean loss, {name: [B] metric}): the objective on a micro-batch."""
+
+    def __init__(self, config, topology: Topology, tokenizer, eval_batches: list[list[dict]], batch_metrics: Callable):
+        self.config, self.topology, self.tokenizer = config, topology, tokenizer
+        self.eval_batches, self.batch_metrics = eval_batches, batch_metrics
+
+    @torch.no_grad()
+    def evaluate(self, policy: torch.nn.Module) -> dict[str, float]:
+        """Mean of each metric over all eval examples."""
+        policy.eval()
+        values = defaultdict(list)
+        batches = tqdm.tqdm(
+            self.eval_batches, desc="eval", leave=False, dynamic_ncols=True, disable=not self.topology.is_main
+        )
+        for batch in batches:
+            # The training micro-batch budget: a rank's share goes through in gradient_accumulation_steps parts.
+            micro_batches, n_real = self.topology.micro_batches(
+                batch, self.config.eval_batch_size, self.config.gradient_accumulation_steps
+            )
+            local_values = defaultdict(list)
+            for micro_batch in micro_batches:
+                for name, metric in self.batch_metrics(micro_batch, "eval")[1].items():
+                    local_values[name].extend(metric.float().cpu().tolist())
+            for name, v in self.topology.gather({name: v[:n_real] for name, v in local_values.items()}).items():
+                values[name].extend(v)
+        return {name: sum(v) / len(v) for name, v in values.items()}
+
+    @torch.no_grad()
+    def generate(self, model: torch.nn.Module, examples: list[dict]) -> list[str]:
+        """Sampled continuations of the examples' prompts, without the prompt text."""
+        g = self.config.generation
+        pad_token_id = self.tokenizer.pad_token_id
+        prompt_ids, attention_mask = left_padded_prompts(examples, pad_token_id)
+        device = self.topology.device
+        output = model.generate(
+            prompt_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            max_new_tokens=g.max_new_tokens,
+            do_sample=g.do_sample,
+            temperature=g.temperature,
+            top_p=g.top_p,
+            pad_token_id=pad_token_id,
+            # ranks done early keep joining the sharded forward passes of the others
+            synced_gpus=self.topology.world_size > 1,
+        )
+        return self.tokenizer.batch_decode(output[:, prompt_ids.shape[1] :], skip_special_tokens=True)
+
+    def sample(self, policy: torch.nn.Module, reference: torch.nn.Module | None, step: int) -> list[dict]:
+        """{"step", "prompt", "policy", "reference"} for the first n_eval_model_samples eval prompts."""
+        examples = [ex for batch in self.eval_batches for ex in batch][: self.config.n_eval_model_samples]
+        local, n_real = self.topology.shard(examples)
+        # The same seed on every rank: tensor-parallel ranks must draw the same tokens.
+        torch.manual_seed(self.config.seed + step)
+        policy_texts = self.generate(policy, local)
+        reference_texts = self.generate(reference, local) if reference is not None else [None] * len(local)
+        samples = [
+            {"step": step, "prompt": ex["pair"].prompt, "policy": p, "reference": r}
+            for ex, p, r in zip(local, policy_texts, reference_texts)
+        ]
+        return self.topology.gather({"samples": samples[:n_real]})["samples"]

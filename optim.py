@@ -1,0 +1,59 @@
+"""The optimizer, its learning-rate schedule and gradient clipping."""
+
+import inspect
+from collections import defaultdict
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from utils import UserError
+
+
+def optimizer_class(name: str, knobs: dict) -> type[torch.optim.Optimizer]:
+    """`torch.optim.<name>`, checked to accept `knobs`; one-line errors list the valid names or knobs."""
+    optimizers = sorted(
+        n
+        for n, c in vars(torch.optim).items()
+        if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
+    )
+    if name not in optimizers:
+        raise UserError(f"unknown optimizer '{name}'; torch.optim has: {', '.join(optimizers)}")
+    optimizer = getattr(torch.optim, name)
+    accepted = [p for p in inspect.signature(optimizer).parameters if p not in ("params", "lr")]
+    unknown = sorted(set(knobs) - set(accepted))
+    if unknown:
+        raise UserError(f"optimizer {name} has no setting {', '.join(unknown)}; its settings: {', '.join(accepted)}")
+    return optimizer
+
+
+def build_optimizer(name: str, params, lr: float, knobs: dict) -> torch.optim.Optimizer:
+    knobs = {k: tuple(v) if isinstance(v, list) else v for k, v in knobs.items()}  # e.g. betas
+    return optimizer_class(name, knobs)(params, lr=lr, **knobs)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """Linear warmup over warmup_steps optimizer steps (step s runs at (s + 1) / (warmup_steps + 1) of lr), then
+    constant, as in the DPO reference."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup_steps + 1)))
+
+
+def clip_grad_norm(parameters, max_norm: float) -> float:
+    """Scale gradients down to a total L2 norm of at most max_norm; return the norm before clipping.
+
+    Gradients may be plain tensors, FSDP's sharded DTensors, or tensor parallelism's mix of both (on a 2-D mesh
+    as well), which torch.nn.utils.clip_grad_norm_ refuses: each group of gradients with one layout gets one norm,
+    reduced over the ranks that hold its shards."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    groups = defaultdict(list)
+    for grad in grads:
+        groups[(grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None].append(grad)
+    squares = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
+    total = torch.stack(squares).sum().sqrt().item()
+    scale = max_norm / (total + 1e-6)  # torch's rule, so clipping matches clip_grad_norm_
+    if scale < 1:
+        for grad in grads:
+            grad.mul_(scale)
+    return total

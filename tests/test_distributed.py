@@ -1,0 +1,236 @@
+"""Many processes (distributed.py): FSDP, tensor parallelism and both on a 2-D mesh, 2 and 4 CPU processes (gloo),
+compared with BasicTrainer on the same data; the topology's sharding helpers."""
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import (
+    PADDED_BASELINE,
+    arithmetic_pairs,
+    assert_same_metrics,
+    assert_same_weights,
+    build_trainer,
+    read_jsonl,
+    run_cli,
+    tiny_run_overrides,
+    write_jsonl,
+)
+from distributed import Topology, free_port, init_process_group, mesh_shape, rank_environment
+
+
+def launch(run_dir, pairs_file, *overrides: str, launcher: str = "spawn", nproc: int = 2):
+    """A tiny-model run of train.py; "spawn": train.py starts nproc workers, "torchrun": torchrun starts 2 ranks."""
+    # Gradient norms here run from 2.6 down to 1.2: max_grad_norm=1.5 clips most steps but not all.
+    # AdamW's eps at 1e-6: with the default 1e-8, a gradient entry of ~1e-10 moves its weight by ~lr whatever its
+    # rounding, so summation order alone could move a weight by a fraction of lr = 1e-3.
+    args = [
+        *tiny_run_overrides(run_dir.parent, pairs_file),
+        f"local_run_dir={run_dir}",
+        "distributed_timeout_secs=120",
+        "max_grad_norm=1.5",
+        "+optimizer_kwargs.eps=1e-6",
+        *overrides,
+    ]
+    torchrun = (str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2")
+    if launcher == "spawn" and not any(arg.startswith("trainer=BasicTrainer") for arg in overrides):
+        args.append(f"nproc={nproc}")
+    result = run_cli(
+        *args, launcher=torchrun if launcher == "torchrun" else (sys.executable,), env_extra={"OMP_NUM_THREADS": "1"}
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def basic_run(tmp_path_factory):
+    """BasicTrainer's run of the tiny fixture in the padded layout, with full logits and a live reference: the run
+    every distributed one must reproduce with the default levers."""
+    root = tmp_path_factory.mktemp("basic")
+    pairs_file = write_jsonl(root / "pairs.jsonl", arithmetic_pairs(48))
+    launch(root / "run", pairs_file, "trainer=BasicTrainer", *PADDED_BASELINE)
+    return root / "run", pairs_file
+
+
+@pytest.mark.parametrize(
+    "trainer,overrides,launcher",
+    [
+        ("FSDPTrainer", ["sample_during_eval=true", "n_eval_model_samples=3", "generation.max_new_tokens=4"], "spawn"),
+        ("FSDPTrainer", ["gradient_accumulation_steps=2", "activation_checkpointing=true"], "torchrun"),
+        (
+            "TensorParallelTrainer",
+            ["sample_during_eval=true", "n_eval_model_samples=3", "generation.max_new_tokens=4"],
+            "spawn",
+        ),
+        ("TensorParallelTrainer", ["gradient_accumulation_steps=2", "activation_checkpointing=true"], "torchrun"),
+    ],
+)
+def test_distributed_trainer_matches_basic_trainer(basic_run, tmp_path, trainer, overrides, launcher):
+    # Per-step losses, rewards and gradient norms, every eval, and the final weights, all to ~1e-5.
+    basic_dir, pairs_file = basic_run
+    run_dir = tmp_path / "run"
+    result = launch(run_dir, pairs_file, f"trainer={trainer}", *overrides, launcher=launcher)
+    assert result.stdout.count("run directory:") == 1  # rank 0 reports for all
+    assert_same_metrics(read_jsonl(basic_dir / "metrics.jsonl"), read_jsonl(run_dir / "metrics.jsonl"))
+    assert_same_weights(basic_dir, run_dir)
+    if "sample_during_eval=true" in overrides:
+        samples = read_jsonl(run_dir / "samples.jsonl")
+        assert [s["step"] for s in samples] == [0] * 3 + [16] * 3 + [32] * 3 + [40] * 3
+        assert all(isinstance(s["policy"], str) and isinstance(s["reference"], str) for s in samples)
+    # The export is a from_pretrained directory, whatever the trainer.
+    assert AutoModelForCausalLM.from_pretrained(run_dir / "LATEST").config.architectures == ["LlamaForCausalLM"]
+
+
+def test_fsdp_and_tensor_parallel_on_a_2d_mesh_match_basic_trainer(basic_run, tmp_path):
+    # 4 processes as 2 data-parallel groups x 2 tensor-parallel ranks: FSDP shards over dp what TP split over tp.
+    # Each rank runs 2 accumulation micro-batches of 2 pairs; samples come from both dp groups.
+    basic_dir, pairs_file = basic_run
+    run_dir = tmp_path / "run"
+    result = launch(
+        run_dir,
+        pairs_file,
+        "trainer=FSDPTrainer",
+        "tensor_parallel_size=2",
+        "gradient_accumulation_steps=2",
+        "sample_during_eval=true",
+        "n_eval_model_samples=3",
+        "generation.max_new_tokens=4",
+        nproc=4,
+    )
+    assert "FSDPTrainer x4 (dp 2 x tp 2)" in result.stdout
+    assert_same_metrics(read_jsonl(basic_dir / "metrics.jsonl"), read_jsonl(run_dir / "metrics.jsonl"))
+    assert_same_weights(basic_dir, run_dir)
+    assert [s["step"] for s in read_jsonl(run_dir / "samples.jsonl")] == [0] * 3 + [16] * 3 + [32] * 3 + [40] * 3
+    # The 2-D run resumes BasicTrainer's step-16 checkpoint (broadcast onto 2-D DTensors) and ends where it did.
+    resumed = tmp_path / "resumed"
+    launch(
+        resumed,
+        pairs_file,
+        "trainer=FSDPTrainer",
+        "tensor_parallel_size=2",
+        f"resume_from={basic_dir / 'step-16'}",
+        nproc=4,
+    )
+    assert_same_metrics(
+        [r for r in read_jsonl(basic_dir / "metrics.jsonl") if r["step"] > 16], read_jsonl(resumed / "metrics.jsonl")
+    )
+    assert_same_weights(basic_dir, resumed)
+
+
+def test_fsdp_bfloat16_trains_close_to_float32(basic_run, tmp_path):
+    basic_dir, pairs_file = basic_run
+    launch(tmp_path / "run", pairs_file, "trainer=FSDPTrainer", "model.fsdp_policy_mp=bfloat16")
+    float32, bfloat16 = read_jsonl(basic_dir / "metrics.jsonl"), read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    differences = [
+        abs(b[name] - f[name]) for f, b in zip(float32, bfloat16) for name in ("loss/train", "loss/eval") if name in f
+    ]
+    assert all(map(math.isfinite, differences)) and max(differences) < 5e-3
+    assert max(differences) > 1e-5  # beyond float32 rounding: the policy really computed in bfloat16
+    evals = [r for r in bfloat16 if "loss/eval" in r]
+    assert (
+        evals[-1]["rewards_eval/accuracies"] > evals[0]["rewards_eval/accuracies"]
+        and evals[-1]["rewards_eval/accuracies"] >= 0.75
+    )
+
+
+def test_checkpoints_resume_across_trainers(basic_run, tmp_path):
+    # FSDPTrainer continues BasicTrainer's step-16 checkpoint, then BasicTrainer continues FSDPTrainer's step-32:
+    # both end where the uninterrupted run did.
+    basic_dir, pairs_file = basic_run
+    launch(tmp_path / "fsdp", pairs_file, "trainer=FSDPTrainer", f"resume_from={basic_dir / 'step-16'}")
+    launch(tmp_path / "basic", pairs_file, "trainer=BasicTrainer", f"resume_from={tmp_path / 'fsdp' / 'step-32'}")
+    uninterrupted = read_jsonl(basic_dir / "metrics.jsonl")
+    assert_same_metrics([r for r in uninterrupted if r["step"] > 16], read_jsonl(tmp_path / "fsdp" / "metrics.jsonl"))
+    assert_same_metrics([r for r in uninterrupted if r["step"] > 32], read_jsonl(tmp_path / "basic" / "metrics.jsonl"))
+    assert_same_weights(basic_dir, tmp_path / "fsdp")
+    assert_same_weights(basic_dir, tmp_path / "basic")
+
+
+def fsdp_rank(local_rank: int, port: int, config, check, out_file: Path) -> None:
+    """One of 2 FSDPTrainer ranks, built in-process: runs check(trainer, rank) and writes rank 0's result."""
+    os.environ.update(rank_environment(local_rank, 2, port))
+    torch.set_num_threads(1)
+    init_process_group(timeout_secs=60)  # a rank left waiting fails the test within a minute instead of hanging it
+    try:
+        result = check(build_trainer(config, run_dir=Path(config.local_run_dir)), local_rank)
+        if local_rank == 0:
+            out_file.write_text(json.dumps(result))
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def run_fsdp_ranks(config, check, tmp_path):
+    Path(config.local_run_dir).mkdir(parents=True, exist_ok=True)
+    torch.multiprocessing.spawn(fsdp_rank, args=(free_port(), config, check, tmp_path / "result.json"), nprocs=2)
+    return json.loads((tmp_path / "result.json").read_text())
+
+
+def sample_unevenly(trainer, rank: int) -> list[dict]:
+    trainer.config.generation.max_new_tokens = 8 if rank == 0 else 1
+    return trainer.evaluator.sample(trainer.policy, trainer.reference_model, trainer.example_counter)
+
+
+def test_fsdp_sampling_with_uneven_lengths_completes(make_config, tmp_path):
+    # Rank 0 generates 8 tokens and rank 1 one: rank 1 must keep joining rank 0's sharded forward passes.
+    config = make_config(
+        "trainer=FSDPTrainer", "sample_during_eval=true", "n_eval_model_samples=4", "generation.do_sample=false"
+    )
+    samples = run_fsdp_ranks(config, sample_unevenly, tmp_path)
+    single = build_trainer(
+        make_config("sample_during_eval=true", "n_eval_model_samples=4", "generation.do_sample=false"),
+        run_dir=tmp_path / "run",
+    )
+    examples = [ex for batch in single.eval_batches for ex in batch][:4]
+    single.config.generation.max_new_tokens = 8
+    long = single.evaluator.generate(single.policy, examples)
+    single.config.generation.max_new_tokens = 1
+    short = single.evaluator.generate(single.policy, examples)
+    # Greedy decoding from the same weights: rank 0 had pairs 0-1, rank 1 pairs 2-3.
+    assert [s["policy"] for s in samples] == long[:2] + short[2:]
+    assert [s["reference"] for s in samples] == long[:2] + short[2:]
+
+
+def record_micro_batches(trainer, rank: int) -> list[tuple[int, bool]]:
+    """(pairs in the micro-batch, whether any sharded gradient exists yet) for each micro-batch of one step."""
+    seen = []
+    batch_metrics = trainer.batch_metrics
+
+    def recording(examples, split):
+        seen.append((len(examples), any(p.grad is not None for p in trainer.policy.parameters())))
+        return batch_metrics(examples, split)
+
+    trainer.batch_metrics = recording
+    metrics = trainer.train_step([trainer.train_examples[i] for i in trainer.schedule[0]])
+    assert len(metrics["loss/train"]) == 8  # gathered from both ranks
+    return seen
+
+
+def test_fsdp_ranks_split_batches_and_reduce_once_per_step(make_config, tmp_path):
+    # 8 pairs, 2 ranks, 4 accumulation steps: each rank runs 4 micro-batches of 1 pair, and sharded gradients
+    # appear only when the last micro-batch's backward reduces them across ranks.
+    config = make_config("trainer=FSDPTrainer", "gradient_accumulation_steps=4")
+    assert run_fsdp_ranks(config, record_micro_batches, tmp_path) == [[1, False]] * 4
+
+
+def test_mesh_shape_of_each_trainer_name():
+    assert mesh_shape("BasicTrainer", 1, None) == (1, 1)
+    assert mesh_shape("FSDPTrainer", 4, None) == (4, 1)
+    assert mesh_shape("FSDPTrainer", 4, 2) == (2, 2)
+    assert mesh_shape("FSDPTrainer", 4, 4) == (1, 4)
+    assert mesh_shape("TensorParallelTrainer", 4, None) == (1, 4)
+
+
+def test_shards_pad_short_shares_and_micro_batches_cut_them():
+    items = list(range(5))
+    first, second = Topology(dp_rank=0, dp_size=2), Topology(dp_rank=1, dp_size=2)
+    assert first.shard(items) == ([0, 1, 2], 3)
+    assert second.shard(items) == ([3, 4, 0], 2)  # padded with items[0]: every rank runs the same forward passes
+    assert second.micro_batches(items, batch_size=8, accumulation=2) == ([[3, 4], [0]], 2)
+    assert Topology().gather({"x": [1, 2]}) == {"x": [1, 2]} and Topology().broadcast("a") == "a"
