@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 import transformers
 
-import losses
+import logprobs
 from distributed import free_port, rank_environment
-from losses import token_logps_from_hidden, token_logps_from_logits
+from logprobs import token_logps_from_hidden, token_logps_from_logits
 from utils import REPO_ROOT
 
 IGNORE_INDEX = -100  # labels that are not scored (the reference implementation's convention)
@@ -404,7 +404,7 @@ def main() -> None:
 
         seconds = best_of(step, args.repeats)
         print(f"logps fwd+bwd [{batch}, {length}, {vocab}] bf16 logits, {name:7s} {seconds * 1e3:8.1f} ms")
-    rows = losses.chunk_rows(vocab)
+    rows = logprobs.chunk_rows(vocab)
     print(
         f"float32 copies of the logits: naive {batch * length * vocab * 4 / 2**20:.0f} MiB (all positions), "
         f"chunked {rows * vocab * 4 / 2**20:.0f} MiB (one chunk of {rows} rows)"

@@ -35,10 +35,12 @@ def save(
     optimizer,
     scheduler,
     topology: "Topology",
+    objective_state: dict,
     tokenizer=None,
 ) -> None:
-    """Write the three files (and, given the tokenizer, a from_pretrained-ready copy of policy and tokenizer) to a
-    temporary directory, then swap it in whole. Every rank takes part in gathering the states; rank 0 writes."""
+    """Write the three files, objective.pt for an objective with running state (bco_pair's reward mean), and,
+    given the tokenizer, a from_pretrained-ready copy of policy and tokenizer, to a temporary directory; then swap
+    it in whole. Every rank takes part in gathering the states; rank 0 writes."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the full states land on rank 0's CPU
     policy_state = get_model_state_dict(policy, options=options)
     optimizer_state = get_optimizer_state_dict(policy, optimizer, options=options)
@@ -47,8 +49,10 @@ def save(
     tmp_dir = output_dir.with_name(output_dir.name + ".tmp")
     shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a crashed save: none of it may leak into this one
     tmp_dir.mkdir(parents=True)
-    for name, state in zip(FILES, (policy_state, optimizer_state, scheduler.state_dict())):
-        torch.save({"step_idx": step, "state": state, "metrics": metrics}, tmp_dir / f"{name}.pt")
+    states = dict(zip(FILES, (policy_state, optimizer_state, scheduler.state_dict()))) | {"objective": objective_state}
+    for name, state in states.items():
+        if state:
+            torch.save({"step_idx": step, "state": state, "metrics": metrics}, tmp_dir / f"{name}.pt")
     if tokenizer is not None:
         policy.save_pretrained(tmp_dir, state_dict=policy_state)
         tokenizer.save_pretrained(tmp_dir)
@@ -56,26 +60,29 @@ def save(
     print(f"saved {output_dir}")
 
 
-def load(checkpoint_dir: Path, policy, optimizer, scheduler, batch_size: int, topology: "Topology") -> int:
+def load(checkpoint_dir: Path, policy, optimizer, scheduler, batch_size: int, topology: "Topology") -> tuple[int, dict]:
     """Load weights, optimizer and schedule state into the (placed) policy, its optimizer and scheduler; return
-    the examples seen. Rank 0 reads and checks the files; the states reach the other ranks by broadcast."""
+    the examples seen and the objective's state ({} where the checkpoint has none). Rank 0 reads and checks the
+    files; the states reach the other ranks by broadcast."""
     setting = f"resume_from={checkpoint_dir}"
     states = topology.run_on_main(lambda: read(checkpoint_dir, policy, optimizer, batch_size, setting))
     main = topology.is_main
-    step, scheduler_state = topology.broadcast(
-        (states["policy"]["step_idx"], states["scheduler"]["state"]) if main else None
+    step, scheduler_state, objective_state = topology.broadcast(
+        (states["policy"]["step_idx"], states["scheduler"]["state"], states["objective"]) if main else None
     )
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=topology.world_size > 1)
     set_model_state_dict(policy, states["policy"]["state"] if main else {}, options=options)
     set_optimizer_state_dict(policy, optimizer, states["optimizer"]["state"] if main else {}, options=options)
     load_state(scheduler, scheduler_state, setting, checkpoint_dir / "scheduler.pt")
     print(f"resumed from {checkpoint_dir} at {step} examples")
-    return step
+    return step, objective_state
 
 
 def read(checkpoint_dir: Path, policy, optimizer, batch_size: int, setting: str) -> dict[str, dict]:
     """The three files, checked to fit this run, so that loading them cannot fail half-way through a broadcast."""
     states = {name: read_file(checkpoint_dir / f"{name}.pt", setting) for name in FILES}
+    objective_file = checkpoint_dir / "objective.pt"
+    states["objective"] = read_file(objective_file, setting)["state"] if objective_file.exists() else {}
     step = states["policy"]["step_idx"]
     if step % batch_size:
         raise UserError(f"{setting}: {step} examples seen is not a multiple of batch_size={batch_size}")

@@ -5,7 +5,7 @@ Hydra composes `config/config.yaml`, the `model=` and `loss=` group options and 
 schemas, so a wrong type or an unknown key fails during composition; `load` turns such failures into one line
 naming the key, with "did you mean" and the valid keys. Each dataclass then checks its own values in
 `__post_init__`, run once by `check` (OmegaConf.to_object builds the dataclasses). Each loss brings its own schema
-(objective.LOSSES), registered as `loss/<name>_schema` and named in its YAML's defaults list."""
+(losses.LOSSES), registered as `loss/<name>_schema` and named in its YAML's defaults list."""
 
 import dataclasses
 import difflib
@@ -23,7 +23,7 @@ from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode
 
 from distributed import TRAINERS, mesh_shape, planned_world_size
 from layouts import LAYOUTS
-from objective import LOSSES
+from losses import LOSSES
 from optim import optimizer_class
 from precision import parse_dtype
 from utils import REPO_ROOT, UserError
@@ -132,7 +132,7 @@ class Config:
     eval_every: int = MISSING
     minimum_log_interval_secs: float = MISSING
     model: ModelConfig = MISSING
-    loss: Any = MISSING  # one of objective.LOSSES' schemas
+    loss: Any = MISSING  # one of losses.LOSSES' schemas
 
     def __post_init__(self):
         for key in (
@@ -179,7 +179,7 @@ class Config:
                 f"expected one of {', '.join(LAYOUTS)}"
             )
         optimizer_class(self.optimizer, self.optimizer_kwargs)
-        if type(self.loss) is not LOSSES[self.loss.name][0]:
+        if self.loss.name not in LOSSES or type(self.loss) is not LOSSES[self.loss.name].schema:
             raise UserError(
                 f"loss.name={self.loss.name} names another loss than its keys; choose it with loss={self.loss.name}"
             )
@@ -207,8 +207,8 @@ class Config:
 
 store = ConfigStore.instance()
 store.store(name="config_schema", node=Config)
-for name, (schema, _) in LOSSES.items():
-    store.store(group="loss", name=f"{name}_schema", node=schema)
+for name, component in LOSSES.items():
+    store.store(group="loss", name=f"{name}_schema", node=component.schema)
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -224,7 +224,7 @@ def schema_type(key: str, groups: dict[str, str]):
     """The schema's type for a dotted key (loss keys: in the selected loss's schema), or None."""
     kind, parts = Config, key.split(".")
     if parts[0] == "loss":
-        kind, parts = LOSSES[groups["loss"]][0], parts[1:]
+        kind, parts = LOSSES[groups["loss"]].schema, parts[1:]
     for part in parts:
         types = {f.name: f.type for f in dataclasses.fields(kind)} if dataclasses.is_dataclass(kind) else {}
         if part not in types:

@@ -44,6 +44,10 @@ class ModelBatch:
         moved = {name: value.to(device) if torch.is_tensor(value) else value for name, value in vars(self).items()}
         return ModelBatch(**moved)
 
+    def tokens_per_sequence(self) -> torch.Tensor:
+        """[S] scored tokens of each sequence."""
+        return torch.bincount(self.score_sequences, minlength=self.n_sequences)
+
     @property
     def n_tokens(self) -> int:
         """Token positions the model computes, padding included."""

@@ -1,160 +1,330 @@
-"""Preference losses and the float32 sequence log-probabilities they are computed from.
+"""Preference losses as components. Each `loss=<name>` is a registry entry here: a config dataclass (its keys,
+checked by itself; values and comments in config/loss/<name>.yaml) and a function from per-pair statistics to
+per-pair losses and rewards. objective.py applies them; nothing else knows a loss by name.
 
-Shapes: B = pairs in a batch, T = sequence length, V = vocabulary size.
+Notation, all [B] float32, one entry per pair: pc, pr = the policy's summed log-probs of chosen and rejected;
+rc, rr = the reference's (zeros without a reference); nc, nr = their numbers of scored tokens. Log-ratios
+c = pc - rc and r = pr - rr, h = c - r; sigma is the logistic function. Rewards are beta * c and beta * r unless a
+loss defines its own, always detached: they are metrics, not loss terms.
 """
+
+import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from omegaconf import MISSING
 
-# Float32 elements of one chunk of logits (64 MiB): the log-prob computation never holds more, whatever the
-# batch, sequence length or vocabulary size (1024 rows of a 16k vocabulary, 128 rows of a 128k one).
-CHUNK_ELEMENTS = 2**24
-
-
-def chunk_rows(vocab_size: int) -> int:
-    return max(1, CHUNK_ELEMENTS // vocab_size)
+from utils import UserError
 
 
-class _ChunkedTokenLogps(torch.autograd.Function):
-    """log_softmax(logits.float())[row, target] for selected rows of existing logits, computed chunk by chunk.
+@dataclass
+class PairStats:
+    """What a loss may read: summed log-probs of policy and reference, and scored-token counts; all [B]."""
 
-    Same values as upcasting the whole [N, V] logits to float32 and taking log_softmax, but neither the forward
-    nor the backward ever holds more than one chunk of float32 rows; only the per-row logsumexp is kept for
-    backward, which recomputes the softmax chunk by chunk.
-    """
+    policy_chosen: torch.Tensor
+    policy_rejected: torch.Tensor
+    reference_chosen: torch.Tensor
+    reference_rejected: torch.Tensor
+    chosen_tokens: torch.Tensor
+    rejected_tokens: torch.Tensor
 
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # logits: [N, V] any float dtype; rows, targets: [M] long. Returns [M] float32.
-        step = chunk_rows(logits.shape[-1])
-        token_logps = torch.empty(rows.numel(), dtype=torch.float32, device=logits.device)
-        logsumexp = torch.empty_like(token_logps)
-        for start in range(0, rows.numel(), step):
-            end = start + step
-            chunk = logits[rows[start:end]].float()
-            logsumexp[start:end] = torch.logsumexp(chunk, dim=-1)
-            token_logps[start:end] = chunk.gather(-1, targets[start:end, None]).squeeze(-1) - logsumexp[start:end]
-        ctx.save_for_backward(logits, rows, targets, logsumexp)
-        return token_logps
+    @property
+    def chosen_logratio(self) -> torch.Tensor:
+        return self.policy_chosen - self.reference_chosen
 
-    @staticmethod
-    def backward(ctx, grad_token_logps: torch.Tensor):
-        logits, rows, targets, logsumexp = ctx.saved_tensors
-        step = chunk_rows(logits.shape[-1])
-        grad_logits = torch.zeros_like(logits)
-        for start in range(0, rows.numel(), step):
-            end = start + step
-            softmax = torch.exp(logits[rows[start:end]].float() - logsumexp[start:end, None])
-            chunk_grad = log_softmax_grad(softmax, targets[start:end], grad_token_logps[start:end])
-            grad_logits.index_add_(0, rows[start:end], chunk_grad.to(logits.dtype))
-        return grad_logits, None, None
+    @property
+    def rejected_logratio(self) -> torch.Tensor:
+        return self.policy_rejected - self.reference_rejected
 
+    @property
+    def margin(self) -> torch.Tensor:
+        """h = (pc - rc) - (pr - rr)."""
+        return self.chosen_logratio - self.rejected_logratio
 
-def log_softmax_grad(softmax: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """d/dx of grad * log_softmax(x)[target] = grad * (onehot(target) - softmax(x)); [C, V] float32."""
-    return (-grad[:, None] * softmax).scatter_add_(-1, targets[:, None], grad[:, None])
-
-
-def token_logps_from_logits(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """[M] float32 log_softmax(logits[rows].float())[targets]; logits: [N, V], rows and targets: [M]."""
-    return _ChunkedTokenLogps.apply(logits, rows, targets)
-
-
-class _ChunkedHeadLogps(torch.autograd.Function):
-    """log_softmax((hidden[rows] @ weight.T + bias).float())[target]: the LM head and the float32 log-softmax
-    fused, chunk by chunk, so that the [M, V] logits never exist; backward recomputes each chunk's logits.
-
-    The logits are computed in `compute_dtype` (the autocast dtype, or the weight's), exactly as the model's own
-    head would under the same autocast, then upcast, as the reference implementation upcasts its logits.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, rows, targets, compute_dtype):
-        # hidden: [N, H]; weight: [V, H]; bias: [V] or None; rows, targets: [M]. Returns [M] float32.
-        step = chunk_rows(weight.shape[0])
-        token_logps = torch.empty(rows.numel(), dtype=torch.float32, device=hidden.device)
-        logsumexp = torch.empty_like(token_logps)
-        for start in range(0, rows.numel(), step):
-            end = start + step
-            logits = head_logits(hidden[rows[start:end]], weight, bias, compute_dtype).float()
-            logsumexp[start:end] = torch.logsumexp(logits, dim=-1)
-            token_logps[start:end] = logits.gather(-1, targets[start:end, None]).squeeze(-1) - logsumexp[start:end]
-        ctx.save_for_backward(hidden, weight, bias, rows, targets, logsumexp)
-        ctx.compute_dtype = compute_dtype
-        return token_logps
-
-    @staticmethod
-    def backward(ctx, grad_token_logps):
-        hidden, weight, bias, rows, targets, logsumexp = ctx.saved_tensors
-        dtype = ctx.compute_dtype
-        step = chunk_rows(weight.shape[0])
-        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+    def per_token(self) -> "PairStats":
+        """The same pairs with every log-prob divided by its response's token count (per-token means)."""
+        nc, nr = self.chosen_tokens.clamp(min=1), self.rejected_tokens.clamp(min=1)
+        return PairStats(
+            self.policy_chosen / nc,
+            self.policy_rejected / nr,
+            self.reference_chosen / nc,
+            self.reference_rejected / nr,
+            self.chosen_tokens,
+            self.rejected_tokens,
         )
-        grad_bias = (
-            torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[2] else None
-        )
-        weight_c = weight.to(dtype)
-        for start in range(0, rows.numel(), step):
-            end = start + step
-            chunk_hidden = hidden[rows[start:end]].to(dtype)
-            softmax = torch.exp(head_logits(chunk_hidden, weight, bias, dtype).float() - logsumexp[start:end, None])
-            grad_logits = log_softmax_grad(softmax, targets[start:end], grad_token_logps[start:end]).to(dtype)
-            if grad_hidden is not None:
-                grad_hidden.index_add_(0, rows[start:end], (grad_logits @ weight_c).to(hidden.dtype))
-            if grad_weight is not None and dtype == torch.float32:
-                grad_weight.addmm_(grad_logits.T, chunk_hidden)  # in place: no [V, H] temporary
-            elif grad_weight is not None:
-                grad_weight += grad_logits.T @ chunk_hidden  # a 16-bit [V, H] product, accumulated in float32
-            if grad_bias is not None:
-                grad_bias += grad_logits.float().sum(0)
-        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
-        grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
-def head_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
-) -> torch.Tensor:
-    with torch.autocast(hidden.device.type, enabled=False):  # dtypes are explicit here, forward and backward alike
-        return torch.nn.functional.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+@dataclass
+class LossOutput:
+    """Per-pair losses [B] (differentiable), rewards [B] (detached), and any named extra terms [B] to log."""
+
+    losses: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+    terms: dict[str, torch.Tensor] | None = None
 
 
-def token_logps_from_hidden(hidden, weight, bias, rows, targets) -> torch.Tensor:
-    """[M] float32 log-probs of `targets` under the LM head applied to hidden[rows], never holding [M, V] logits.
-
-    hidden: [N, H]; weight: [V, H]; bias: [V] or None; rows, targets: [M] (rows may repeat: the last prompt token
-    predicts the first token of every response)."""
-    device = hidden.device.type
-    compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-    return _ChunkedHeadLogps.apply(hidden, weight, bias, rows, targets, compute_dtype)
+def rewards(stats: PairStats, beta: float, losses: torch.Tensor, **terms) -> LossOutput:
+    """LossOutput with the usual rewards beta * c and beta * r."""
+    chosen, rejected = beta * stats.chosen_logratio.detach(), beta * stats.rejected_logratio.detach()
+    return LossOutput(losses, chosen, rejected, terms or None)
 
 
-def preference_loss(
-    policy_chosen_logps: torch.Tensor,
-    policy_rejected_logps: torch.Tensor,
-    reference_chosen_logps: torch.Tensor,
-    reference_rejected_logps: torch.Tensor,
-    beta: float,
-    label_smoothing: float = 0.0,
-    ipo: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-pair preference losses and implicit rewards; all inputs and outputs are [B].
+def chosen_nll(stats: PairStats) -> torch.Tensor:
+    """[B] per-token negative log-likelihood of each chosen response: -pc / nc."""
+    return -stats.policy_chosen / stats.chosen_tokens.clamp(min=1)
 
-    With h = (log pi(y_w) - log pi(y_l)) - (log ref(y_w) - log ref(y_l)):
-      DPO (Rafailov et al. 2023, eq. 7):   -log sigmoid(beta * h)
-      conservative DPO (Mitchell 2023):    -(1 - eps) log sigmoid(beta * h) - eps log sigmoid(-beta * h),
-                                           eps = label_smoothing, the assumed rate of flipped labels
-      IPO (Azar et al. 2023, eq. 17):      (h - 1 / (2 beta))^2
-    Reference-free DPO passes zeros as the reference log-probs (a uniform reference).
-    Rewards are beta * (log pi - log ref), detached: they are metrics, not loss terms.
-    """
-    logits = (policy_chosen_logps - policy_rejected_logps) - (reference_chosen_logps - reference_rejected_logps)
-    if ipo:
-        losses = (logits - 1 / (2 * beta)) ** 2
-    else:
-        losses = -F.logsigmoid(beta * logits) * (1 - label_smoothing) - F.logsigmoid(-beta * logits) * label_smoothing
-    chosen_rewards = beta * (policy_chosen_logps - reference_chosen_logps).detach()
-    rejected_rewards = beta * (policy_rejected_logps - reference_rejected_logps).detach()
-    return losses, chosen_rewards, rejected_rewards
+
+# -------------------------------------------------------------------------------------------------------------
+# Configs. Every pair loss has beta and nll_weight (RPO: + nll_weight * chosen_nll, Pang et al. 2024,
+# arXiv:2404.19733); losses on reference log-ratios also have length_normalized (they see per-token mean
+# log-probs instead of sums).
+
+
+def positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise UserError(f"loss.{key}={value} must be positive")
+
+
+@dataclass
+class PreferenceLoss:
+    """Keys of a reference-free pair loss."""
+
+    name: str = MISSING
+    beta: float = MISSING
+    nll_weight: float = MISSING
+
+    def needs_reference(self) -> bool:
+        return False
+
+    def statistics(self, stats: PairStats) -> PairStats:
+        """What the loss function sees."""
+        return stats
+
+    def __post_init__(self):
+        positive("beta", self.beta)
+        if self.nll_weight < 0:
+            raise UserError(f"loss.nll_weight={self.nll_weight} must be zero or more")
+
+
+@dataclass
+class RatioLoss(PreferenceLoss):
+    """Keys of a loss on the policy's log-ratios to the reference."""
+
+    length_normalized: bool = MISSING
+
+    def needs_reference(self) -> bool:
+        return not getattr(self, "reference_free", False)
+
+    def statistics(self, stats: PairStats) -> PairStats:
+        return stats.per_token() if self.length_normalized else stats
+
+
+@dataclass
+class DPOConfig(RatioLoss):
+    label_smoothing: float = MISSING
+    reference_free: bool = MISSING  # a uniform reference: zeros for rc and rr, and no reference model
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 <= self.label_smoothing <= 0.5:
+            raise UserError(f"loss.label_smoothing={self.label_smoothing} must be in [0, 0.5]")
+
+
+@dataclass
+class IPOConfig(RatioLoss):
+    reference_free: bool = MISSING
+
+
+@dataclass
+class SmoothedConfig(RatioLoss):
+    """Losses with an assumed rate of flipped labels below one half."""
+
+    label_smoothing: float = MISSING
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 < self.label_smoothing < 0.5:
+            raise UserError(f"loss.label_smoothing={self.label_smoothing} must be in (0, 0.5)")
+
+
+@dataclass
+class DiscoPOPConfig(RatioLoss):
+    tau: float = MISSING
+
+    def __post_init__(self):
+        super().__post_init__()
+        positive("tau", self.tau)
+
+
+@dataclass
+class DPOPConfig(RatioLoss):
+    dpop_lambda: float = MISSING
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.dpop_lambda < 0:
+            raise UserError(f"loss.dpop_lambda={self.dpop_lambda} must be zero or more")
+
+
+@dataclass
+class SimPOConfig(PreferenceLoss):
+    gamma: float = MISSING
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning on each prompt's sft_target (objective.SFTObjective; not a pair loss)."""
+
+    name: str = MISSING
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Losses: (stats, config, state) -> LossOutput. `state` is the objective's running state (see bco_pair).
+
+
+def dpo(s: PairStats, cfg: DPOConfig, state: dict) -> LossOutput:
+    """DPO (Rafailov et al. 2023, arXiv:2305.18290, eq. 7): -log sigma(beta h). With label_smoothing eps > 0,
+    conservative DPO (Mitchell 2023): -(1 - eps) log sigma(beta h) - eps log sigma(-beta h)."""
+    x, eps = cfg.beta * s.margin, cfg.label_smoothing
+    return rewards(s, cfg.beta, -(1 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x))
+
+
+def ipo(s: PairStats, cfg: IPOConfig, state: dict) -> LossOutput:
+    """IPO (Azar et al. 2023, arXiv:2310.12036, eq. 17): (h - 1 / (2 beta))^2."""
+    return rewards(s, cfg.beta, (s.margin - 1 / (2 * cfg.beta)) ** 2)
+
+
+def hinge(s: PairStats, cfg: RatioLoss, state: dict) -> LossOutput:
+    """SLiC's calibration loss (Zhao et al. 2023, arXiv:2305.10425): max(0, 1 - beta h)."""
+    return rewards(s, cfg.beta, torch.relu(1 - cfg.beta * s.margin))
+
+
+def robust(s: PairStats, cfg: SmoothedConfig, state: dict) -> LossOutput:
+    """Robust DPO (Chowdhury et al. 2024, arXiv:2403.00409): the unbiased loss under label-flip rate eps,
+    ((1 - eps)(-log sigma(beta h)) + eps log sigma(-beta h)) / (1 - 2 eps)."""
+    x, eps = cfg.beta * s.margin, cfg.label_smoothing
+    return rewards(s, cfg.beta, (-(1 - eps) * F.logsigmoid(x) + eps * F.logsigmoid(-x)) / (1 - 2 * eps))
+
+
+def exo_pair(s: PairStats, cfg: SmoothedConfig, state: dict) -> LossOutput:
+    """EXO for pairs (Ji et al. 2024, arXiv:2402.00856): the reverse KL from the policy's pairwise preference
+    sigma(beta h) to the smoothed target (1 - eps, eps):
+    sigma(beta h) (log sigma(beta h) - log(1 - eps)) + sigma(-beta h) (log sigma(-beta h) - log eps)."""
+    x, eps = cfg.beta * s.margin, cfg.label_smoothing
+    losses = torch.sigmoid(x) * (F.logsigmoid(x) - math.log(1 - eps))
+    losses = losses + torch.sigmoid(-x) * (F.logsigmoid(-x) - math.log(eps))
+    return rewards(s, cfg.beta, losses)
+
+
+def nca_pair(s: PairStats, cfg: RatioLoss, state: dict) -> LossOutput:
+    """NCA for pairs (Chen et al. 2024, arXiv:2402.05369): absolute rather than relative likelihood,
+    -log sigma(beta c) - 1/2 log sigma(-beta c) - 1/2 log sigma(-beta r)."""
+    c, r = cfg.beta * s.chosen_logratio, cfg.beta * s.rejected_logratio
+    return rewards(s, cfg.beta, -F.logsigmoid(c) - 0.5 * F.logsigmoid(-c) - 0.5 * F.logsigmoid(-r))
+
+
+def bco_pair(s: PairStats, cfg: RatioLoss, state: dict) -> LossOutput:
+    """BCO for pairs (Jung et al. 2024, arXiv:2404.04656): each response classified on its own reward against a
+    shift delta, -log sigma(beta c - delta) - log sigma(-(beta r - delta)). delta is the running mean of all
+    rewards of the steps before this one (objective.PreferenceObjective.observe), so that it is the same whatever
+    the accumulation and the number of ranks."""
+    delta = state.get("reward_mean", 0.0)
+    c, r = cfg.beta * s.chosen_logratio, cfg.beta * s.rejected_logratio
+    return rewards(s, cfg.beta, -F.logsigmoid(c - delta) - F.logsigmoid(-(r - delta)))
+
+
+def sppo_hard(s: PairStats, cfg: RatioLoss, state: dict) -> LossOutput:
+    """SPPO with hard labels (Wu et al. 2024, arXiv:2405.00675): the chosen log-ratio regressed to 1/(2 beta) and the
+    rejected one to -1/(2 beta): (c - 1/(2 beta))^2 + (r + 1/(2 beta))^2."""
+    target = 1 / (2 * cfg.beta)
+    return rewards(s, cfg.beta, (s.chosen_logratio - target) ** 2 + (s.rejected_logratio + target) ** 2)
+
+
+def apo_zero(s: PairStats, cfg: RatioLoss, state: dict) -> LossOutput:
+    """APO-zero (D'Oosterlinck et al. 2024, arXiv:2408.06266), for chosen better than the policy: raise chosen and
+    lower rejected likelihood, (1 - sigma(beta c)) + sigma(beta r)."""
+    c, r = cfg.beta * s.chosen_logratio, cfg.beta * s.rejected_logratio
+    return rewards(s, cfg.beta, (1 - torch.sigmoid(c)) + torch.sigmoid(r))
+
+
+def apo_down(s: PairStats, cfg: RatioLoss, state: dict) -> LossOutput:
+    """APO-down (D'Oosterlinck et al. 2024, arXiv:2408.06266), for chosen worse than the policy: lower both, rejected
+    more, sigma(beta c) + (1 - sigma(beta h))."""
+    return rewards(s, cfg.beta, torch.sigmoid(cfg.beta * s.chosen_logratio) + (1 - torch.sigmoid(cfg.beta * s.margin)))
+
+
+def discopop(s: PairStats, cfg: DiscoPOPConfig, state: dict) -> LossOutput:
+    """DiscoPOP, the log-ratio modulated loss (Chris Lu et al. 2024, arXiv:2406.08414): with x = beta h and
+    m = sigma(x / tau), (1 - m) (-log sigma(x)) + m exp(-x)."""
+    x = cfg.beta * s.margin
+    modulation = torch.sigmoid(x / cfg.tau)
+    return rewards(s, cfg.beta, (1 - modulation) * -F.logsigmoid(x) + modulation * torch.exp(-x))
+
+
+def dpop(s: PairStats, cfg: DPOPConfig, state: dict) -> LossOutput:
+    """DPO-Positive (Pal et al. 2024, arXiv:2402.13228, eq. 3): the chosen likelihood may not fall below the
+    reference's, -log sigma(beta (h - lambda max(0, rc - pc)))."""
+    penalty = cfg.dpop_lambda * torch.relu(s.reference_chosen - s.policy_chosen)
+    return rewards(s, cfg.beta, -F.logsigmoid(cfg.beta * (s.margin - penalty)))
+
+
+def simpo(s: PairStats, cfg: SimPOConfig, state: dict) -> LossOutput:
+    """SimPO (Meng et al. 2024, arXiv:2405.14734, eq. 6), reference-free on per-token means m = p / n:
+    -log sigma(beta (mc - mr) - gamma). Rewards beta * mc and beta * mr."""
+    t = s.per_token()
+    losses = -F.logsigmoid(cfg.beta * (t.policy_chosen - t.policy_rejected) - cfg.gamma)
+    return LossOutput(losses, cfg.beta * t.policy_chosen.detach(), cfg.beta * t.policy_rejected.detach())
+
+
+def orpo(s: PairStats, cfg: PreferenceLoss, state: dict) -> LossOutput:
+    """ORPO (Hong et al. 2024, arXiv:2403.07691, eqs. 6-7): the chosen NLL plus beta (the paper's lambda) times
+    -log sigma(log odds(chosen) - log odds(rejected)), odds(y) = m / (1 - m) of the per-token mean probability
+    exp(mean log-prob). Rewards beta * mean log-probs."""
+    t = s.per_token()
+
+    def log_odds(mean_logps):
+        return mean_logps - torch.log1p(-torch.exp(mean_logps).clamp(max=1 - 1e-6))
+
+    odds_ratio = -F.logsigmoid(log_odds(t.policy_chosen) - log_odds(t.policy_rejected))
+    losses = chosen_nll(s) + cfg.beta * odds_ratio
+    chosen, rejected = cfg.beta * t.policy_chosen.detach(), cfg.beta * t.policy_rejected.detach()
+    return LossOutput(losses, chosen, rejected, {"odds_ratio": odds_ratio.detach()})
+
+
+def cpo(s: PairStats, cfg: PreferenceLoss, state: dict) -> LossOutput:
+    """CPO's preference term (Xu et al. 2024, arXiv:2401.08417, eq. 3), DPO with a uniform reference:
+    -log sigma(beta (pc - pr)); CPO adds the chosen NLL through nll_weight (its cpo_alpha, 1 in the paper).
+    Rewards beta * pc and beta * pr."""
+    losses = -F.logsigmoid(cfg.beta * (s.policy_chosen - s.policy_rejected))
+    return LossOutput(losses, cfg.beta * s.policy_chosen.detach(), cfg.beta * s.policy_rejected.detach())
+
+
+@dataclass(frozen=True)
+class LossComponent:
+    schema: type
+    function: Callable[[PairStats, object, dict], LossOutput] | None  # None: not a pair loss (sft)
+    running_reward_mean: bool = False  # its state holds the mean reward of all earlier steps (checkpointed)
+
+
+LOSSES = {
+    "dpo": LossComponent(DPOConfig, dpo),
+    "dpo_norm": LossComponent(DPOConfig, dpo),  # its YAML: length_normalized, Tulu 3's beta
+    "ipo": LossComponent(IPOConfig, ipo),
+    "hinge": LossComponent(RatioLoss, hinge),
+    "robust": LossComponent(SmoothedConfig, robust),
+    "exo_pair": LossComponent(SmoothedConfig, exo_pair),
+    "nca_pair": LossComponent(RatioLoss, nca_pair),
+    "bco_pair": LossComponent(RatioLoss, bco_pair, running_reward_mean=True),
+    "sppo_hard": LossComponent(RatioLoss, sppo_hard),
+    "apo_zero": LossComponent(RatioLoss, apo_zero),
+    "apo_down": LossComponent(RatioLoss, apo_down),
+    "discopop": LossComponent(DiscoPOPConfig, discopop),
+    "dpop": LossComponent(DPOPConfig, dpop),
+    "simpo": LossComponent(SimPOConfig, simpo),
+    "orpo": LossComponent(PreferenceLoss, orpo),
+    "cpo": LossComponent(PreferenceLoss, cpo),
+    "sft": LossComponent(SFTConfig, None),
+}

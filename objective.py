@@ -1,121 +1,84 @@
-"""What the policy is trained to do: each `loss=` option is a config dataclass (its own keys, checked by itself)
-and an objective that turns per-sequence log-probs into a loss and the reference's per-example metrics."""
-
-import functools
-from dataclasses import dataclass
+"""What the policy is trained to do: a pair loss from losses.LOSSES over the policy's and the reference's
+per-sequence log-probs (plus the RPO NLL term), or SFT's negative log-likelihood; with the per-pair metrics of the
+DPO reference."""
 
 import torch
+from omegaconf import OmegaConf
 
-from losses import preference_loss
+from losses import LOSSES, PairStats, chosen_nll
 from preference_datasets import PreferencePair, sft_examples
-from utils import UserError
-
-
-@dataclass
-class DPOConfig:
-    """DPO (Rafailov et al. 2023); label_smoothing > 0 is conservative DPO, the assumed rate of flipped labels."""
-
-    name: str = "dpo"
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    reference_free: bool = False  # a uniform reference: no reference model is loaded
-
-    def __post_init__(self):
-        check_beta(self.beta)
-        if not 0 <= self.label_smoothing <= 0.5:
-            raise UserError(f"loss.label_smoothing={self.label_smoothing} must be in [0, 0.5]")
-
-
-@dataclass
-class IPOConfig:
-    """IPO (Azar et al. 2023); beta plays the role of tau."""
-
-    name: str = "ipo"
-    beta: float = 0.1
-    reference_free: bool = False
-
-    def __post_init__(self):
-        check_beta(self.beta)
-
-
-@dataclass
-class SFTConfig:
-    """Supervised fine-tuning on each prompt's sft_target."""
-
-    name: str = "sft"
-
-
-def check_beta(beta: float) -> None:
-    if beta <= 0:
-        raise UserError(f"loss.beta={beta} must be positive")
 
 
 class PreferenceObjective:
-    """DPO, conservative DPO, IPO or their reference-free forms, over (chosen, rejected) pairs."""
+    """A pair loss on (chosen, rejected). Its running state (bco_pair's reward mean) is updated once per training
+    step from the whole batch's rewards, so that it is the same for any accumulation and number of ranks."""
 
     sft_targets = False  # trains on (chosen, rejected), not on sft_target
 
-    def __init__(self, loss, ipo: bool = False):
+    def __init__(self, loss):
         self.loss = loss
-        self.ipo = ipo
-        self.needs_reference = not loss.reference_free
+        self.function = LOSSES[loss.name].function
+        self.needs_reference = loss.needs_reference()
+        self.state = {"reward_mean": 0.0, "rewards_seen": 0} if LOSSES[loss.name].running_reward_mean else {}
 
     def examples(self, pairs: list[PreferencePair]) -> list[PreferencePair]:
         return pairs
 
-    def __call__(self, policy_logps: torch.Tensor, reference_logps: torch.Tensor | None, split: str):
-        """policy_logps, reference_logps: [2B] (all chosen, then all rejected; None: reference-free, zeros).
+    def __call__(self, policy_logps, reference_logps, n_tokens, split: str):
+        """policy_logps, reference_logps (None: no reference, zeros), n_tokens: [2B], all chosen then all rejected.
         Returns the mean loss and [B] metrics named as in the DPO reference."""
-        policy_chosen, policy_rejected = policy_logps.chunk(2)
-        reference_chosen, reference_rejected = (
-            torch.zeros_like(policy_logps) if reference_logps is None else reference_logps
-        ).chunk(2)
-        losses, chosen_rewards, rejected_rewards = preference_loss(
-            policy_chosen,
-            policy_rejected,
-            reference_chosen,
-            reference_rejected,
-            beta=self.loss.beta,
-            label_smoothing=self.loss.get("label_smoothing", 0.0),
-            ipo=self.ipo,
-        )
+        reference_logps = torch.zeros_like(policy_logps) if reference_logps is None else reference_logps
+        stats = PairStats(*policy_logps.chunk(2), *reference_logps.chunk(2), *n_tokens.to(policy_logps).chunk(2))
+        output = self.function(self.loss.statistics(stats), self.loss, self.state)
+        losses = output.losses
         metrics = {
-            f"rewards_{split}/chosen": chosen_rewards,
-            f"rewards_{split}/rejected": rejected_rewards,
-            f"rewards_{split}/accuracies": (chosen_rewards > rejected_rewards).float(),
-            f"rewards_{split}/margins": chosen_rewards - rejected_rewards,
-            f"logps_{split}/chosen": policy_chosen.detach(),
-            f"logps_{split}/rejected": policy_rejected.detach(),
-            f"loss/{split}": losses.detach(),
+            f"rewards_{split}/chosen": output.chosen_rewards,
+            f"rewards_{split}/rejected": output.rejected_rewards,
+            f"rewards_{split}/accuracies": (output.chosen_rewards > output.rejected_rewards).float(),
+            f"rewards_{split}/margins": output.chosen_rewards - output.rejected_rewards,
+            f"logps_{split}/chosen": stats.policy_chosen.detach(),
+            f"logps_{split}/rejected": stats.policy_rejected.detach(),
         }
+        if self.loss.nll_weight:
+            nll = chosen_nll(stats)
+            losses = losses + self.loss.nll_weight * nll
+            metrics[f"nll_{split}/chosen"] = nll.detach()
+        for name, term in (output.terms or {}).items():
+            metrics[f"{name}/{split}"] = term
+        metrics[f"loss/{split}"] = losses.detach()
         return losses.mean(), metrics
+
+    def observe(self, metrics: dict[str, list[float]]) -> None:
+        """Fold one training step's gathered rewards into the running reward mean."""
+        step = metrics.get("rewards_train/chosen", []) + metrics.get("rewards_train/rejected", [])
+        if self.state and step:
+            seen = self.state["rewards_seen"] + len(step)
+            self.state["reward_mean"] += (sum(step) - len(step) * self.state["reward_mean"]) / seen
+            self.state["rewards_seen"] = seen
 
 
 class SFTObjective:
-    """The negative log-likelihood of each prompt's sft_target (one example per prompt)."""
+    """The negative log-likelihood of each prompt's sft_target (one example per prompt), summed over its tokens."""
 
     sft_targets = True
     needs_reference = False
 
     def __init__(self, loss):
         self.loss = loss
+        self.state = {}
 
     def examples(self, pairs: list[PreferencePair]) -> list[PreferencePair]:
         return sft_examples(pairs)
 
-    def __call__(self, policy_logps: torch.Tensor, reference_logps: None, split: str):
+    def __call__(self, policy_logps, reference_logps, n_tokens, split: str):
         losses = -policy_logps
         return losses.mean(), {f"logps_{split}/chosen": policy_logps.detach(), f"loss/{split}": losses.detach()}
 
-
-# loss name -> (its config schema, its objective)
-LOSSES = {
-    "dpo": (DPOConfig, PreferenceObjective),
-    "ipo": (IPOConfig, functools.partial(PreferenceObjective, ipo=True)),
-    "sft": (SFTConfig, SFTObjective),
-}
+    def observe(self, metrics: dict[str, list[float]]) -> None:
+        pass
 
 
-def build_objective(loss):
-    """The objective of the `loss` config node."""
-    return LOSSES[loss.name][1](loss)
+def build_objective(loss_config):
+    """The objective of the `loss` config node (checked: its schema's dataclass is built from it)."""
+    loss = OmegaConf.to_object(loss_config)
+    return (SFTObjective if LOSSES[loss.name].function is None else PreferenceObjective)(loss)

@@ -14,6 +14,7 @@ import gzip
 import html.parser
 import json
 import random
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ HUB_DATASETS = {"hh": "Anthropic/hh-rlhf", "shp": "stanfordnlp/SHP", "se": "Hugg
 DEMO_DIR = REPO_ROOT / "data" / "demo"
 FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 TEST_SPLIT_NAMES = ("test", "eval", "validation", "valid", "dev")
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(:[\w.-]+)?$")  # org/name, optionally :split
 ASSISTANT_TAG = "\n\nAssistant:"
 
 
@@ -229,26 +231,53 @@ def local_split_files(path: Path) -> dict[str, list[Path]]:
     return {"train": [p for p in files if p not in test], "test": test}
 
 
-def load_hub_rows(name: str, split: str, cache_dir: Path) -> tuple[Iterator[tuple[str, Any]], str]:
+def load_from_hub(name: str, repo: str, split: str | None, cache_dir: Path):
+    """datasets.load_dataset(repo, split=split): a Dataset, or a DatasetDict of every split for split=None."""
     import datasets
 
-    hub_name = HUB_DATASETS[name]
     try:
-        if name == "se":
-            # SE has only a train split; the reference holds out its first 1% after a fixed shuffle as test.
-            data = datasets.load_dataset(hub_name, cache_dir=str(cache_dir), split="train").shuffle(seed=42)
-            cut = int(len(data) * 0.01)
-            data = data.select(range(cut) if split == "test" else range(cut, len(data)))
-        else:
-            data = datasets.load_dataset(hub_name, cache_dir=str(cache_dir), split=split)
+        return datasets.load_dataset(repo, cache_dir=str(cache_dir), split=split)
     except Exception as error:  # offline, missing, or gated: the datasets library raises many types
+        shown = f"'{name}'" if name == repo else f"'{name}' ({repo})"
         raise UserError(
-            f"could not load dataset '{name}' ({hub_name}) from the Hugging Face Hub "
+            f"could not load dataset {shown} from the Hugging Face Hub "
             f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
             "give a local copy instead, e.g. datasets=[path/to/file.jsonl.gz]"
         ) from None
-    source = f"{hub_name}[{split}]"
+
+
+def hub_rows(data, source: str) -> tuple[Iterator[tuple[str, Any]], str]:
     return ((f"{source} row {i + 1}", row) for i, row in enumerate(data)), source
+
+
+def load_hub_rows(name: str, split: str, cache_dir: Path) -> tuple[Iterator[tuple[str, Any]], str]:
+    """Rows of hh, shp or se."""
+    hub_name = HUB_DATASETS[name]
+    if name == "se":
+        # SE has only a train split; the reference holds out its first 1% after a fixed shuffle as test.
+        data = load_from_hub(name, hub_name, "train", cache_dir).shuffle(seed=42)
+        cut = int(len(data) * 0.01)
+        data = data.select(range(cut) if split == "test" else range(cut, len(data)))
+    else:
+        data = load_from_hub(name, hub_name, split, cache_dir)
+    return hub_rows(data, f"{hub_name}[{split}]")
+
+
+def get_hub_dataset(name: str, tokenizer, cache_dir: Path) -> dict[str, list[PreferencePair]]:
+    """Any Hub dataset `org/name` (its train split, and its test split where it has one) or `org/name:split`
+    (that split only), through the same column detection as local files."""
+    repo, _, split = name.partition(":")
+    data = load_from_hub(name, repo, split or None, cache_dir)
+    splits = {"train": data} if split else {}
+    if not split:
+        if "train" not in data:
+            raise UserError(f"{repo} has no 'train' split; choose one of {', '.join(data)} with {repo}:SPLIT")
+        test = next((s for s in data if s.lower().startswith(TEST_SPLIT_NAMES)), None)
+        splits = {"train": data["train"]} | ({"test": data[test]} if test else {})
+        split_names = {"train": "train", "test": test}
+    else:
+        split_names = {"train": split}
+    return {key: parse_rows(*hub_rows(rows, f"{repo}[{split_names[key]}]"), tokenizer) for key, rows in splits.items()}
 
 
 def hold_out(pairs: list[PreferencePair], n_eval: int, seed: int, source: str) -> dict[str, list[PreferencePair]]:
@@ -273,25 +302,29 @@ def hold_out(pairs: list[PreferencePair], n_eval: int, seed: int, source: str) -
 def get_dataset(
     name: str, tokenizer, seed: int, n_eval_examples: int | None, cache_dir: Path
 ) -> dict[str, list[PreferencePair]]:
-    """{"train": pairs, "test": pairs} of a named dataset (hh, shp, se, demo) or a local file or directory."""
+    """{"train": pairs, "test": pairs} of a named dataset (hh, shp, se, demo), a local file or directory, or any
+    Hub dataset `org/name[:split]`. A source without a test split has n_eval_examples pairs held out."""
     if name in HUB_DATASETS:
         return {split: parse_rows(*load_hub_rows(name, split, cache_dir), tokenizer) for split in ("train", "test")}
     path = DEMO_DIR if name == "demo" else Path(name)
-    if not path.exists():
+    if path.exists():
+        splits = {}
+        for split, files in local_split_files(path).items():
+            if files:
+                rows = (item for file in files for item in read_file_rows(file))
+                splits[split] = parse_rows(rows, str(path), tokenizer)
+    elif HUB_ID.match(name) and not name.endswith(FILE_SUFFIXES):
+        splits = get_hub_dataset(name, tokenizer, cache_dir)
+    else:
         raise UserError(
-            f"unknown dataset '{name}': expected one of {', '.join([*HUB_DATASETS, 'demo'])} "
-            f"or an existing {'/'.join(FILE_SUFFIXES)} file or directory"
+            f"unknown dataset '{name}': expected one of {', '.join([*HUB_DATASETS, 'demo'])}, a Hub dataset "
+            f"org/name[:split], or an existing {'/'.join(FILE_SUFFIXES)} file or directory"
         )
-    splits = {}
-    for split, files in local_split_files(path).items():
-        if files:
-            rows = (item for file in files for item in read_file_rows(file))
-            splits[split] = parse_rows(rows, str(path), tokenizer)
     if "test" in splits:
         return splits
     if n_eval_examples is None:
-        raise UserError(f"{path} has no test split: set n_eval_examples to hold out that many pairs for eval")
-    return hold_out(splits["train"], n_eval_examples, seed, str(path))
+        raise UserError(f"{name} has no test split: set n_eval_examples to hold out that many pairs for eval")
+    return hold_out(splits["train"], n_eval_examples, seed, name)
 
 
 def load_datasets(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from layouts import ModelBatch, make_batch, pack, pad
-from losses import token_logps_from_hidden, token_logps_from_logits
+from logprobs import token_logps_from_hidden, token_logps_from_logits
 from utils import first_line
 
 # Probe inputs: two examples with prompts of 3 and 1 tokens and responses of 1 to 3 tokens.

@@ -74,9 +74,10 @@ class Trainer:
         self.example_counter = self.batch_counter = 0
         self.last_eval_at = None
         if c.resume_from is not None:
-            step = checkpoint.load(
+            step, objective_state = checkpoint.load(
                 Path(c.resume_from), self.policy, self.optimizer, self.scheduler, c.batch_size, topology
             )
+            self.objective.state.update(objective_state)
             self.example_counter, self.batch_counter, self.last_eval_at = step, step // c.batch_size, step
 
     def tokenize(self, data: dict[str, list[PreferencePair]]) -> tuple[list[dict], list[list[dict]], list[list[int]]]:
@@ -159,7 +160,7 @@ class Trainer:
         batch = self.scorer.batch(examples)  # built once: policy and a live reference share it
         policy_logps = self.scorer(self.policy, batch, self.policy_compute)
         reference_logps = self.reference(examples, batch) if self.reference is not None else None
-        return self.objective(policy_logps, reference_logps, split)
+        return self.objective(policy_logps, reference_logps, batch.tokens_per_sequence(), split)
 
     def train_step(self, examples: list[dict]) -> dict[str, list[float]]:
         """One optimizer step over a global batch, in gradient_accumulation_steps equal micro-batches."""
@@ -175,6 +176,7 @@ class Trainer:
             for name, values in batch_metrics.items():
                 metrics[name].extend(values.float().cpu().tolist())
         metrics = self.topology.gather(metrics)
+        self.objective.observe(metrics)
         metrics["grad_norm"] = [clip_grad_norm(self.policy.parameters(), self.config.max_grad_norm)]
         metrics["lr"] = [self.scheduler.get_last_lr()[0]]  # the rate this step uses
         self.optimizer.step()
@@ -251,6 +253,7 @@ class Trainer:
                 self.optimizer,
                 self.scheduler,
                 self.topology,
+                self.objective.state,
                 self.tokenizer if export_hf else None,
             )
 

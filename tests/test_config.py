@@ -58,9 +58,14 @@ from utils import UserError
         ),
         (
             ["loss=ipo", "loss.label_smoothing=0.1"],
-            "unknown key 'loss.label_smoothing' in loss=ipo; valid: name, beta, reference_free",
+            "unknown key 'loss.label_smoothing' in loss=ipo; valid: name, beta, nll_weight, length_normalized, "
+            "reference_free",
         ),
         (["loss.label_smoothing=0.6"], "loss.label_smoothing=0.6 must be in [0, 0.5]"),
+        (["loss=robust", "loss.label_smoothing=0.5"], "loss.label_smoothing=0.5 must be in (0, 0.5)"),
+        (["loss=simpo", "loss.length_normalized=true"], "unknown key 'loss.length_normalized' in loss=simpo"),
+        (["loss=dpop", "loss.dpop_lambda=-1"], "loss.dpop_lambda=-1.0 must be zero or more"),
+        (["loss=cpo", "loss.beta=0"], "loss.beta=0.0 must be positive"),
         (["trainer=FSDPtrainer"], "unknown trainer 'FSDPtrainer' (did you mean 'FSDPTrainer'?); valid: BasicTrainer"),
         (["layout=pack"], "layout=pack is not a layout (did you mean 'packed'?); expected one of packed, padded"),
         (

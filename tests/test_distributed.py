@@ -234,3 +234,15 @@ def test_shards_pad_short_shares_and_micro_batches_cut_them():
     assert second.shard(items) == ([3, 4, 0], 2)  # padded with items[0]: every rank runs the same forward passes
     assert second.micro_batches(items, batch_size=8, accumulation=2) == ([[3, 4], [0]], 2)
     assert Topology().gather({"x": [1, 2]}) == {"x": [1, 2]} and Topology().broadcast("a") == "a"
+
+
+@pytest.mark.parametrize("trainer,loss", [("FSDPTrainer", "bco_pair"), ("TensorParallelTrainer", "simpo")])
+def test_other_losses_match_basic_trainer_across_processes(tmp_path, pairs_file, trainer, loss):
+    # bco_pair's running reward mean is folded from the gathered batch: the same on every rank as on one process.
+    # simpo reads no reference.
+    launch(tmp_path / "basic", pairs_file, "trainer=BasicTrainer", f"loss={loss}")
+    launch(tmp_path / "run", pairs_file, f"trainer={trainer}", f"loss={loss}")
+    assert_same_metrics(
+        read_jsonl(tmp_path / "basic" / "metrics.jsonl"), read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    )
+    assert_same_weights(tmp_path / "basic", tmp_path / "run")

@@ -1,209 +1,206 @@
+"""Each loss of losses.LOSSES against its paper's formula worked out by hand, in torchtune's style: log-probs in,
+exact losses out. One pair throughout: pc = -1, pr = -3, rc = rr = -2, so c = 1, r = -1, h = 2; chosen has 2 scored
+tokens and rejected 4."""
+
 import math
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-import losses
-from losses import preference_loss, token_logps_from_logits
-
-IGNORE_INDEX = -100  # labels that are not scored
-
-
-def log1p_exp(x: float) -> float:
-    return math.log(1 + math.exp(x))
-
-
-# h = (pi_c - pi_r) - (ref_c - ref_r) = (-1 - -3) - (-2 - -2) = 2
-POLICY_CHOSEN, POLICY_REJECTED, REFERENCE_CHOSEN, REFERENCE_REJECTED = -1.0, -3.0, -2.0, -2.0
-
-
-def loss_for(**kwargs) -> tuple[float, float, float]:
-    tensors = [torch.tensor([v]) for v in (POLICY_CHOSEN, POLICY_REJECTED, REFERENCE_CHOSEN, REFERENCE_REJECTED)]
-    losses, chosen_rewards, rejected_rewards = preference_loss(*tensors, **kwargs)
-    return losses.item(), chosen_rewards.item(), rejected_rewards.item()
+from losses import (
+    LOSSES,
+    DiscoPOPConfig,
+    DPOConfig,
+    DPOPConfig,
+    IPOConfig,
+    PairStats,
+    PreferenceLoss,
+    RatioLoss,
+    SimPOConfig,
+    SmoothedConfig,
+)
+from objective import PreferenceObjective
 
 
-def test_dpo_closed_form():
-    # -log sigmoid(beta h) = log(1 + exp(-beta h)), beta h = 1
-    loss, chosen_reward, rejected_reward = loss_for(beta=0.5)
-    assert loss == pytest.approx(log1p_exp(-1.0), abs=1e-7)
-    assert chosen_reward == pytest.approx(0.5 * (-1 - -2))
-    assert rejected_reward == pytest.approx(0.5 * (-3 - -2))
+def softplus(x: float) -> float:
+    """log(1 + e^x) = -log sigmoid(-x)."""
+    return math.log1p(math.exp(x))
 
 
-def test_conservative_dpo_closed_form():
-    loss, _, _ = loss_for(beta=0.5, label_smoothing=0.25)
-    assert loss == pytest.approx(0.75 * log1p_exp(-1.0) + 0.25 * log1p_exp(1.0), abs=1e-7)
+def sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+def stats(pc=-1.0, pr=-3.0, rc=-2.0, rr=-2.0, nc=2, nr=4, requires_grad=False) -> PairStats:
+    policy_chosen = torch.tensor([pc], requires_grad=requires_grad)
+    tensors = [torch.tensor([v]) for v in (pr, rc, rr, nc, nr)]
+    return PairStats(policy_chosen, *tensors)
+
+
+def ratio(beta, **keys):
+    return RatioLoss(name="x", beta=beta, nll_weight=0.0, length_normalized=False, **keys)
+
+
+def dpo_config(beta, label_smoothing=0.0, length_normalized=False):
+    return DPOConfig(
+        name="dpo",
+        beta=beta,
+        nll_weight=0.0,
+        length_normalized=length_normalized,
+        label_smoothing=label_smoothing,
+        reference_free=False,
+    )
+
+
+def preset(name: str):
+    """The loss's config as config/loss/<name>.yaml sets it, built into its schema's dataclass."""
+    import config
+
+    return OmegaConf.to_object(config.load(["model=tiny", f"loss={name}"]).loss)
+
+
+def loss_of(name, config, s=None, state=None):
+    output = LOSSES[name].function(config.statistics(s or stats()), config, state or {})
+    return output.losses.item(), output.chosen_rewards.item(), output.rejected_rewards.item()
+
+
+CLOSED_FORMS = [
+    # (loss, config, expected loss), each from the formula in the loss's docstring with c = 1, r = -1, h = 2
+    ("dpo", dpo_config(0.5), softplus(-1)),
+    ("dpo", dpo_config(0.5, label_smoothing=0.25), 0.75 * softplus(-1) + 0.25 * softplus(1)),
+    # per-token: c = -1/2 + 2/2 = 0.5, r = -3/4 + 2/4 = -0.25, h = 0.75
+    ("dpo", dpo_config(0.5, length_normalized=True), softplus(-0.5 * 0.75)),
+    ("ipo", IPOConfig(name="ipo", beta=0.5, nll_weight=0.0, length_normalized=False, reference_free=False), 1.0),
+    ("ipo", IPOConfig(name="ipo", beta=0.1, nll_weight=0.0, length_normalized=False, reference_free=False), 9.0),
+    ("ipo", IPOConfig(name="ipo", beta=0.5, nll_weight=0.0, length_normalized=True, reference_free=False), 0.0625),
+    ("hinge", ratio(0.25), 0.5),
+    ("hinge", ratio(1.0), 0.0),
+    (
+        "robust",
+        SmoothedConfig(name="robust", beta=0.5, nll_weight=0.0, length_normalized=False, label_smoothing=0.1),
+        (0.9 * softplus(-1) - 0.1 * softplus(1)) / 0.8,
+    ),
+    (
+        "exo_pair",
+        SmoothedConfig(name="exo_pair", beta=0.5, nll_weight=0.0, length_normalized=False, label_smoothing=1e-3),
+        sigmoid(1) * (math.log(sigmoid(1)) - math.log(0.999)) + sigmoid(-1) * (math.log(sigmoid(-1)) - math.log(1e-3)),
+    ),
+    ("nca_pair", ratio(0.5), softplus(-0.5) + 0.5 * softplus(0.5) + 0.5 * softplus(-0.5)),
+    ("sppo_hard", ratio(0.5), 0.0),  # targets +-1/(2 beta) = +-1: met exactly
+    ("sppo_hard", ratio(0.25), 2.0),  # (1 - 2)^2 + (-1 + 2)^2
+    ("apo_zero", ratio(0.5), (1 - sigmoid(0.5)) + sigmoid(-0.5)),
+    ("apo_down", ratio(0.5), sigmoid(0.5) + 1 - sigmoid(1)),
+    (
+        "discopop",
+        DiscoPOPConfig(name="discopop", beta=0.5, nll_weight=0.0, length_normalized=False, tau=0.05),
+        (1 - sigmoid(20)) * softplus(-1) + sigmoid(20) * math.exp(-1),
+    ),
+    # pc > rc: no penalty, DPO
+    (
+        "dpop",
+        DPOPConfig(name="dpop", beta=0.5, nll_weight=0.0, length_normalized=False, dpop_lambda=50.0),
+        softplus(-1),
+    ),
+]
+
+
+@pytest.mark.parametrize("name,config,expected", CLOSED_FORMS, ids=[f"{c[0]}-{i}" for i, c in enumerate(CLOSED_FORMS)])
+def test_closed_form(name, config, expected):
+    loss, chosen_reward, rejected_reward = loss_of(name, config)
+    assert loss == pytest.approx(expected, abs=1e-6)
+    if not getattr(config, "length_normalized", False):
+        assert (chosen_reward, rejected_reward) == pytest.approx((config.beta * 1, config.beta * -1))
+
+
+def test_dpop_penalises_chosen_below_the_reference():
+    # pc = -2.5 < rc = -2: c = -0.5, r = -1, h = 0.5, penalty 50 x 0.5; -log sigma(0.5 (0.5 - 25))
+    config = DPOPConfig(name="dpop", beta=0.5, nll_weight=0.0, length_normalized=False, dpop_lambda=50.0)
+    assert loss_of("dpop", config, stats(pc=-2.5))[0] == pytest.approx(softplus(12.25), rel=1e-6)
+
+
+def test_bco_pair_shifts_rewards_by_the_running_mean():
+    # beta c = 0.5, beta r = -0.5, delta = 0.2: -log sigma(0.3) - log sigma(0.7)
+    loss = loss_of("bco_pair", ratio(0.5), state={"reward_mean": 0.2})[0]
+    assert loss == pytest.approx(softplus(-0.3) + softplus(-0.7), abs=1e-6)
+    objective = PreferenceObjective(preset("bco_pair"))
+    objective.observe({"rewards_train/chosen": [1.0, 2.0], "rewards_train/rejected": [3.0, 2.0]})
+    assert objective.state["reward_mean"] == pytest.approx(2.0)
+    objective.observe({"rewards_train/chosen": [0.0], "rewards_train/rejected": [0.0]})
+    assert objective.state["reward_mean"] == pytest.approx(8 / 6)  # every reward seen counts once
+
+
+def test_reference_free_losses_read_only_the_policy():
+    # SimPO: per-token means -1/2 and -3/4; beta (mc - mr) - gamma = 2 x 0.25 - 0.5 = 0, so ln 2.
+    simpo = SimPOConfig(name="simpo", beta=2.0, nll_weight=0.0, gamma=0.5)
+    loss, chosen_reward, rejected_reward = loss_of("simpo", simpo)
+    assert loss == pytest.approx(math.log(2), abs=1e-7) and (chosen_reward, rejected_reward) == (-1.0, -1.5)
+    # ORPO: NLL 1/2 plus beta x -log sigma(log odds(-1/2) - log odds(-3/4)), log odds(m) = m - log(1 - e^m)
+    orpo = PreferenceLoss(name="orpo", beta=0.1, nll_weight=0.0)
+    log_odds = [m - math.log(1 - math.exp(m)) for m in (-0.5, -0.75)]
+    assert loss_of("orpo", orpo)[0] == pytest.approx(0.5 + 0.1 * softplus(-(log_odds[0] - log_odds[1])), abs=1e-6)
+    # CPO's preference term: -log sigma(beta (pc - pr)) = softplus(-0.5 x 2)
+    cpo = PreferenceLoss(name="cpo", beta=0.5, nll_weight=1.0)
+    assert loss_of("cpo", cpo)[0] == pytest.approx(softplus(-1), abs=1e-7)
+    for config in (simpo, orpo, cpo):  # the reference log-probs play no part
+        assert loss_of(config.name, config, stats(rc=5.0, rr=-9.0))[0] == loss_of(config.name, config)[0]
+        assert not config.needs_reference()
+
+
+def test_nll_weight_adds_the_chosen_per_token_nll():
+    # RPO: DPO + 0.5 x (1 / 2) with pc = -1 over 2 tokens
+    config = dpo_config(0.5)
+    config.nll_weight = 0.5
+    objective = PreferenceObjective(config)
+    loss, metrics = objective(torch.tensor([-1.0, -3.0]), torch.tensor([-2.0, -2.0]), torch.tensor([2, 4]), "train")
+    assert loss.item() == pytest.approx(softplus(-1) + 0.25, abs=1e-6)
+    assert metrics["nll_train/chosen"].item() == pytest.approx(0.5)
 
 
 def test_label_smoothing_symmetry():
     # Swapping chosen and rejected with eps -> 1 - eps gives the same loss; at eps = 1/2 the order is irrelevant.
-    logps = [torch.tensor([v]) for v in (-1.3, -2.9, -2.2, -1.7)]
-    swapped = [logps[1], logps[0], logps[3], logps[2]]
+    pair, swapped = stats(-1.3, -2.9, -2.2, -1.7), stats(-2.9, -1.3, -1.7, -2.2)
     for eps in (0.1, 0.3):
-        a = preference_loss(*logps, beta=0.7, label_smoothing=eps)[0]
-        b = preference_loss(*swapped, beta=0.7, label_smoothing=1 - eps)[0]
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
-    half = preference_loss(*logps, beta=0.7, label_smoothing=0.5)[0]
-    torch.testing.assert_close(half, preference_loss(*swapped, beta=0.7, label_smoothing=0.5)[0], rtol=0, atol=1e-7)
-    assert not torch.allclose(preference_loss(*logps, beta=0.7)[0], preference_loss(*swapped, beta=0.7)[0])
+        a = loss_of("dpo", dpo_config(0.7, eps), pair)[0]
+        b = loss_of("dpo", _smoothed(0.7, 1 - eps), swapped)[0]
+        assert a == pytest.approx(b, abs=1e-6)
+    assert loss_of("dpo", dpo_config(0.7, 0.5), pair)[0] == pytest.approx(
+        loss_of("dpo", dpo_config(0.7, 0.5), swapped)[0]
+    )
+    assert loss_of("dpo", dpo_config(0.7), pair)[0] != pytest.approx(loss_of("dpo", dpo_config(0.7), swapped)[0])
 
 
-def test_ipo_closed_form():
-    assert loss_for(beta=0.5, ipo=True)[0] == pytest.approx((2 - 1 / (2 * 0.5)) ** 2)
-    assert loss_for(beta=0.1, ipo=True)[0] == pytest.approx((2 - 5) ** 2)
+def _smoothed(beta, eps):
+    """A DPO config with eps above 1/2, which the schema refuses: only to state the symmetry."""
+    config = dpo_config(beta)
+    config.label_smoothing = eps
+    return config
+
+
+REFERENCE_LOSSES = [name for name, c in LOSSES.items() if c.function and issubclass(c.schema, RatioLoss)]
 
 
 def test_ln2_and_zero_rewards_when_policy_equals_reference():
-    logps = torch.tensor([-12.5, -3.25, -40.0])
-    other = torch.tensor([-7.0, -9.5, -1.0])
-    losses, chosen_rewards, rejected_rewards = preference_loss(logps, other, logps.clone(), other.clone(), beta=0.1)
-    torch.testing.assert_close(losses, torch.full((3,), math.log(2)))
-    assert chosen_rewards.abs().max() == 0 and rejected_rewards.abs().max() == 0
+    same = stats(pc=-12.5, pr=-3.25, rc=-12.5, rr=-3.25)
+    assert loss_of("dpo", dpo_config(0.1), same)[0] == pytest.approx(math.log(2), abs=1e-7)
+    for name in REFERENCE_LOSSES:  # every reference-based loss, as its YAML sets it: zero rewards at step one
+        assert loss_of(name, preset(name), same)[1:] == (0.0, 0.0), name
 
 
-def test_dpo_gradient_closed_form():
-    # d/d pi_c of -log sigmoid(beta h) = -beta sigmoid(-beta h); rewards carry no gradient.
-    policy_chosen = torch.tensor([POLICY_CHOSEN], requires_grad=True)
-    losses, chosen_rewards, _ = preference_loss(
-        policy_chosen,
-        torch.tensor([POLICY_REJECTED]),
-        torch.tensor([REFERENCE_CHOSEN]),
-        torch.tensor([REFERENCE_REJECTED]),
-        beta=0.5,
-    )
-    losses.sum().backward()
-    assert policy_chosen.grad.item() == pytest.approx(-0.5 / (1 + math.exp(1.0)), abs=1e-7)
-    assert not chosen_rewards.requires_grad
+GRADIENTS = [
+    # d loss / d pc at c = 1, r = -1, h = 2, from differentiating each formula by hand
+    ("dpo", dpo_config(0.5), -0.5 * sigmoid(-1)),
+    ("ipo", IPOConfig(name="ipo", beta=0.5, nll_weight=0.0, length_normalized=False, reference_free=False), 2 * 1.0),
+    ("hinge", ratio(0.25), -0.25),
+    ("sppo_hard", ratio(0.25), 2 * (1 - 2)),
+    ("apo_zero", ratio(0.5), -0.5 * sigmoid(0.5) * sigmoid(-0.5)),
+]
 
 
-def scored_rows(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flat positions, targets) of labelled tokens: position t predicts token t + 1."""
-    targets = torch.full_like(labels, IGNORE_INDEX)
-    targets[:, :-1] = labels[:, 1:]
-    rows = (targets.flatten() != IGNORE_INDEX).nonzero().squeeze(-1)
-    return rows, targets.flatten()[rows]
-
-
-def naive_sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The reference's computation: upcast all logits, shift, log_softmax, gather, mask, sum."""
-    logits = logits[:, :-1].float()
-    labels = labels[:, 1:].clone()
-    mask = labels != IGNORE_INDEX
-    labels[~mask] = 0
-    token_logps = logits.log_softmax(-1).gather(2, labels.unsqueeze(2)).squeeze(2)
-    return (token_logps * mask).sum(-1)
-
-
-def chunked_sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    rows, targets = scored_rows(labels)
-    token_logps = token_logps_from_logits(logits.flatten(0, 1), rows, targets)
-    return torch.zeros(labels.shape[0]).index_add_(0, rows // labels.shape[1], token_logps)
-
-
-@pytest.fixture
-def chunk_rows_of(monkeypatch):
-    """Chunks of `rows` rows of a `vocab` vocabulary: many chunks even for small test tensors."""
-    return lambda rows, vocab: monkeypatch.setattr(losses, "CHUNK_ELEMENTS", rows * vocab)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows_per_chunk", [1, 7, 4096])
-def test_chunked_logps_match_naive_float32(dtype, rows_per_chunk, chunk_rows_of):
-    chunk_rows_of(rows_per_chunk, 50)
-    torch.manual_seed(0)
-    logits = (torch.randn(4, 9, 50) * 3).to(dtype)
-    labels = torch.randint(0, 50, (4, 9))
-    labels[:, :3] = IGNORE_INDEX  # prompt
-    labels[1, 6:] = IGNORE_INDEX  # padding
-    logits_a = logits.clone().requires_grad_()
-    logits_b = logits.clone().requires_grad_()
-    chunked = chunked_sequence_logps(logits_a, labels)
-    naive = naive_sequence_logps(logits_b, labels)
-    assert chunked.dtype == torch.float32
-    torch.testing.assert_close(chunked, naive, rtol=0, atol=1e-5)
-    weights = torch.randn(4)
-    (chunked * weights).sum().backward()
-    (naive * weights).sum().backward()
-    assert logits_a.grad.dtype == dtype
-    torch.testing.assert_close(
-        logits_a.grad.float(), logits_b.grad.float(), rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6
-    )
-
-
-def test_chunked_logps_per_token_precision(chunk_rows_of):
-    # Per token, the chunked log-prob equals the naive float32 upcast to 1e-6.
-    chunk_rows_of(1, 1000)
-    torch.manual_seed(1)
-    logits = torch.randn(2, 6, 1000, dtype=torch.bfloat16) * 4
-    labels = torch.randint(0, 1000, (2, 6))
-    labels[:, :5] = IGNORE_INDEX  # score exactly one token per sequence
-    torch.testing.assert_close(
-        chunked_sequence_logps(logits, labels), naive_sequence_logps(logits, labels), rtol=0, atol=1e-6
-    )
-
-
-def test_chunked_logps_never_hold_full_float32_logits(chunk_rows_of):
-    batch, length, vocab, rows_per_chunk = 4, 16, 300, 8
-    chunk_rows_of(rows_per_chunk, vocab)
-    logits = torch.randn(batch, length, vocab, dtype=torch.bfloat16, requires_grad=True)
-    labels = torch.randint(0, vocab, (batch, length))
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        total = chunked_sequence_logps(logits, labels).sum()
-    float32_saved = [t.numel() for t in saved if t.dtype == torch.float32]
-    assert max(float32_saved, default=0) < rows_per_chunk * vocab  # the naive upcast saves batch*length*vocab
-    total.backward()
-    assert logits.grad.shape == logits.shape
-
-
-def test_chunk_size_is_bounded_in_elements_not_rows():
-    assert losses.chunk_rows(2**14) == 1024 and losses.chunk_rows(2**17) == 128
-    assert losses.chunk_rows(2**17) * 2**17 == losses.chunk_rows(2**14) * 2**14 == losses.CHUNK_ELEMENTS
-    assert losses.chunk_rows(2**30) == 1
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bias", [False, True])
-def test_fused_head_logps_match_head_then_log_softmax(dtype, bias, chunk_rows_of):
-    # The fused head equals lm_head(hidden[rows]).float().log_softmax()[targets], in value and in the gradients of
-    # hidden, weight and bias, including rows used twice (the last prompt token predicts chosen[0] and rejected[0]).
-    chunk_rows_of(3, 40)
-    torch.manual_seed(2)
-    hidden = torch.randn(6, 16, requires_grad=True)
-    head = torch.nn.Linear(16, 40, bias=bias)
-    rows = torch.tensor([0, 2, 2, 3, 5, 5, 5, 1])
-    targets = torch.randint(0, 40, (8,))
-    weights = torch.randn(8)
-    autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
-    with autocast:
-        fused = losses.token_logps_from_hidden(hidden, head.weight, head.bias, rows, targets)
-    (fused * weights).sum().backward()
-    fused_grads = [hidden.grad, head.weight.grad] + ([head.bias.grad] if bias else [])
-    hidden.grad = None
-    head.zero_grad(set_to_none=True)
-    with autocast:
-        logits = head(hidden)
-    naive = logits.float().log_softmax(-1)[rows, targets]
-    (naive * weights).sum().backward()
-    naive_grads = [hidden.grad, head.weight.grad] + ([head.bias.grad] if bias else [])
-    assert fused.dtype == torch.float32
-    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(fused, naive, rtol=0, atol=tolerance)
-    for a, b in zip(fused_grads, naive_grads):
-        assert a.dtype == b.dtype
-        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
-
-
-def test_fused_head_never_holds_logits(chunk_rows_of):
-    # Nothing of size rows x vocabulary is saved for backward: only hidden, weight and per-row statistics.
-    chunk_rows_of(4, 500)
-    hidden = torch.randn(64, 8, requires_grad=True)
-    weight = torch.randn(500, 8, requires_grad=True)
-    rows = torch.arange(64)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        total = losses.token_logps_from_hidden(hidden, weight, None, rows, torch.randint(0, 500, (64,))).sum()
-    assert max(t.numel() for t in saved) == weight.numel() and all(t.shape != (64, 500) for t in saved)
-    total.backward()
-    assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
+@pytest.mark.parametrize("name,config,expected", GRADIENTS, ids=[g[0] for g in GRADIENTS])
+def test_gradient_closed_form(name, config, expected):
+    s = stats(requires_grad=True)
+    output = LOSSES[name].function(s, config, {})
+    output.losses.sum().backward()
+    assert s.policy_chosen.grad.item() == pytest.approx(expected, abs=1e-6)
+    assert not output.chosen_rewards.requires_grad

@@ -1,9 +1,13 @@
 """The objectives (objective.py) through whole runs: closed forms at step 0, SFT, reference-free."""
 
+import math
+
 import pytest
+import torch
 
 import train
-from conftest import records
+from conftest import records, run_cli
+from losses import LOSSES
 
 
 def test_ipo_first_eval_matches_closed_form(make_config):
@@ -27,3 +31,56 @@ def test_reference_free_rewards_are_policy_logps(make_config):
     train.run(config)
     first = records(train.Path(config.local_run_dir), "eval")[0]
     assert first["rewards_eval/chosen"] == pytest.approx(0.1 * first["logps_eval/chosen"], rel=1e-5)
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_every_loss_trains_from_the_command_line(tmp_path, pairs_file, loss):
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        "model=tiny",
+        f"loss={loss}",
+        f"datasets={pairs_file}",
+        f"local_run_dir={run_dir}",
+        f"local_dirs=[{tmp_path}]",
+        "wandb.enabled=false",
+        "n_examples=16",
+        "n_eval_examples=8",
+        "eval_every=8",
+        "lr=1e-3",
+        "warmup_steps=0",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    # A reference is scored (cached) exactly when the loss reads one.
+    assert ("reference log-probs: computing" in result.stdout) == needs_reference(loss)
+    evals = records(run_dir, "eval")
+    assert [r["step"] for r in evals] == [0, 8, 16]
+    assert all(math.isfinite(r["loss/eval"]) for r in evals)
+    assert (run_dir / "LATEST" / "policy.pt").exists()
+
+
+def needs_reference(loss: str) -> bool:
+    import config
+    from objective import build_objective
+
+    return build_objective(config.load(["model=tiny", f"loss={loss}"]).loss).needs_reference
+
+
+def test_bco_pair_resumes_with_its_running_reward_mean(make_config, tmp_path):
+    # The reward mean is checkpointed (objective.pt): a resumed run continues with the same shift.
+    full = make_config(f"local_run_dir={tmp_path / 'full'}", "loss=bco_pair", "eval_every=16", "n_epochs=2")
+    train.run(full)
+    state = torch.load(tmp_path / "full" / "step-32" / "objective.pt", weights_only=True)["state"]
+    assert state["rewards_seen"] == 2 * 32 and state["reward_mean"] != 0
+    resumed = make_config(
+        f"local_run_dir={tmp_path / 'resumed'}",
+        "loss=bco_pair",
+        "eval_every=16",
+        "n_epochs=2",
+        f"resume_from={tmp_path / 'full' / 'step-32'}",
+    )
+    train.run(resumed)
+    full_losses = {r["step"]: r["loss/train"] for r in records(tmp_path / "full", "train")}
+    resumed_losses = {r["step"]: r["loss/train"] for r in records(tmp_path / "resumed", "train")}
+    assert sorted(resumed_losses) == [40, 48, 56, 64, 72, 80]
+    for step, loss in resumed_losses.items():
+        assert loss == pytest.approx(full_losses[step], abs=1e-6)

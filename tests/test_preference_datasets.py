@@ -286,3 +286,55 @@ def test_unreachable_hub_dataset_is_one_clear_line(tiny_tokenizer, tmp_path):
         match=r"could not load dataset 'shp' \(stanfordnlp/SHP\) from the Hugging Face Hub .*give a local copy",
     ):
         get_dataset("shp", tiny_tokenizer, 0, 8, cache_dir=tmp_path)
+
+
+def test_any_hub_dataset_goes_through_column_detection(monkeypatch, tiny_tokenizer):
+    import datasets
+
+    explicit = [{"prompt": f"q{i}?", "chosen": f" yes {i}", "rejected": f" no {i}"} for i in range(6)]
+    conversational = [
+        {
+            "chosen": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"yes {i}"}],
+            "rejected": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"no {i}"}],
+        }
+        for i in range(6)
+    ]
+    hub = {
+        "org/pairs": datasets.DatasetDict(
+            train=datasets.Dataset.from_list(explicit[:4]), test=datasets.Dataset.from_list(explicit[4:])
+        ),
+        "org/chat": datasets.DatasetDict(
+            train_prefs=datasets.Dataset.from_list(conversational), test_prefs=datasets.Dataset.from_list([])
+        ),
+    }
+    asked = []
+
+    def fake_load_dataset(name, cache_dir=None, split=None):
+        asked.append((name, split))
+        return hub[name] if split is None else hub[name][split]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    pairs = get_dataset("org/pairs", tiny_tokenizer, 0, None, cache_dir="unused")
+    assert [p.chosen for p in pairs["train"]] == [" yes 0", " yes 1", " yes 2", " yes 3"]
+    assert [p.prompt for p in pairs["test"]] == ["q4?", "q5?"]
+    # A named split, conversational rows: the chat template makes the prompts; 2 pairs are held out for eval.
+    chat = get_dataset("org/chat:train_prefs", tiny_tokenizer, 0, 2, cache_dir="unused")
+    assert (len(chat["train"]), len(chat["test"])) == (4, 2)
+    assert chat["train"][0].prompt.startswith("<|im_start|>user\nq") and chat["train"][0].chosen.startswith("yes ")
+    assert asked == [("org/pairs", None), ("org/chat", "train_prefs")]
+    with pytest.raises(
+        UserError, match=r"^org/chat has no 'train' split; choose one of train_prefs, test_prefs with org/chat:SPLIT$"
+    ):
+        get_dataset("org/chat", tiny_tokenizer, 0, 2, cache_dir="unused")
+
+
+def test_an_unreachable_hub_dataset_is_one_clear_line(tiny_tokenizer, tmp_path):
+    # conftest sets HF_DATASETS_OFFLINE=1: the real loader fails without waiting for the network.
+    with pytest.raises(
+        UserError,
+        match=r"^could not load dataset 'trl-lib/ultrafeedback_binarized' from the Hugging Face Hub \(.*\); "
+        r"give a local copy",
+    ):
+        get_dataset("trl-lib/ultrafeedback_binarized", tiny_tokenizer, 0, 8, cache_dir=tmp_path)
+    with pytest.raises(UserError, match=r"unknown dataset 'data/missing.jsonl'"):  # a file name is never a Hub id
+        get_dataset("data/missing.jsonl", tiny_tokenizer, 0, 8, cache_dir=tmp_path)

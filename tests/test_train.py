@@ -95,6 +95,10 @@ def test_cli_run_writes_metrics_checkpoints_and_loadable_export(tmp_path, pairs_
         # checked by the typed config, before anything starts
         (["warmup_steps=-1"], "error: warmup_steps=-1 must be zero or more"),
         (["n_epochs=0"], "error: n_epochs=0 must be positive, or null to train by n_examples"),
+        (
+            ["model=tiny", "datasets=trl-lib/ultrafeedback_binarized", "wandb.enabled=false"],
+            "error: could not load dataset 'trl-lib/ultrafeedback_binarized' from the Hugging Face Hub",
+        ),
         (["datasets=[]"], "error: datasets=[] names no dataset"),
         (
             [f"local_run_dir={__file__}/run"],

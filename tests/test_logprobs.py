@@ -1,0 +1,141 @@
+"""Chunked float32 token log-probs (logprobs.py) against the naive float32 computation."""
+
+import pytest
+import torch
+
+import logprobs
+from logprobs import token_logps_from_logits
+
+IGNORE_INDEX = -100  # labels that are not scored
+
+
+def scored_rows(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat positions, targets) of labelled tokens: position t predicts token t + 1."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    rows = (targets.flatten() != IGNORE_INDEX).nonzero().squeeze(-1)
+    return rows, targets.flatten()[rows]
+
+
+def naive_sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The reference's computation: upcast all logits, shift, log_softmax, gather, mask, sum."""
+    logits = logits[:, :-1].float()
+    labels = labels[:, 1:].clone()
+    mask = labels != IGNORE_INDEX
+    labels[~mask] = 0
+    token_logps = logits.log_softmax(-1).gather(2, labels.unsqueeze(2)).squeeze(2)
+    return (token_logps * mask).sum(-1)
+
+
+def chunked_sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    rows, targets = scored_rows(labels)
+    token_logps = token_logps_from_logits(logits.flatten(0, 1), rows, targets)
+    return torch.zeros(labels.shape[0]).index_add_(0, rows // labels.shape[1], token_logps)
+
+
+@pytest.fixture
+def chunk_rows_of(monkeypatch):
+    """Chunks of `rows` rows of a `vocab` vocabulary: many chunks even for small test tensors."""
+    return lambda rows, vocab: monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", rows * vocab)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows_per_chunk", [1, 7, 4096])
+def test_chunked_logps_match_naive_float32(dtype, rows_per_chunk, chunk_rows_of):
+    chunk_rows_of(rows_per_chunk, 50)
+    torch.manual_seed(0)
+    logits = (torch.randn(4, 9, 50) * 3).to(dtype)
+    labels = torch.randint(0, 50, (4, 9))
+    labels[:, :3] = IGNORE_INDEX  # prompt
+    labels[1, 6:] = IGNORE_INDEX  # padding
+    logits_a = logits.clone().requires_grad_()
+    logits_b = logits.clone().requires_grad_()
+    chunked = chunked_sequence_logps(logits_a, labels)
+    naive = naive_sequence_logps(logits_b, labels)
+    assert chunked.dtype == torch.float32
+    torch.testing.assert_close(chunked, naive, rtol=0, atol=1e-5)
+    weights = torch.randn(4)
+    (chunked * weights).sum().backward()
+    (naive * weights).sum().backward()
+    assert logits_a.grad.dtype == dtype
+    torch.testing.assert_close(
+        logits_a.grad.float(), logits_b.grad.float(), rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6
+    )
+
+
+def test_chunked_logps_per_token_precision(chunk_rows_of):
+    # Per token, the chunked log-prob equals the naive float32 upcast to 1e-6.
+    chunk_rows_of(1, 1000)
+    torch.manual_seed(1)
+    logits = torch.randn(2, 6, 1000, dtype=torch.bfloat16) * 4
+    labels = torch.randint(0, 1000, (2, 6))
+    labels[:, :5] = IGNORE_INDEX  # score exactly one token per sequence
+    torch.testing.assert_close(
+        chunked_sequence_logps(logits, labels), naive_sequence_logps(logits, labels), rtol=0, atol=1e-6
+    )
+
+
+def test_chunked_logps_never_hold_full_float32_logits(chunk_rows_of):
+    batch, length, vocab, rows_per_chunk = 4, 16, 300, 8
+    chunk_rows_of(rows_per_chunk, vocab)
+    logits = torch.randn(batch, length, vocab, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (batch, length))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        total = chunked_sequence_logps(logits, labels).sum()
+    float32_saved = [t.numel() for t in saved if t.dtype == torch.float32]
+    assert max(float32_saved, default=0) < rows_per_chunk * vocab  # the naive upcast saves batch*length*vocab
+    total.backward()
+    assert logits.grad.shape == logits.shape
+
+
+def test_chunk_size_is_bounded_in_elements_not_rows():
+    assert logprobs.chunk_rows(2**14) == 1024 and logprobs.chunk_rows(2**17) == 128
+    assert logprobs.chunk_rows(2**17) * 2**17 == logprobs.chunk_rows(2**14) * 2**14 == logprobs.CHUNK_ELEMENTS
+    assert logprobs.chunk_rows(2**30) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_head_logps_match_head_then_log_softmax(dtype, bias, chunk_rows_of):
+    # The fused head equals lm_head(hidden[rows]).float().log_softmax()[targets], in value and in the gradients of
+    # hidden, weight and bias, including rows used twice (the last prompt token predicts chosen[0] and rejected[0]).
+    chunk_rows_of(3, 40)
+    torch.manual_seed(2)
+    hidden = torch.randn(6, 16, requires_grad=True)
+    head = torch.nn.Linear(16, 40, bias=bias)
+    rows = torch.tensor([0, 2, 2, 3, 5, 5, 5, 1])
+    targets = torch.randint(0, 40, (8,))
+    weights = torch.randn(8)
+    autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+    with autocast:
+        fused = logprobs.token_logps_from_hidden(hidden, head.weight, head.bias, rows, targets)
+    (fused * weights).sum().backward()
+    fused_grads = [hidden.grad, head.weight.grad] + ([head.bias.grad] if bias else [])
+    hidden.grad = None
+    head.zero_grad(set_to_none=True)
+    with autocast:
+        logits = head(hidden)
+    naive = logits.float().log_softmax(-1)[rows, targets]
+    (naive * weights).sum().backward()
+    naive_grads = [hidden.grad, head.weight.grad] + ([head.bias.grad] if bias else [])
+    assert fused.dtype == torch.float32
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused, naive, rtol=0, atol=tolerance)
+    for a, b in zip(fused_grads, naive_grads):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
+
+
+def test_fused_head_never_holds_logits(chunk_rows_of):
+    # Nothing of size rows x vocabulary is saved for backward: only hidden, weight and per-row statistics.
+    chunk_rows_of(4, 500)
+    hidden = torch.randn(64, 8, requires_grad=True)
+    weight = torch.randn(500, 8, requires_grad=True)
+    rows = torch.arange(64)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        total = logprobs.token_logps_from_hidden(hidden, weight, None, rows, torch.randint(0, 500, (64,))).sum()
+    assert max(t.numel() for t in saved) == weight.numel() and all(t.shape != (64, 500) for t in saved)
+    total.backward()
+    assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
