@@ -224,7 +224,8 @@ def schema_type(key: str, groups: dict[str, str]):
     """The schema's type for a dotted key (loss keys: in the selected loss's schema), or None."""
     kind, parts = Config, key.split(".")
     if parts[0] == "loss":
-        kind, parts = LOSSES[groups["loss"]].schema, parts[1:]
+        loss_name = OmegaConf.load(CONFIG_DIR / "loss" / f"{groups['loss']}.yaml").name  # the option's loss
+        kind, parts = LOSSES[loss_name].schema, parts[1:]
     for part in parts:
         types = {f.name: f.type for f in dataclasses.fields(kind)} if dataclasses.is_dataclass(kind) else {}
         if part not in types:
@@ -285,7 +286,8 @@ def explain(error: Exception, args: list[str], groups: dict[str, str]) -> str:
             else []
         )
         leaf = key.rpartition(".")[2]
-        return f"unknown key '{key}' in {where}{did_you_mean(leaf, valid)}; valid: {', '.join(valid)}"
+        listed = f"; valid: {', '.join(valid)}" if valid else ""
+        return f"unknown key '{key}' in {where}{did_you_mean(leaf, valid)}{listed}"
     if isinstance(cause, ValidationError) and cause.full_key:
         key = cause.full_key
         value = next(

@@ -10,7 +10,7 @@ loss defines its own, always detached: they are metrics, not loss terms.
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -181,6 +181,54 @@ class SFTConfig:
     name: str = MISSING
 
 
+@dataclass
+class NLLConfig:
+    """The chosen response's per-token NLL on pair data: SFT as a term of a weighted loss (TRL's "sft" term)."""
+
+    name: str = MISSING
+
+    def needs_reference(self) -> bool:
+        return False
+
+    def statistics(self, stats: PairStats) -> PairStats:
+        return stats
+
+
+@dataclass
+class WeightedConfig:
+    """A weighted sum of pair losses, e.g. MPO (Wang et al. 2024, arXiv:2411.10442). `terms` maps each loss name to
+    {weight: w, and that loss's own keys}; each term is checked by its own schema."""
+
+    name: str = MISSING
+    terms: dict[str, Any] = MISSING
+
+    def __post_init__(self):
+        from omegaconf import OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+
+        self.components = {}  # name -> (weight, the term's config dataclass)
+        for term, values in self.terms.items():
+            if term not in LOSSES or LOSSES[term].function is None or LOSSES[term].schema is WeightedConfig:
+                pair_losses = [n for n, c in LOSSES.items() if c.function and c.schema is not WeightedConfig]
+                raise UserError(f"loss.terms.{term} is not a pair loss; valid: {', '.join(pair_losses)}")
+            values = dict(values)
+            weight = values.pop("weight", None)
+            if not isinstance(weight, (int, float)) or weight <= 0:
+                raise UserError(f"loss.terms.{term}.weight={weight} must be a positive number")
+            try:
+                schema = OmegaConf.structured(LOSSES[term].schema)
+                config = OmegaConf.to_object(OmegaConf.merge(schema, {**values, "name": term}))
+            except (OmegaConfBaseException, UserError) as error:
+                raise UserError(f"loss.terms.{term}: {str(error).splitlines()[0]}") from None
+            self.components[term] = (float(weight), config)
+
+    def needs_reference(self) -> bool:
+        return any(config.needs_reference() for _, config in self.components.values())
+
+    def statistics(self, stats: PairStats) -> PairStats:
+        return stats  # each term applies its own
+
+
 # -------------------------------------------------------------------------------------------------------------
 # Losses: (stats, config, state) -> LossOutput. `state` is the objective's running state (see bco_pair).
 
@@ -294,6 +342,25 @@ def orpo(s: PairStats, cfg: PreferenceLoss, state: dict) -> LossOutput:
     return LossOutput(losses, chosen, rejected, {"odds_ratio": odds_ratio.detach()})
 
 
+def nll(s: PairStats, cfg: NLLConfig, state: dict) -> LossOutput:
+    """The chosen response's per-token NLL, -pc / nc (TRL pools it over the batch's tokens instead). Rewards are
+    the per-token mean log-probs of chosen and rejected."""
+    t = s.per_token()
+    return LossOutput(chosen_nll(s), t.policy_chosen.detach(), t.policy_rejected.detach())
+
+
+def weighted(s: PairStats, cfg: WeightedConfig, state: dict) -> LossOutput:
+    """sum_i w_i loss_i, each term on its own statistics; each term is logged (`loss_<name>`). Rewards are those of
+    the first term."""
+    outputs = {
+        name: (w, LOSSES[name].function(term.statistics(s), term, state)) for name, (w, term) in cfg.components.items()
+    }
+    losses = sum(w * output.losses for w, output in outputs.values())
+    first = next(iter(outputs.values()))[1]
+    terms = {f"loss_{name}": output.losses.detach() for name, (_, output) in outputs.items()}
+    return LossOutput(losses, first.chosen_rewards, first.rejected_rewards, terms)
+
+
 def cpo(s: PairStats, cfg: PreferenceLoss, state: dict) -> LossOutput:
     """CPO's preference term (Xu et al. 2024, arXiv:2401.08417, eq. 3), DPO with a uniform reference:
     -log sigma(beta (pc - pr)); CPO adds the chosen NLL through nll_weight (its cpo_alpha, 1 in the paper).
@@ -326,5 +393,13 @@ LOSSES = {
     "simpo": LossComponent(SimPOConfig, simpo),
     "orpo": LossComponent(PreferenceLoss, orpo),
     "cpo": LossComponent(PreferenceLoss, cpo),
+    "nll": LossComponent(NLLConfig, nll),
+    "weighted": LossComponent(WeightedConfig, weighted),
     "sft": LossComponent(SFTConfig, None),
 }
+
+
+def running_reward_mean(loss) -> bool:
+    """Whether the loss (or a term of it) keeps the running reward mean (bco_pair)."""
+    names = list(getattr(loss, "components", {})) or [loss.name]
+    return any(LOSSES[name].running_reward_mean for name in names)

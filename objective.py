@@ -5,7 +5,7 @@ DPO reference."""
 import torch
 from omegaconf import OmegaConf
 
-from losses import LOSSES, PairStats, chosen_nll
+from losses import LOSSES, PairStats, chosen_nll, running_reward_mean
 from preference_datasets import PreferencePair, sft_examples
 
 
@@ -19,7 +19,7 @@ class PreferenceObjective:
         self.loss = loss
         self.function = LOSSES[loss.name].function
         self.needs_reference = loss.needs_reference()
-        self.state = {"reward_mean": 0.0, "rewards_seen": 0} if LOSSES[loss.name].running_reward_mean else {}
+        self.state = {"reward_mean": 0.0, "rewards_seen": 0} if running_reward_mean(loss) else {}
 
     def examples(self, pairs: list[PreferencePair]) -> list[PreferencePair]:
         return pairs
@@ -39,9 +39,10 @@ class PreferenceObjective:
             f"logps_{split}/chosen": stats.policy_chosen.detach(),
             f"logps_{split}/rejected": stats.policy_rejected.detach(),
         }
-        if self.loss.nll_weight:
+        nll_weight = getattr(self.loss, "nll_weight", 0.0)  # RPO's term; a weighted loss has an nll term instead
+        if nll_weight:
             nll = chosen_nll(stats)
-            losses = losses + self.loss.nll_weight * nll
+            losses = losses + nll_weight * nll
             metrics[f"nll_{split}/chosen"] = nll.detach()
         for name, term in (output.terms or {}).items():
             metrics[f"{name}/{split}"] = term

@@ -66,6 +66,10 @@ from utils import UserError
         (["loss=simpo", "loss.length_normalized=true"], "unknown key 'loss.length_normalized' in loss=simpo"),
         (["loss=dpop", "loss.dpop_lambda=-1"], "loss.dpop_lambda=-1.0 must be zero or more"),
         (["loss=cpo", "loss.beta=0"], "loss.beta=0.0 must be positive"),
+        (["loss=mpo", "loss.terms.dpo.beta=-1"], "loss.terms.dpo: loss.beta=-1.0 must be positive"),
+        (["loss=mpo", "loss.terms.dpo.weight=0"], "loss.terms.dpo.weight=0 must be a positive number"),
+        (["loss=mpo", "+loss.terms.sft={weight:1}"], "loss.terms.sft is not a pair loss; valid: dpo, dpo_norm, ipo"),
+        (["loss=mpo", "+loss.terms.dpo.gamma=1"], "loss.terms.dpo: Key 'gamma' not in 'DPOConfig'"),
         (["trainer=FSDPtrainer"], "unknown trainer 'FSDPtrainer' (did you mean 'FSDPTrainer'?); valid: BasicTrainer"),
         (["layout=pack"], "layout=pack is not a layout (did you mean 'packed'?); expected one of packed, padded"),
         (

@@ -204,3 +204,17 @@ def test_gradient_closed_form(name, config, expected):
     output.losses.sum().backward()
     assert s.policy_chosen.grad.item() == pytest.approx(expected, abs=1e-6)
     assert not output.chosen_rewards.requires_grad
+
+
+def test_weighted_terms_add_up_and_are_logged():
+    # MPO's preset: 0.8 DPO + 0.2 BCO (delta 0) + 1.0 NLL, with beta 0.1 for both preference terms
+    mpo = preset("mpo")
+    loss, chosen_reward, rejected_reward = loss_of("weighted", mpo)
+    dpo, bco, nll = softplus(-0.2), softplus(-0.1) + softplus(-0.1), 0.5
+    assert loss == pytest.approx(0.8 * dpo + 0.2 * bco + 1.0 * nll, abs=1e-6)
+    assert (chosen_reward, rejected_reward) == pytest.approx((0.1, -0.1))  # the first term's (DPO's) rewards
+    output = LOSSES["weighted"].function(stats(), mpo, {})
+    assert {name: value.item() for name, value in output.terms.items()} == pytest.approx(
+        {"loss_dpo": dpo, "loss_bco_pair": bco, "loss_nll": nll}
+    )
+    assert mpo.needs_reference() and PreferenceObjective(mpo).state == {"reward_mean": 0.0, "rewards_seen": 0}

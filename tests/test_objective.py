@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import train
+from config import group_options
 from conftest import records, run_cli
-from losses import LOSSES
 
 
 def test_ipo_first_eval_matches_closed_form(make_config):
@@ -33,7 +33,7 @@ def test_reference_free_rewards_are_policy_logps(make_config):
     assert first["rewards_eval/chosen"] == pytest.approx(0.1 * first["logps_eval/chosen"], rel=1e-5)
 
 
-@pytest.mark.parametrize("loss", sorted(LOSSES))
+@pytest.mark.parametrize("loss", group_options()["loss"])
 def test_every_loss_trains_from_the_command_line(tmp_path, pairs_file, loss):
     run_dir = tmp_path / "run"
     result = run_cli(
