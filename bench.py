@@ -14,6 +14,8 @@
 5. `python bench.py --fsdp`: FSDP1 (`FullyShardedDataParallel`) vs FSDP2 (`fully_shard`) on 2 processes (gloo on
    the CPU, NCCL with 2+ GPUs), both sharding per Llama block: training step time, and the largest parameter
    difference from one process training on the same batches (decides which FSDP FSDPTrainer uses).
+6. `python bench.py --lora`: LoRA (the preset, rank 16 on every linear layer) against full fine-tuning on the
+   default configuration at 256 x 4: seconds per step and peak RSS, alternating, each in a fresh process.
 """
 
 import argparse
@@ -22,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -86,6 +89,7 @@ def lever_worker(overrides: list[str], warmup: int, steps: int, result_file: str
     import resource
 
     import config as configuration
+    from adapters import apply_lora
     from distributed import Topology
     from models import find_blocks, load_model, load_tokenizer
     from preference_datasets import parse_rows, read_file_rows
@@ -97,10 +101,11 @@ def lever_worker(overrides: list[str], warmup: int, steps: int, result_file: str
     pairs = parse_rows([item for _, item in zip(range(48), read_file_rows(HH_FILE))], str(HH_FILE), tokenizer)
     data = {"train": pairs, "test": pairs[:1]}  # the eval pair plays no part in the timings
     start = time.perf_counter()
+    policy = load_model(config.model, torch.float32, cache_dir, config.seed)
     trainer = Trainer(
         config,
         Topology(),
-        load_model(config.model, torch.float32, cache_dir, config.seed),
+        apply_lora(policy, config.lora) if config.lora.enabled else policy,
         lambda: load_model(config.model, torch.float32, cache_dir, config.seed),
         tokenizer,
         data,
@@ -111,6 +116,16 @@ def lever_worker(overrides: list[str], warmup: int, steps: int, result_file: str
         for block in find_blocks(trainer.policy, config.model.block_name):
             block.compile(dynamic=True)
     seconds = pairs_seen = tokens = first_step = 0
+    step_rss = [0.0]  # the largest RSS seen while training steps run, sampled every 5 ms
+
+    def sample_rss(stop: threading.Event) -> None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        while not stop.wait(0.005):
+            step_rss[0] = max(step_rss[0], int(Path("/proc/self/statm").read_text().split()[1]) * page / 2**30)
+
+    stop = threading.Event()
+    sampler = threading.Thread(target=sample_rss, args=(stop,), daemon=True)
+    sampler.start()
     for step, indices in enumerate(trainer.schedule[: warmup + steps]):
         examples = [trainer.train_examples[i] for i in indices]
         start = time.perf_counter()
@@ -120,6 +135,8 @@ def lever_worker(overrides: list[str], warmup: int, steps: int, result_file: str
             seconds += time.perf_counter() - start
             pairs_seen += len(examples)
             tokens += sum(len(ex["prompt"]) * 2 + sum(map(len, ex["responses"])) for ex in examples)
+    stop.set()
+    sampler.join()
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     precision = "bfloat16" if trainer.policy_compute == torch.bfloat16 else "float32"
     Path(result_file).write_text(
@@ -128,6 +145,7 @@ def lever_worker(overrides: list[str], warmup: int, steps: int, result_file: str
                 "pairs_per_second": pairs_seen / seconds,
                 "tokens_per_second": tokens / seconds,
                 "peak_rss_gib": peak_rss,
+                "training_rss_gib": step_rss[0],
                 "precision": precision,
                 "setup_seconds": setup_seconds,
                 "first_step_seconds": first_step,
@@ -220,6 +238,30 @@ def bench_compile(warmup: int, steps: int) -> None:
             f"{name:24s} first step {result['first_step_seconds']:5.1f} s, "
             f"then {4 / result['pairs_per_second']:.2f} s/step "
             f"({result['pairs_per_second']:.3f} pairs/s)",
+            flush=True,
+        )
+
+
+def bench_lora(warmup: int, steps: int) -> None:
+    """Full fine-tuning against LoRA (the preset: rank 16 on every linear layer) at 256 x 4, alternating."""
+    from models import SMOLLM2_HUB_ID, resolve_model_dir
+    from precision import cpu_name
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model_dir = resolve_model_dir(SMOLLM2_HUB_ID, REPO_ROOT / ".cache")
+    flags = sorted(set(Path("/proc/cpuinfo").read_text().split()) & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
+    print(
+        f"CPU: {cpu_name()}, {os.cpu_count()} cores, flags {' '.join(flags)}; SmolLM2-135M-Instruct, default levers, "
+        f"max_length 256 x 4 pairs; {warmup} warm-up + {steps} timed steps"
+    )
+    for name, lever in (("full fine-tuning", []), ("LoRA r=16", ["lora.enabled=true"])) * 2:
+        with tempfile.TemporaryDirectory() as tmp:
+            overrides = [*workload_overrides(model_dir, tmp, 256, 4), *lever]
+            result = lever_subprocess(overrides, warmup, steps, str(Path(tmp) / "result.json"))
+        print(
+            f"{name:18s} {4 / result['pairs_per_second']:6.2f} s/step ({result['pairs_per_second']:.3f} pairs/s), "
+            f"RSS while training {result['training_rss_gib']:.2f} GiB (process peak {result['peak_rss_gib']:.2f}), "
+            f"{result['precision']}",
             flush=True,
         )
 
@@ -372,8 +414,9 @@ def main() -> None:
     parser.add_argument(
         "--compile", action="store_true", help="only benchmark torch.compile on the default configuration"
     )
-    parser.add_argument("--warmup", type=int, default=2, help="--levers, --compile: untimed steps per configuration")
-    parser.add_argument("--steps", type=int, default=6, help="--levers, --compile: timed steps per configuration")
+    parser.add_argument("--lora", action="store_true", help="only benchmark LoRA against full fine-tuning")
+    parser.add_argument("--warmup", type=int, default=2, help="--levers, --compile, --lora: untimed steps")
+    parser.add_argument("--steps", type=int, default=6, help="--levers, --compile, --lora: timed steps")
     args = parser.parse_args()
     if args.fsdp:
         return bench_fsdp()
@@ -381,6 +424,8 @@ def main() -> None:
         return bench_levers(args.warmup, args.steps)
     if args.compile:
         return bench_compile(args.warmup, args.steps)
+    if args.lora:
+        return bench_lora(args.warmup, args.steps)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     print(f"device: {device}, threads: {torch.get_num_threads()}")

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from adapters import is_adapted, merged_state_dict
 from utils import UserError, first_line
 
 if TYPE_CHECKING:  # distributed imports models, which reads archives through this module
@@ -40,10 +41,15 @@ def save(
 ) -> None:
     """Write the three files, objective.pt for an objective with running state (bco_pair's reward mean), and,
     given the tokenizer, a from_pretrained-ready copy of policy and tokenizer, to a temporary directory; then swap
-    it in whole. Every rank takes part in gathering the states; rank 0 writes."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the full states land on rank 0's CPU
+    it in whole. Every rank takes part in gathering the states; rank 0 writes. policy.pt holds the trainable
+    parameters: all of them, or a LoRA policy's adapters."""
+    # The full states land on rank 0's CPU.
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     policy_state = get_model_state_dict(policy, options=options)
     optimizer_state = get_optimizer_state_dict(policy, optimizer, options=options)
+    export_state = None
+    if tokenizer is not None:  # the export needs every weight, frozen ones too
+        export_state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not topology.is_main:
         return
     tmp_dir = output_dir.with_name(output_dir.name + ".tmp")
@@ -54,10 +60,20 @@ def save(
         if state:
             torch.save({"step_idx": step, "state": state, "metrics": metrics}, tmp_dir / f"{name}.pt")
     if tokenizer is not None:
-        policy.save_pretrained(tmp_dir, state_dict=policy_state)
-        tokenizer.save_pretrained(tmp_dir)
+        export(tmp_dir, policy, export_state, tokenizer)
     replace_dir(tmp_dir, output_dir)
     print(f"saved {output_dir}")
+
+
+def export(directory: Path, policy, state: dict, tokenizer) -> None:
+    """A from_pretrained directory of the policy (a LoRA policy merged, its adapter in peft's format in adapter/),
+    and the tokenizer."""
+    if is_adapted(policy):
+        policy.save_pretrained(directory / "adapter", state_dict=state)
+        policy.get_base_model().save_pretrained(directory, state_dict=merged_state_dict(state, policy))
+    else:
+        policy.save_pretrained(directory, state_dict=state)
+    tokenizer.save_pretrained(directory)
 
 
 def load(checkpoint_dir: Path, policy, optimizer, scheduler, batch_size: int, topology: "Topology") -> tuple[int, dict]:
@@ -70,7 +86,8 @@ def load(checkpoint_dir: Path, policy, optimizer, scheduler, batch_size: int, to
     step, scheduler_state, objective_state = topology.broadcast(
         (states["policy"]["step_idx"], states["scheduler"]["state"], states["objective"]) if main else None
     )
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=topology.world_size > 1)
+    # strict=False: a LoRA checkpoint holds the adapters only (read() checked that it holds every trainable one)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=topology.world_size > 1, strict=False)
     set_model_state_dict(policy, states["policy"]["state"] if main else {}, options=options)
     set_optimizer_state_dict(policy, optimizer, states["optimizer"]["state"] if main else {}, options=options)
     load_state(scheduler, scheduler_state, setting, checkpoint_dir / "scheduler.pt")
@@ -86,8 +103,10 @@ def read(checkpoint_dir: Path, policy, optimizer, batch_size: int, setting: str)
     step = states["policy"]["step_idx"]
     if step % batch_size:
         raise UserError(f"{setting}: {step} examples seen is not a multiple of batch_size={batch_size}")
-    # DTensor shapes are global, so these are the full shapes whatever the sharding.
-    expected = {name: tuple(value.shape) for name, value in policy.state_dict().items()}
+    # DTensor shapes are global, so these are the full shapes whatever the sharding. Frozen weights (a LoRA base)
+    # are not saved.
+    frozen = {name for name, parameter in policy.named_parameters() if not parameter.requires_grad}
+    expected = {name: tuple(value.shape) for name, value in policy.state_dict().items() if name not in frozen}
     found = {name: tuple(value.shape) for name, value in states["policy"]["state"].items()}
     mismatches = [f"{name} is missing" for name in expected.keys() - found.keys()]
     mismatches += [f"{name} is unexpected" for name in found.keys() - expected.keys()]

@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode
 
+from adapters import LoraSettings
 from distributed import TRAINERS, mesh_shape, planned_world_size
 from layouts import LAYOUTS
 from losses import LOSSES
@@ -131,6 +132,7 @@ class Config:
     reference_cache: bool = MISSING
     eval_every: int = MISSING
     minimum_log_interval_secs: float = MISSING
+    lora: LoraSettings = MISSING
     model: ModelConfig = MISSING
     loss: Any = MISSING  # one of losses.LOSSES' schemas
 
@@ -179,6 +181,11 @@ class Config:
                 f"expected one of {', '.join(LAYOUTS)}"
             )
         optimizer_class(self.optimizer, self.optimizer_kwargs)
+        if self.lora.enabled and self.model.reference_dtype != "auto":
+            raise UserError(
+                f"model.reference_dtype={self.model.reference_dtype} with lora.enabled=true: the reference is the "
+                "policy's base with its adapters disabled, so it computes like the policy (model.reference_dtype=auto)"
+            )
         if self.loss.name not in LOSSES or type(self.loss) is not LOSSES[self.loss.name].schema:
             raise UserError(
                 f"loss.name={self.loss.name} names another loss than its keys; choose it with loss={self.loss.name}"
@@ -187,7 +194,17 @@ class Config:
 
     def check_batches(self, world_size: int) -> None:
         """Batches split evenly over data-parallel ranks and accumulation steps; evals fall on step boundaries."""
-        data_ranks = mesh_shape(self.trainer, world_size, self.tensor_parallel_size)[0]
+        data_ranks, tp = mesh_shape(self.trainer, world_size, self.tensor_parallel_size)
+        if self.lora.enabled and tp > 1:
+            raise UserError(
+                f"lora.enabled=true with {tp}-way tensor parallelism: peft's LoRA layers have no tensor-parallel "
+                "plan; use trainer=FSDPTrainer (tensor_parallel_size=null) or BasicTrainer"
+            )
+        if self.lora.quantize and world_size > 1:
+            raise UserError(
+                f"lora.quantize={self.lora.quantize} runs on one process (BasicTrainer): FSDP does not "
+                "shard bitsandbytes' 4-bit weights here"
+            )
         per_step = self.gradient_accumulation_steps * data_ranks
         for key in ("batch_size", "eval_batch_size"):
             value = getattr(self, key)

@@ -169,8 +169,11 @@ def load_archive(model: torch.nn.Module, archive: str) -> None:
     print(f"loaded weights from {archive}")
 
 
-def load_model(model_config: DictConfig, dtype: torch.dtype, cache_dir: Path, seed: int) -> torch.nn.Module:
-    """A causal LM in `dtype` with dropout off, optionally overwritten by `model.archive` (a policy.pt)."""
+def load_model(
+    model_config: DictConfig, dtype: torch.dtype, cache_dir: Path, seed: int, quantization=None
+) -> torch.nn.Module:
+    """A causal LM in `dtype` with dropout off, optionally overwritten by `model.archive` (a policy.pt);
+    quantization: a transformers quantization config for the weights (QLoRA's 4-bit base; CUDA only)."""
     path = resolve_model_dir(model_config.name_or_path, cache_dir)
     common = {"cache_dir": str(cache_dir), "trust_remote_code": model_config.trust_remote_code}
     config = transformers.AutoConfig.from_pretrained(path, **common)
@@ -178,6 +181,15 @@ def load_model(model_config: DictConfig, dtype: torch.dtype, cache_dir: Path, se
     for key, value in config.to_dict().items():
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
+    if quantization is not None and (model_config.random_init or model_config.archive is not None):
+        raise UserError(
+            "lora.quantize loads pretrained weights in 4 bits: model.random_init and model.archive cannot be quantized"
+        )
+    if quantization is not None:
+        device = {"": torch.cuda.current_device()}
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            path, config=config, dtype=dtype, quantization_config=quantization, device_map=device, **common
+        )
     if model_config.random_init:
         torch.manual_seed(seed)  # policy and reference get the same initial weights
         model = transformers.AutoModelForCausalLM.from_config(

@@ -84,7 +84,8 @@ def scored_head_problem(model: torch.nn.Module) -> str | None:
     """Why the fused scored-positions head cannot replace this model's LM head, or None when it can: the model must
     take `logits_to_keep` and return its head's output unchanged (no soft-capping or scaling after the head)."""
     name = type(model).__name__
-    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model passes it through
+    if "logits_to_keep" not in inspect.signature(base.forward).parameters:
         return f"{name}.forward takes no logits_to_keep"
     if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
         return f"{name}'s output embedding is not a Linear layer"

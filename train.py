@@ -17,6 +17,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 import config as configuration
+from adapters import apply_lora, quantization_config
 from distributed import Topology, launch, planned_world_size
 from models import load_model, load_tokenizer
 from precision import parse_dtype
@@ -80,12 +81,14 @@ def build_trainer(config: DictConfig, topology: Topology, run_dir: Path, wandb_r
         tokenizer = load_tokenizer(config.model, cache_dir)
         data = load_datasets(config.datasets, tokenizer, config.seed, config.n_eval_examples, cache_dir)
         policy_dtype = parse_dtype(config.model.policy_dtype, "model.policy_dtype")
-        policy = load_model(config.model, policy_dtype, cache_dir, config.seed)
+        policy = load_model(config.model, policy_dtype, cache_dir, config.seed, quantization_config(config.lora))
+    if config.lora.enabled:  # after model.archive: the adapters go on the SFT weights
+        policy = apply_lora(policy, config.lora)
     # auto: the reference is loaded like the policy, and computes like it (see Trainer).
     reference_dtype = parse_dtype(config.model.reference_dtype, "model.reference_dtype", allow_auto=True)
     reference_dtype = policy_dtype if reference_dtype == "auto" else reference_dtype
 
-    def load_reference():
+    def load_reference():  # not called with LoRA: the reference is the policy's base (adapters.AdaptersDisabled)
         return load_model(config.model, reference_dtype, cache_dir, config.seed)
 
     return Trainer(config, topology, policy, load_reference, tokenizer, data, run_dir, wandb_run)

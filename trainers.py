@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import checkpoint
 import reference_cache
+from adapters import AdaptersDisabled, is_adapted
 from distributed import Topology, parallelize, set_gradient_sync
 from evaluation import Evaluator
 from objective import build_objective
@@ -68,7 +69,8 @@ class Trainer:
 
         # Built after sharding and before any forward pass: FSDP then hands it the sharded parameters each rank owns.
         knobs = OmegaConf.to_container(c.optimizer_kwargs)
-        self.optimizer = build_optimizer(c.optimizer, self.policy.parameters(), c.lr, knobs)
+        trainable = [p for p in self.policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
+        self.optimizer = build_optimizer(c.optimizer, trainable, c.lr, knobs)
         self.scheduler = build_scheduler(self.optimizer, c.warmup_steps)
         self.evaluator = Evaluator(c, topology, tokenizer, self.eval_batches, self.batch_metrics)
         self.example_counter = self.batch_counter = 0
@@ -109,7 +111,9 @@ class Trainer:
         if c.reference_cache:
             entries = self.cached_reference_logps(initial_weights, load, reference_dtype)
             reference = reference_cache.CachedReference(entries, self.topology.device)
-        if not c.reference_cache or c.sample_during_eval:
+        if is_adapted(self.policy):  # LoRA: the base model, the policy with its adapters disabled
+            model = AdaptersDisabled(self.policy)
+        elif not c.reference_cache or c.sample_during_eval:
             model = self.place(load().requires_grad_(False), self.reference_compute)
         if not c.reference_cache:
             reference = reference_cache.LiveReference(model, self.scorer, self.reference_compute)
@@ -165,6 +169,9 @@ class Trainer:
     def train_step(self, examples: list[dict]) -> dict[str, list[float]]:
         """One optimizer step over a global batch, in gradient_accumulation_steps equal micro-batches."""
         self.policy.train()
+        # Randomness in a step (LoRA's adapter dropout) is drawn from the step's own seed: a resumed run draws what
+        # the uninterrupted one did, and tensor-parallel ranks draw alike.
+        torch.manual_seed(self.config.seed + self.batch_counter)
         accumulation = self.config.gradient_accumulation_steps
         metrics = defaultdict(list)
         micro_batches = self.topology.micro_batches(examples, self.config.batch_size, accumulation)[0]

@@ -246,3 +246,17 @@ def test_other_losses_match_basic_trainer_across_processes(tmp_path, pairs_file,
         read_jsonl(tmp_path / "basic" / "metrics.jsonl"), read_jsonl(tmp_path / "run" / "metrics.jsonl")
     )
     assert_same_weights(tmp_path / "basic", tmp_path / "run")
+
+
+def test_fsdp_lora_matches_basic_trainer_lora(tmp_path, pairs_file):
+    # FSDP2 over a peft model (frozen base, trainable adapters in the same blocks), with activation checkpointing.
+    lora = ("lora.enabled=true", "lora.rank=4", "lora.alpha=8", "lora.dropout=0")
+    launch(tmp_path / "basic", pairs_file, "trainer=BasicTrainer", *lora)
+    launch(tmp_path / "run", pairs_file, "trainer=FSDPTrainer", "activation_checkpointing=true", *lora)
+    assert_same_metrics(
+        read_jsonl(tmp_path / "basic" / "metrics.jsonl"), read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    )
+    assert_same_weights(tmp_path / "basic", tmp_path / "run")  # the adapters
+    merged = [AutoModelForCausalLM.from_pretrained(tmp_path / name / "LATEST") for name in ("basic", "run")]
+    for (name, a), b in zip(merged[0].state_dict().items(), merged[1].state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)

@@ -1,0 +1,127 @@
+"""LoRA adapters (Hu et al. 2021, arXiv:2106.09685) through peft: the policy is the base model plus adapters, and
+the reference is the same base with the adapters disabled, so no second model is held.
+
+Adapters start at zero (peft initialises B = 0), so at step one policy and reference are the same function and
+adapter dropout cannot make them differ: the DPO loss starts at ln 2. Checkpoints hold only the trainable
+(adapter) weights; the final export holds the adapter in peft's format and the merged model."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from omegaconf import MISSING
+from torch import nn
+
+from utils import UserError
+
+QUANTIZATIONS = ("4bit",)
+
+
+@dataclass
+class LoraSettings:
+    enabled: bool = MISSING
+    rank: int = MISSING
+    alpha: float = MISSING
+    dropout: float = MISSING
+    target_modules: Optional[list[str]] = MISSING  # null: every linear layer but the LM head
+    quantize: Optional[str] = MISSING
+
+    def __post_init__(self):
+        if self.rank <= 0:
+            raise UserError(f"lora.rank={self.rank} must be positive")
+        if self.alpha <= 0:
+            raise UserError(f"lora.alpha={self.alpha} must be positive")
+        if not 0 <= self.dropout < 1:
+            raise UserError(f"lora.dropout={self.dropout} must be in [0, 1)")
+        if self.quantize is not None and self.quantize not in QUANTIZATIONS:
+            raise UserError(f"lora.quantize={self.quantize} is not a quantization; expected null or 4bit")
+        if self.quantize and not self.enabled:
+            raise UserError(f"lora.quantize={self.quantize} quantizes the base of LoRA adapters: set lora.enabled=true")
+        if self.quantize and not torch.cuda.is_available():
+            raise UserError(f"lora.quantize={self.quantize} (QLoRA) needs a CUDA GPU and bitsandbytes")
+
+
+def quantization_config(settings: LoraSettings):
+    """transformers' BitsAndBytesConfig for QLoRA's 4-bit NF4 base (Dettmers et al. 2023), or None."""
+    if not settings.quantize:
+        return None
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise UserError("lora.quantize=4bit needs bitsandbytes: pip install bitsandbytes") from None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_use_double_quant=True,
+    )
+
+
+def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """The model with LoRA adapters on target_modules (default: all linear layers but the head); only the adapters
+    train."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if settings.quantize:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    targets = list(settings.target_modules) if settings.target_modules is not None else "all-linear"
+    config = LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as error:  # e.g. a target module the model does not have
+        raise UserError(f"lora.target_modules={settings.target_modules}: {str(error).splitlines()[0]}") from None
+
+
+def is_adapted(model: nn.Module) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+class AdaptersDisabled(nn.Module):
+    """The base model of a LoRA policy: the policy run with its adapters disabled (no copy of any weight)."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, *args, **kwargs):
+        with self.policy.disable_adapter():
+            return self.policy(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        with self.policy.disable_adapter():
+            return self.policy.generate(*args, **kwargs)
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.policy.get_output_embeddings()
+
+    @property
+    def config(self):
+        return self.policy.config
+
+
+def merged_state_dict(full_state: dict[str, torch.Tensor], policy: nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's state dict with each adapter merged in, W + (alpha / r) B A, under the base model's own
+    parameter names: what `AutoModelForCausalLM.from_pretrained` loads. full_state: the policy's full state dict
+    (adapters included), e.g. gathered from FSDP shards."""
+    settings = policy.peft_config["default"]
+    scaling = settings.lora_alpha / settings.r
+    prefix = "base_model.model."
+    merged = {}
+    for name, value in full_state.items():
+        if ".lora_" in name:
+            continue
+        base_name = name.removeprefix(prefix).replace(".base_layer.", ".")
+        if ".base_layer.weight" in name:
+            stem = name.removesuffix(".base_layer.weight")
+            a, b = full_state[f"{stem}.lora_A.default.weight"], full_state[f"{stem}.lora_B.default.weight"]
+            value = (value.float() + scaling * (b.float() @ a.float())).to(value.dtype)
+        merged[base_name] = value
+    return merged
