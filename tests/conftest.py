@@ -139,3 +139,25 @@ def assert_same_metrics(expected: list[dict], actual: list[dict]):
         for name, value in e.items():
             if name not in TIMINGS:
                 assert a[name] == pytest.approx(value, rel=1e-5, abs=1e-5), (e["step"], name)
+
+
+def assert_resume_matches_uninterrupted(make_config, tmp_path: Path, *overrides: str) -> None:
+    """Two epochs run whole (tmp_path/full), and again resumed from the whole run's step-32 checkpoint
+    (tmp_path/resumed): every resumed step's loss and the final policy.pt equal the whole run's."""
+    import train
+
+    common = ("eval_every=16", "n_epochs=2", *overrides)
+    train.run(make_config(f"local_run_dir={tmp_path / 'full'}", *common))
+    train.run(
+        make_config(f"local_run_dir={tmp_path / 'resumed'}", f"resume_from={tmp_path / 'full' / 'step-32'}", *common)
+    )
+    full_losses = {r["step"]: r["loss/train"] for r in records(tmp_path / "full", "train")}
+    resumed_losses = {r["step"]: r["loss/train"] for r in records(tmp_path / "resumed", "train")}
+    assert sorted(resumed_losses) == [40, 48, 56, 64, 72, 80]
+    for step, loss in resumed_losses.items():
+        assert loss == pytest.approx(full_losses[step], abs=1e-6)
+    a = torch.load(tmp_path / "full" / "LATEST" / "policy.pt", weights_only=True)["state"]
+    b = torch.load(tmp_path / "resumed" / "LATEST" / "policy.pt", weights_only=True)["state"]
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=name)

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import train
 from adapters import AdaptersDisabled
-from conftest import build_trainer, read_jsonl, records, run_cli
+from conftest import assert_resume_matches_uninterrupted, build_trainer, read_jsonl, records, run_cli
 from models import load_model
 from utils import UserError
 
@@ -54,27 +54,9 @@ def test_adapters_disabled_is_the_original_model(make_config, tmp_path):
 
 
 def test_lora_resume_matches_uninterrupted(make_config, tmp_path):
-    full = make_config(*LORA, f"local_run_dir={tmp_path / 'full'}", "eval_every=16", "n_epochs=2")
-    train.run(full)
+    assert_resume_matches_uninterrupted(make_config, tmp_path, *LORA)
     saved = torch.load(tmp_path / "full" / "step-32" / "policy.pt", weights_only=True)["state"]
     assert saved and all(".lora_" in name for name in saved)  # adapters only: small
-    resumed = make_config(
-        *LORA,
-        f"local_run_dir={tmp_path / 'resumed'}",
-        "eval_every=16",
-        "n_epochs=2",
-        f"resume_from={tmp_path / 'full' / 'step-32'}",
-    )
-    train.run(resumed)
-    full_losses = {r["step"]: r["loss/train"] for r in records(tmp_path / "full", "train")}
-    resumed_losses = {r["step"]: r["loss/train"] for r in records(tmp_path / "resumed", "train")}
-    assert sorted(resumed_losses) == [40, 48, 56, 64, 72, 80]
-    for step, loss in resumed_losses.items():
-        assert loss == pytest.approx(full_losses[step], abs=1e-6)
-    a = torch.load(tmp_path / "full" / "LATEST" / "policy.pt", weights_only=True)["state"]
-    b = torch.load(tmp_path / "resumed" / "LATEST" / "policy.pt", weights_only=True)["state"]
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=name)
 
 
 def test_cli_lora_export_is_merged_and_the_adapter_loads_in_peft(tmp_path, pairs_file, make_config):

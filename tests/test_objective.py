@@ -7,7 +7,7 @@ import torch
 
 import train
 from config import group_options
-from conftest import records, run_cli
+from conftest import assert_resume_matches_uninterrupted, records, run_cli
 
 
 def test_ipo_first_eval_matches_closed_form(make_config):
@@ -67,20 +67,6 @@ def needs_reference(loss: str) -> bool:
 
 def test_bco_pair_resumes_with_its_running_reward_mean(make_config, tmp_path):
     # The reward mean is checkpointed (objective.pt): a resumed run continues with the same shift.
-    full = make_config(f"local_run_dir={tmp_path / 'full'}", "loss=bco_pair", "eval_every=16", "n_epochs=2")
-    train.run(full)
+    assert_resume_matches_uninterrupted(make_config, tmp_path, "loss=bco_pair")
     state = torch.load(tmp_path / "full" / "step-32" / "objective.pt", weights_only=True)["state"]
     assert state["rewards_seen"] == 2 * 32 and state["reward_mean"] != 0
-    resumed = make_config(
-        f"local_run_dir={tmp_path / 'resumed'}",
-        "loss=bco_pair",
-        "eval_every=16",
-        "n_epochs=2",
-        f"resume_from={tmp_path / 'full' / 'step-32'}",
-    )
-    train.run(resumed)
-    full_losses = {r["step"]: r["loss/train"] for r in records(tmp_path / "full", "train")}
-    resumed_losses = {r["step"]: r["loss/train"] for r in records(tmp_path / "resumed", "train")}
-    assert sorted(resumed_losses) == [40, 48, 56, 64, 72, 80]
-    for step, loss in resumed_losses.items():
-        assert loss == pytest.approx(full_losses[step], abs=1e-6)

@@ -8,7 +8,15 @@ import torch
 from omegaconf import OmegaConf
 
 import train
-from conftest import PADDED_BASELINE, assert_same_metrics, assert_same_weights, build_trainer, read_jsonl, records
+from conftest import (
+    PADDED_BASELINE,
+    assert_resume_matches_uninterrupted,
+    assert_same_metrics,
+    assert_same_weights,
+    build_trainer,
+    read_jsonl,
+    records,
+)
 
 
 def test_first_step_loss_is_ln2_with_zero_rewards(make_config):
@@ -89,24 +97,7 @@ def test_metrics_are_averaged_over_the_log_interval(make_config, tmp_path):
 
 
 def test_resume_matches_uninterrupted(make_config, tmp_path):
-    full = make_config(f"local_run_dir={tmp_path / 'full'}", "eval_every=16", "n_epochs=2")
-    train.run(full)
-    resumed = make_config(
-        f"local_run_dir={tmp_path / 'resumed'}",
-        "eval_every=16",
-        "n_epochs=2",
-        f"resume_from={tmp_path / 'full' / 'step-32'}",
-    )
-    train.run(resumed)
-    full_losses = {r["step"]: r["loss/train"] for r in records(tmp_path / "full", "train")}
-    resumed_losses = {r["step"]: r["loss/train"] for r in records(tmp_path / "resumed", "train")}
-    assert sorted(resumed_losses) == [40, 48, 56, 64, 72, 80]
-    for step, loss in resumed_losses.items():
-        assert loss == pytest.approx(full_losses[step], abs=1e-6)
-    a = torch.load(tmp_path / "full" / "LATEST" / "policy.pt", weights_only=True)["state"]
-    b = torch.load(tmp_path / "resumed" / "LATEST" / "policy.pt", weights_only=True)["state"]
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=name)
+    assert_resume_matches_uninterrupted(make_config, tmp_path)
 
 
 def test_activation_checkpointing_recomputes_blocks_and_gives_same_step(make_config, tmp_path):
