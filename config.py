@@ -114,6 +114,7 @@ class Config:
     lr: float = MISSING
     gradient_accumulation_steps: int = MISSING
     max_grad_norm: float = MISSING
+    max_nonfinite_steps: int = MISSING
     max_length: int = MISSING
     max_prompt_length: int = MISSING
     n_epochs: Optional[int] = MISSING
@@ -143,6 +144,7 @@ class Config:
             "lr",
             "max_grad_norm",
             "n_eval_model_samples",
+            "max_nonfinite_steps",
         ):
             expect(getattr(self, key) > 0, key, getattr(self, key), "positive")
         for key in ("warmup_steps", "minimum_log_interval_secs"):

@@ -11,6 +11,7 @@ import torch
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
 
+import math
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -29,7 +30,7 @@ from optim import build_optimizer, build_scheduler, clip_grad_norm
 from precision import parse_dtype, resolve_compute_dtype
 from preference_datasets import PreferencePair, batch_schedule, tokenize_examples
 from scoring import Scorer
-from utils import append_jsonl, get_local_dir
+from utils import UserError, append_jsonl, get_local_dir
 
 
 class Trainer:
@@ -73,8 +74,8 @@ class Trainer:
         self.optimizer = build_optimizer(c.optimizer, trainable, c.lr, knobs)
         self.scheduler = build_scheduler(self.optimizer, c.warmup_steps)
         self.evaluator = Evaluator(c, topology, tokenizer, self.eval_batches, self.batch_metrics)
-        self.example_counter = self.batch_counter = 0
-        self.last_eval_at = None
+        self.example_counter = self.batch_counter = self.nonfinite_in_a_row = 0
+        self.last_eval_at = self.last_checkpoint = None
         if c.resume_from is not None:
             step, objective_state = checkpoint.load(
                 Path(c.resume_from), self.policy, self.optimizer, self.scheduler, c.batch_size, topology
@@ -183,13 +184,31 @@ class Trainer:
             for name, values in batch_metrics.items():
                 metrics[name].extend(values.float().cpu().tolist())
         metrics = self.topology.gather(metrics)
-        self.objective.observe(metrics)
-        metrics["grad_norm"] = [clip_grad_norm(self.policy.parameters(), self.config.max_grad_norm)]
+        grad_norm = clip_grad_norm(self.policy.parameters(), self.config.max_grad_norm)  # the same on every rank
+        metrics["grad_norm"] = [grad_norm]
         metrics["lr"] = [self.scheduler.get_last_lr()[0]]  # the rate this step uses
-        self.optimizer.step()
-        self.scheduler.step()
+        finite = math.isfinite(grad_norm) and all(map(math.isfinite, metrics["loss/train"]))
+        metrics["nonfinite_steps"] = [0.0 if finite else 1.0]
+        if finite:
+            self.objective.observe(metrics)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.nonfinite_in_a_row = 0
+        else:  # the update would spoil the weights: skip it, and stop if it keeps happening
+            self.nonfinite_in_a_row += 1
+            self.stop_if_diverged()
         self.optimizer.zero_grad(set_to_none=True)
         return metrics
+
+    def stop_if_diverged(self) -> None:
+        allowed = self.config.max_nonfinite_steps
+        if self.nonfinite_in_a_row >= allowed:
+            raise UserError(
+                f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient norm and were "
+                f"skipped (max_nonfinite_steps={allowed}), the last at step {self.batch_counter + 1}; stopping. "
+                f"The last checkpoint is {self.last_checkpoint or 'none (none was written yet)'}; lower lr or check "
+                "the data"
+            )
 
     def train(self) -> None:
         c = self.config
@@ -203,7 +222,8 @@ class Trainer:
         )
         interval = defaultdict(list)
         interval_time = interval_tokens = interval_examples = 0
-        last_log = time.time()
+        last_log = start_time = time.time()
+        start_examples = self.example_counter
         for indices in self.schedule[self.batch_counter :]:
             if self.example_counter % c.eval_every == 0 and (self.example_counter > 0 or c.do_first_eval):
                 self.evaluate_and_save(final=False)
@@ -232,11 +252,25 @@ class Trainer:
                 interval_time = interval_tokens = interval_examples = 0
                 last_log = time.time()
         progress.close()
-        self.evaluate_and_save(final=True)
+        self.summarize(self.evaluate_and_save(final=True), start_examples, time.time() - start_time)
 
-    def evaluate_and_save(self, final: bool) -> None:
+    def summarize(self, final_metrics: dict[str, float], start_examples: int, seconds: float) -> None:
+        """The run in a few lines: what was trained, how fast, how it ended, and where it is."""
+        trained = self.example_counter - start_examples
+        where = self.last_checkpoint or "nowhere (debug=true)"
+        evals = ", ".join(f"{name}={value:.4f}" for name, value in final_metrics.items())
+        print(
+            f"done: {trained} examples in {self.batch_counter} steps"
+            + (f" (resumed at {start_examples})" if start_examples else "")
+            + f", {seconds / 60:.1f} min, {trained / max(seconds, 1e-9):.2f} pairs/s with evals and checkpoints\n"
+            f"final eval: {evals}\ncheckpoint and from_pretrained export: {where}; metrics: "
+            f"{self.run_dir / 'metrics.jsonl'}"
+        )
+
+    def evaluate_and_save(self, final: bool) -> dict[str, float] | None:
+        """Evaluate, sample and checkpoint, unless this point was evaluated already; the eval metrics."""
         if self.last_eval_at == self.example_counter and not final:
-            return
+            return None
         metrics = self.evaluator.evaluate(self.policy)
         self.log(metrics)
         print(f"eval at {self.example_counter} examples: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
@@ -247,6 +281,7 @@ class Trainer:
             self.save(self.run_dir / "LATEST", metrics, export_hf=True)
         elif self.example_counter > 0:
             self.save(self.run_dir / f"step-{self.example_counter}", metrics, export_hf=False)
+        return metrics
 
     def save(self, output_dir: Path, metrics: dict[str, float], export_hf: bool) -> None:
         """A checkpoint of policy, optimizer and scheduler (see checkpoint.py); export_hf: also a from_pretrained
@@ -263,6 +298,7 @@ class Trainer:
                 self.objective.state,
                 self.tokenizer if export_hf else None,
             )
+            self.last_checkpoint = output_dir
 
     def log(self, metrics: dict[str, float]) -> None:
         if not self.topology.is_main:

@@ -17,6 +17,8 @@ from conftest import (
     read_jsonl,
     records,
 )
+from trainers import Trainer
+from utils import UserError
 
 
 def test_first_step_loss_is_ln2_with_zero_rewards(make_config):
@@ -188,3 +190,61 @@ def test_automatic_precision_follows_the_probe(make_config, tmp_path, capsys):
         trainer.train_step([trainer.train_examples[i] for i in trainer.schedule[0]])
         assert seen == [torch.bfloat16 if speedup > 1 else torch.float32]
         assert records(train.Path(config.local_run_dir), "eval")[0]["loss/eval"] == torch.tensor(math.log(2)).item()
+
+
+def poison_training_from(step: int):
+    """A Trainer.batch_metrics whose training loss is NaN from optimizer step `step` (1-based) on."""
+    batch_metrics = Trainer.batch_metrics
+
+    def poisoned(self, examples, split):
+        loss, metrics = batch_metrics(self, examples, split)
+        return (
+            (loss * float("nan"), metrics) if split == "train" and self.batch_counter + 1 >= step else (loss, metrics)
+        )
+
+    return poisoned
+
+
+def test_a_nonfinite_step_is_skipped_and_counted(make_config, monkeypatch):
+    trainer = build_trainer(make_config())
+    steps = [[trainer.train_examples[i] for i in indices] for indices in trainer.schedule[:3]]
+    assert trainer.train_step(steps[0])["nonfinite_steps"] == [0.0]
+    trainer.batch_counter = 1
+    before = {name: p.detach().clone() for name, p in trainer.policy.named_parameters()}
+    monkeypatch.setattr(Trainer, "batch_metrics", poison_training_from(2))
+    metrics = trainer.train_step(steps[1])
+    assert metrics["nonfinite_steps"] == [1.0] and math.isnan(metrics["grad_norm"][0])
+    for name, parameter in trainer.policy.named_parameters():  # no update: the weights, optimizer and schedule
+        assert torch.equal(parameter, before[name]), name
+    assert trainer.scheduler.last_epoch == 1 and trainer.nonfinite_in_a_row == 1
+    monkeypatch.undo()
+    assert trainer.train_step(steps[2])["nonfinite_steps"] == [0.0] and trainer.nonfinite_in_a_row == 0
+    assert any(not torch.equal(p, before[name]) for name, p in trainer.policy.named_parameters())
+
+
+def test_nonfinite_steps_in_a_row_stop_the_run_and_keep_the_last_checkpoint(make_config, monkeypatch):
+    # Steps 3 on are poisoned; with max_nonfinite_steps=2 the run stops after step 4, the step-16 checkpoint intact.
+    monkeypatch.setattr(Trainer, "batch_metrics", poison_training_from(3))
+    config = make_config("max_nonfinite_steps=2", "eval_every=16", "minimum_log_interval_secs=0")
+    run_dir = train.Path(config.local_run_dir)
+    message = (
+        rf"^2 optimizer steps in a row had a non-finite loss or gradient norm and were skipped "
+        rf"\(max_nonfinite_steps=2\), the last at step 4; stopping. The last checkpoint is {run_dir / 'step-16'};"
+    )
+    with pytest.raises(UserError, match=message):
+        train.run(config)
+    assert [r["nonfinite_steps"] for r in records(run_dir, "train")] == [0.0, 0.0, 1.0]  # step 4 stopped first
+    assert torch.load(run_dir / "step-16" / "policy.pt", weights_only=True)["step_idx"] == 16
+    assert not (run_dir / "LATEST").exists()
+
+
+def test_the_run_ends_with_a_summary(make_config, capsys):
+    config = make_config("n_examples=16")
+    train.run(config)
+    run_dir = train.Path(config.local_run_dir)
+    out = capsys.readouterr().out
+    final = records(run_dir, "eval")[-1]
+    assert "done: 16 examples in 2 steps, " in out and " pairs/s with evals and checkpoints" in out
+    assert f"rewards_eval/accuracies={final['rewards_eval/accuracies']:.4f}" in out.split("final eval: ")[1]
+    assert f"loss/eval={final['loss/eval']:.4f}" in out.split("final eval: ")[1]
+    assert f"checkpoint and from_pretrained export: {run_dir / 'LATEST'}; metrics: {run_dir / 'metrics.jsonl'}" in out
