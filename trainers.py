@@ -27,6 +27,7 @@ from distributed import Topology, parallelize, set_gradient_sync
 from evaluation import Evaluator
 from objective import build_objective
 from optim import build_optimizer, build_scheduler, clip_grad_norm
+from plots import write_plots
 from precision import parse_dtype, resolve_compute_dtype
 from preference_datasets import PreferencePair, batch_schedule, tokenize_examples
 from scoring import Scorer
@@ -273,6 +274,8 @@ class Trainer:
             return None
         metrics = self.evaluator.evaluate(self.policy)
         self.log(metrics)
+        if self.topology.is_main:
+            write_plots(self.run_dir)
         print(f"eval at {self.example_counter} examples: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
         if self.config.sample_during_eval:
             self.log_samples(self.evaluator.sample(self.policy, self.reference_model, self.example_counter))
