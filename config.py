@@ -132,6 +132,7 @@ class Config:
     scored_logits_only: bool = MISSING
     reference_cache: bool = MISSING
     eval_every: int = MISSING
+    plots: bool = MISSING
     minimum_log_interval_secs: float = MISSING
     lora: LoraSettings = MISSING
     model: ModelConfig = MISSING

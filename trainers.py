@@ -274,7 +274,7 @@ class Trainer:
             return None
         metrics = self.evaluator.evaluate(self.policy)
         self.log(metrics)
-        if self.topology.is_main:
+        if self.config.plots and self.topology.is_main:
             write_plots(self.run_dir)
         print(f"eval at {self.example_counter} examples: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
         if self.config.sample_during_eval:

@@ -69,6 +69,7 @@ def tiny_run_overrides(tmp_path: Path, pairs_file: Path) -> list[str]:
         "lr=1e-3",
         "warmup_steps=0",
         "minimum_log_interval_secs=0",
+        "plots=false",  # drawing costs ~0.5 s an eval; tests/test_plots.py draws
     ]
 
 

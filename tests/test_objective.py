@@ -48,6 +48,7 @@ def test_every_loss_trains_from_the_command_line(tmp_path, pairs_file, loss):
         "eval_every=8",
         "lr=1e-3",
         "warmup_steps=0",
+        "plots=false",
     )
     assert result.returncode == 0, result.stderr[-2000:]
     # A reference is scored (cached) exactly when the loss reads one.
