@@ -83,6 +83,7 @@ class Trainer:
             )
             self.objective.state.update(objective_state)
             self.example_counter, self.batch_counter, self.last_eval_at = step, step // c.batch_size, step
+            self.last_checkpoint = Path(c.resume_from)
 
     def tokenize(self, data: dict[str, list[PreferencePair]]) -> tuple[list[dict], list[list[dict]], list[list[int]]]:
         """Token ids of every example, once per run: (training examples, eval batches, the training schedule)."""
