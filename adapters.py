@@ -102,10 +102,6 @@ class AdaptersDisabled(nn.Module):
     def get_output_embeddings(self) -> nn.Module:
         return self.policy.get_output_embeddings()
 
-    @property
-    def config(self):
-        return self.policy.config
-
 
 def merged_state_dict(full_state: dict[str, torch.Tensor], policy: nn.Module) -> dict[str, torch.Tensor]:
     """The base model's state dict with each adapter merged in, W + (alpha / r) B A, under the base model's own

@@ -47,8 +47,9 @@ def save(
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     policy_state = get_model_state_dict(policy, options=options)
     optimizer_state = get_optimizer_state_dict(policy, optimizer, options=options)
-    export_state = None
-    if tokenizer is not None:  # the export needs every weight, frozen ones too
+    export_state = policy_state
+    if tokenizer is not None and any(not p.requires_grad for p in policy.parameters()):
+        # the export needs every weight, a LoRA base's frozen ones too
         export_state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not topology.is_main:
         return

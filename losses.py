@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from utils import UserError
 
@@ -203,9 +204,6 @@ class WeightedConfig:
     terms: dict[str, Any] = MISSING
 
     def __post_init__(self):
-        from omegaconf import OmegaConf
-        from omegaconf.errors import OmegaConfBaseException
-
         self.components = {}  # name -> (weight, the term's config dataclass)
         for term, values in self.terms.items():
             if term not in LOSSES or LOSSES[term].function is None or LOSSES[term].schema is WeightedConfig:
@@ -352,9 +350,7 @@ def nll(s: PairStats, cfg: NLLConfig, state: dict) -> LossOutput:
 def weighted(s: PairStats, cfg: WeightedConfig, state: dict) -> LossOutput:
     """sum_i w_i loss_i, each term on its own statistics; each term is logged (`loss_<name>`). Rewards are those of
     the first term."""
-    outputs = {
-        name: (w, LOSSES[name].function(term.statistics(s), term, state)) for name, (w, term) in cfg.components.items()
-    }
+    outputs = {name: (w, compute(term, s, state)) for name, (w, term) in cfg.components.items()}
     losses = sum(w * output.losses for w, output in outputs.values())
     first = next(iter(outputs.values()))[1]
     terms = {f"loss_{name}": output.losses.detach() for name, (_, output) in outputs.items()}
@@ -397,6 +393,18 @@ LOSSES = {
     "weighted": LossComponent(WeightedConfig, weighted),
     "sft": LossComponent(SFTConfig, None),
 }
+
+
+def compute(config, stats: PairStats, state: dict) -> LossOutput:
+    """The configured loss on the statistics it reads, plus nll_weight x chosen_nll (RPO) for a loss with that
+    key, logged as the term `nll`. A weighted loss applies it to each term."""
+    output = LOSSES[config.name].function(config.statistics(stats), config, state)
+    nll_weight = getattr(config, "nll_weight", 0.0)
+    if nll_weight:
+        nll = chosen_nll(stats)
+        output.losses = output.losses + nll_weight * nll
+        output.terms = {**(output.terms or {}), "nll": nll.detach()}
+    return output
 
 
 def running_reward_mean(loss) -> bool:

@@ -187,10 +187,10 @@ def load_model(
         )
     if quantization is not None:
         device = {"": torch.cuda.current_device()}
-        return transformers.AutoModelForCausalLM.from_pretrained(
+        model = transformers.AutoModelForCausalLM.from_pretrained(
             path, config=config, dtype=dtype, quantization_config=quantization, device_map=device, **common
         )
-    if model_config.random_init:
+    elif model_config.random_init:
         torch.manual_seed(seed)  # policy and reference get the same initial weights
         model = transformers.AutoModelForCausalLM.from_config(
             config, dtype=dtype, trust_remote_code=model_config.trust_remote_code

@@ -5,7 +5,7 @@ DPO reference."""
 import torch
 from omegaconf import OmegaConf
 
-from losses import LOSSES, PairStats, chosen_nll, running_reward_mean
+from losses import LOSSES, PairStats, compute, running_reward_mean
 from preference_datasets import PreferencePair, sft_examples
 
 
@@ -17,7 +17,6 @@ class PreferenceObjective:
 
     def __init__(self, loss):
         self.loss = loss
-        self.function = LOSSES[loss.name].function
         self.needs_reference = loss.needs_reference()
         self.state = {"reward_mean": 0.0, "rewards_seen": 0} if running_reward_mean(loss) else {}
 
@@ -29,8 +28,7 @@ class PreferenceObjective:
         Returns the mean loss and [B] metrics named as in the DPO reference."""
         reference_logps = torch.zeros_like(policy_logps) if reference_logps is None else reference_logps
         stats = PairStats(*policy_logps.chunk(2), *reference_logps.chunk(2), *n_tokens.to(policy_logps).chunk(2))
-        output = self.function(self.loss.statistics(stats), self.loss, self.state)
-        losses = output.losses
+        output = compute(self.loss, stats, self.state)
         metrics = {
             f"rewards_{split}/chosen": output.chosen_rewards,
             f"rewards_{split}/rejected": output.rejected_rewards,
@@ -39,15 +37,10 @@ class PreferenceObjective:
             f"logps_{split}/chosen": stats.policy_chosen.detach(),
             f"logps_{split}/rejected": stats.policy_rejected.detach(),
         }
-        nll_weight = getattr(self.loss, "nll_weight", 0.0)  # RPO's term; a weighted loss has an nll term instead
-        if nll_weight:
-            nll = chosen_nll(stats)
-            losses = losses + nll_weight * nll
-            metrics[f"nll_{split}/chosen"] = nll.detach()
         for name, term in (output.terms or {}).items():
             metrics[f"{name}/{split}"] = term
-        metrics[f"loss/{split}"] = losses.detach()
-        return losses.mean(), metrics
+        metrics[f"loss/{split}"] = output.losses.detach()
+        return output.losses.mean(), metrics
 
     def observe(self, metrics: dict[str, list[float]]) -> None:
         """Fold one training step's gathered rewards into the running reward mean."""

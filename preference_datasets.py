@@ -268,16 +268,15 @@ def get_hub_dataset(name: str, tokenizer, cache_dir: Path) -> dict[str, list[Pre
     (that split only), through the same column detection as local files."""
     repo, _, split = name.partition(":")
     data = load_from_hub(name, repo, split or None, cache_dir)
-    splits = {"train": data} if split else {}
-    if not split:
+    if split:
+        named = {"train": split}
+        data = {split: data}
+    else:
         if "train" not in data:
             raise UserError(f"{repo} has no 'train' split; choose one of {', '.join(data)} with {repo}:SPLIT")
         test = next((s for s in data if s.lower().startswith(TEST_SPLIT_NAMES)), None)
-        splits = {"train": data["train"]} | ({"test": data[test]} if test else {})
-        split_names = {"train": "train", "test": test}
-    else:
-        split_names = {"train": split}
-    return {key: parse_rows(*hub_rows(rows, f"{repo}[{split_names[key]}]"), tokenizer) for key, rows in splits.items()}
+        named = {"train": "train"} | ({"test": test} if test else {})
+    return {key: parse_rows(*hub_rows(data[s], f"{repo}[{s}]"), tokenizer) for key, s in named.items()}
 
 
 def hold_out(pairs: list[PreferencePair], n_eval: int, seed: int, source: str) -> dict[str, list[PreferencePair]]:

@@ -154,7 +154,7 @@ def test_nll_weight_adds_the_chosen_per_token_nll():
     objective = PreferenceObjective(config)
     loss, metrics = objective(torch.tensor([-1.0, -3.0]), torch.tensor([-2.0, -2.0]), torch.tensor([2, 4]), "train")
     assert loss.item() == pytest.approx(softplus(-1) + 0.25, abs=1e-6)
-    assert metrics["nll_train/chosen"].item() == pytest.approx(0.5)
+    assert metrics["nll/train"].item() == pytest.approx(0.5)
 
 
 def test_label_smoothing_symmetry():
@@ -218,3 +218,13 @@ def test_weighted_terms_add_up_and_are_logged():
         {"loss_dpo": dpo, "loss_bco_pair": bco, "loss_nll": nll}
     )
     assert mpo.needs_reference() and PreferenceObjective(mpo).state == {"reward_mean": 0.0, "rewards_seen": 0}
+
+
+def test_a_weighted_term_keeps_its_own_nll_weight():
+    # The dpo term with nll_weight 0.5 adds 0.8 x 0.5 x (1 / 2) to MPO's loss, and logs it inside loss_dpo.
+    mpo = preset("mpo")
+    plain = loss_of("weighted", mpo)[0]
+    mpo.components["dpo"][1].nll_weight = 0.5
+    output = LOSSES["weighted"].function(stats(), mpo, {})
+    assert output.losses.item() == pytest.approx(plain + 0.8 * 0.5 * 0.5, abs=1e-6)
+    assert output.terms["loss_dpo"].item() == pytest.approx(softplus(-0.2) + 0.25, abs=1e-6)
