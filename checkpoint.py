@@ -2,10 +2,15 @@
 {"step_idx": examples seen, "state": state_dict, "metrics": ...}; the final one is also a from_pretrained directory.
 
 States are full (unsharded) and keyed by parameter name, whatever the trainer and mesh, so that any trainer
-resumes from any other's checkpoint. A directory is written whole under a temporary name and then swapped in,
-so that a crash at any point leaves the previous checkpoint complete."""
+resumes from any other's checkpoint. A directory is written whole under a temporary name, synced to disk, and
+then renamed into place, so that a kill at any moment leaves every checkpoint directory complete or absent, and the
+previous ones untouched. Its last file, checkpoint.json, says what it is: the step, the eval metrics, whether it ends
+the run, and the loop's own state; `newest` resumes from it and `prune` keeps the disk from filling."""
 
+import json
+import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +31,8 @@ if TYPE_CHECKING:  # distributed imports models, which reads archives through th
     from distributed import Topology
 
 FILES = ("policy", "optimizer", "scheduler")
+MARKER = "checkpoint.json"  # written last: a directory without it was not written by save()
+STEP_DIR = re.compile(r"step-(\d+)")
 
 
 def save(
@@ -37,12 +44,14 @@ def save(
     scheduler,
     topology: "Topology",
     objective_state: dict,
+    loop_state: dict,
     tokenizer=None,
 ) -> None:
     """Write the three files, objective.pt for an objective with running state (bco_pair's reward mean), and,
-    given the tokenizer, a from_pretrained-ready copy of policy and tokenizer, to a temporary directory; then swap
-    it in whole. Every rank takes part in gathering the states; rank 0 writes. policy.pt holds the trainable
-    parameters: all of them, or a LoRA policy's adapters."""
+    given the tokenizer, a from_pretrained-ready copy of policy and tokenizer (the run's end), then checkpoint.json
+    with `loop_state` (the training loop's counters), to a temporary directory; then swap it in whole. Every rank
+    takes part in gathering the states; rank 0 writes, and a failure to write (a full disk, no permission) is a
+    UserError on every rank. policy.pt holds the trainable parameters: all of them, or a LoRA policy's adapters."""
     # The full states land on rank 0's CPU.
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     policy_state = get_model_state_dict(policy, options=options)
@@ -51,19 +60,41 @@ def save(
     if tokenizer is not None and any(not p.requires_grad for p in policy.parameters()):
         # the export needs every weight, a LoRA base's frozen ones too
         export_state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not topology.is_main:
-        return
-    tmp_dir = output_dir.with_name(output_dir.name + ".tmp")
-    shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a crashed save: none of it may leak into this one
-    tmp_dir.mkdir(parents=True)
     states = dict(zip(FILES, (policy_state, optimizer_state, scheduler.state_dict()))) | {"objective": objective_state}
-    for name, state in states.items():
-        if state:
-            torch.save({"step_idx": step, "state": state, "metrics": metrics}, tmp_dir / f"{name}.pt")
-    if tokenizer is not None:
-        export(tmp_dir, policy, export_state, tokenizer)
-    replace_dir(tmp_dir, output_dir)
-    print(f"saved {output_dir}")
+    marker = {"step": step, "metrics": metrics, "final": tokenizer is not None, "loop": loop_state}
+
+    def write():
+        tmp_dir = output_dir.with_name(output_dir.name + ".tmp")
+        try:
+            shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a crashed save: none of it may leak into this one
+            tmp_dir.mkdir(parents=True)
+            for name, state in states.items():
+                if state:
+                    torch.save({"step_idx": step, "state": state, "metrics": metrics}, tmp_dir / f"{name}.pt")
+            if tokenizer is not None:
+                export(tmp_dir, policy, export_state, tokenizer)
+            (tmp_dir / MARKER).write_text(json.dumps(marker, indent=1))
+            sync(tmp_dir)
+            replace_dir(tmp_dir, output_dir)
+        except OSError as error:  # a full disk, a read-only or vanished directory
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise UserError(
+                f"could not write the checkpoint {output_dir} ({error.strerror or first_line(error)}: "
+                f"{error.filename or tmp_dir})"
+            ) from None
+        print(f"saved {output_dir}")
+
+    topology.run_on_main(write)
+
+
+def sync(directory: Path) -> None:
+    """Flush the directory's files and entries to disk: after a power cut, a renamed directory is whole too."""
+    for path in [*directory.rglob("*"), directory]:
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
 
 
 def export(directory: Path, policy, state: dict, tokenizer) -> None:
@@ -77,15 +108,19 @@ def export(directory: Path, policy, state: dict, tokenizer) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def load(checkpoint_dir: Path, policy, optimizer, scheduler, batch_size: int, topology: "Topology") -> tuple[int, dict]:
+def load(
+    checkpoint_dir: Path, policy, optimizer, scheduler, batch_size: int, topology: "Topology"
+) -> tuple[int, dict, dict]:
     """Load weights, optimizer and schedule state into the (placed) policy, its optimizer and scheduler; return
-    the examples seen and the objective's state ({} where the checkpoint has none). Rank 0 reads and checks the
-    files; the states reach the other ranks by broadcast."""
+    the examples seen, the objective's state ({} where the checkpoint has none) and checkpoint.json ({} in
+    checkpoints older than it). Rank 0 reads and checks the files; the states reach the other ranks by broadcast."""
     setting = f"resume_from={checkpoint_dir}"
     states = topology.run_on_main(lambda: read(checkpoint_dir, policy, optimizer, batch_size, setting))
     main = topology.is_main
-    step, scheduler_state, objective_state = topology.broadcast(
-        (states["policy"]["step_idx"], states["scheduler"]["state"], states["objective"]) if main else None
+    step, scheduler_state, objective_state, marker = topology.broadcast(
+        (states["policy"]["step_idx"], states["scheduler"]["state"], states["objective"], states["marker"])
+        if main
+        else None
     )
     # strict=False: a LoRA checkpoint holds the adapters only (read() checked that it holds every trainable one)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=topology.world_size > 1, strict=False)
@@ -93,7 +128,7 @@ def load(checkpoint_dir: Path, policy, optimizer, scheduler, batch_size: int, to
     set_optimizer_state_dict(policy, optimizer, states["optimizer"]["state"] if main else {}, options=options)
     load_state(scheduler, scheduler_state, setting, checkpoint_dir / "scheduler.pt")
     print(f"resumed from {checkpoint_dir} at {step} examples")
-    return step, objective_state
+    return step, objective_state, marker
 
 
 def read(checkpoint_dir: Path, policy, optimizer, batch_size: int, setting: str) -> dict[str, dict]:
@@ -101,6 +136,7 @@ def read(checkpoint_dir: Path, policy, optimizer, batch_size: int, setting: str)
     states = {name: read_file(checkpoint_dir / f"{name}.pt", setting) for name in FILES}
     objective_file = checkpoint_dir / "objective.pt"
     states["objective"] = read_file(objective_file, setting)["state"] if objective_file.exists() else {}
+    states["marker"] = describe(checkpoint_dir) or {}
     step = states["policy"]["step_idx"]
     if step % batch_size:
         raise UserError(f"{setting}: {step} examples seen is not a multiple of batch_size={batch_size}")
@@ -155,6 +191,39 @@ def load_state(target, state: dict, setting: str, path: Path) -> None:
         raise UserError(f"{setting}: {path} does not fit this {type(target).__name__} ({first_line(error)})") from None
 
 
+def describe(checkpoint_dir: Path) -> dict | None:
+    """checkpoint.json of a directory save() completed, else None."""
+    try:
+        marker = json.loads((checkpoint_dir / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) and isinstance(marker.get("step"), int) else None
+
+
+def newest(run_dir: Path) -> Path | None:
+    """The complete checkpoint (step-N or LATEST) of the run in run_dir that has seen the most examples."""
+    candidates = [d for d in run_dir.glob("*") if d.name == "LATEST" or STEP_DIR.fullmatch(d.name)]
+    complete = [(marker["step"], d.name == "LATEST", d) for d in candidates if (marker := describe(d)) is not None]
+    return max(complete)[2] if complete else None
+
+
+def prune(run_dir: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` step-N checkpoints, sparing the one with the lowest eval loss. A
+    directory is renamed before it is deleted, so that a kill mid-deletion leaves no half checkpoint behind."""
+    markers = {d: describe(d) for d in run_dir.glob("step-*") if STEP_DIR.fullmatch(d.name)}
+    markers = {d: marker for d, marker in markers.items() if marker is not None}
+    steps = sorted((marker["step"], d) for d, marker in markers.items())
+    evaluated = [(m["metrics"]["loss/eval"], d) for d, m in markers.items() if "loss/eval" in (m["metrics"] or {})]
+    best = min(evaluated)[1] if evaluated else None
+    for _, directory in steps[:-keep_last]:
+        if directory != best:
+            doomed = directory.with_name(directory.name + ".deleted")
+            directory.rename(doomed)
+            shutil.rmtree(doomed)
+    for leftover in run_dir.glob("step-*.deleted"):  # from a kill mid-deletion
+        shutil.rmtree(leftover)
+
+
 def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
     """Move a fully written `tmp_dir` to `final_dir`; an older `final_dir` is removed only afterwards,
     so a crash at any point leaves either the old or the new directory complete."""
@@ -164,5 +233,6 @@ def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
     if final_dir.exists():
         final_dir.rename(old_dir)
     tmp_dir.rename(final_dir)
+    sync(final_dir.parent)
     if old_dir.exists():
         shutil.rmtree(old_dir)

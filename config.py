@@ -102,11 +102,14 @@ class Config:
     batch_size: int = MISSING
     eval_batch_size: int = MISSING
     debug: bool = MISSING
+    dry_run: bool = MISSING
     datasets: list[str] = MISSING
     wandb: WandbConfig = MISSING
     local_dirs: list[str] = MISSING
     local_run_dir: Optional[str] = MISSING
     resume_from: Optional[str] = MISSING
+    save_every: Optional[int] = MISSING
+    keep_last: Optional[int] = MISSING
     sample_during_eval: bool = MISSING
     n_eval_model_samples: int = MISSING
     generation: GenerationConfig = MISSING
@@ -154,6 +157,7 @@ class Config:
             ("n_epochs", "to train by n_examples"),
             ("n_examples", "to train by n_epochs"),
             ("n_eval_examples", "for a whole test split"),
+            ("keep_last", "to keep every checkpoint"),
         ):
             value = getattr(self, key)
             expect(value is None or value > 0, key, value, f"positive, or null {null}")
@@ -173,6 +177,11 @@ class Config:
             check_writable_dir(f"local_dirs[{i}]", directory)
         if self.local_run_dir is not None:
             check_writable_dir("local_run_dir", self.local_run_dir)
+        if self.resume_from == "auto" and self.local_run_dir is None:
+            raise UserError(
+                "resume_from=auto continues the run in local_run_dir, but local_run_dir=null names a new directory "
+                "each time; set local_run_dir=DIR and re-run the same command after a crash"
+            )
         expect(self.nproc is None or self.nproc > 0, "nproc", self.nproc, PROCESSES)
         if self.trainer not in TRAINERS:
             raise UserError(
@@ -217,12 +226,14 @@ class Config:
                 value,
                 f"a positive multiple of gradient_accumulation_steps x data-parallel ranks = {per_step}",
             )
-        expect(
-            self.eval_every > 0 and self.eval_every % self.batch_size == 0,
-            "eval_every",
-            self.eval_every,
-            f"a positive multiple of batch_size={self.batch_size}",
-        )
+        for key in ("eval_every", "save_every"):
+            value = getattr(self, key)
+            expect(
+                value is None and key == "save_every" or value > 0 and value % self.batch_size == 0,
+                key,
+                value,
+                f"a positive multiple of batch_size={self.batch_size}" + (", or null" if key == "save_every" else ""),
+            )
 
 
 store = ConfigStore.instance()

@@ -8,8 +8,10 @@ gradients and optimizer state sharded over the dp ranks by FSDP2. This is the ar
 Megatron-LM: tensor parallelism inside a node, FSDP across nodes. A trainer name is a choice of these two."""
 
 import contextlib
+import ctypes
 import logging
 import os
+import signal
 import socket
 import sys
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from models import checkpoint_blocks, find_blocks, tensor_parallel_plan
-from utils import UserError
+from utils import Interrupted, UserError, first_line
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,14 @@ class Topology:
         parts = [None] * self.dp_size
         dist.all_gather_object(parts, dict(values), group=self.mesh.get_group("dp"))
         return {name: [v for part in parts for v in part[name]] for name in parts[0]}
+
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank; every rank gets the same answer."""
+        if self.world_size == 1:
+            return flag
+        value = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
 
     def broadcast(self, obj):
         """Rank 0's `obj` on every rank."""
@@ -279,11 +289,29 @@ def init_process_group(timeout_secs: float) -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=timeout_secs))
 
 
-def report_and_exit(error: UserError) -> None:
-    """Every rank meets the same error; rank 0 says it in one line. Exit code 2, as for a bad command line."""
+def report_and_exit(error: Exception) -> None:
+    """Every rank meets the same error or stop; rank 0 says it in one line. Exit code 2, as for a bad command line,
+    after an error; 128 + the signal's number after a stop on a signal."""
     if process_rank() == 0:
-        print(f"error: {error}", file=sys.stderr)
-    sys.exit(2)
+        prefix = "" if isinstance(error, Interrupted) else "error: "
+        print(f"{prefix}{error}", file=sys.stderr)
+    sys.exit(error.exit_code if isinstance(error, Interrupted) else 2)
+
+
+@contextlib.contextmanager
+def reported_errors():
+    """A UserError, a stop on a signal, or a file that cannot be read or written (a full disk, no permission)
+    ends the process with one line instead of a traceback; so does Ctrl-C before training started."""
+    try:
+        yield
+    except (UserError, Interrupted) as error:
+        report_and_exit(error)
+    except OSError as error:
+        if error.filename is None:
+            raise
+        report_and_exit(UserError(f"{error.filename}: {error.strerror or first_line(error)}"))
+    except KeyboardInterrupt:
+        report_and_exit(Interrupted("interrupted (SIGINT) before training started; nothing was saved", signal.SIGINT))
 
 
 def run_rank(run: Callable, config, timeout_secs: float) -> None:
@@ -292,15 +320,19 @@ def run_rank(run: Callable, config, timeout_secs: float) -> None:
     if dist.get_rank() != 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 reports for all
     try:
-        run(config)
-        dist.barrier()  # leave together: rank 0 may still be writing the last checkpoint
-    except UserError as error:
-        report_and_exit(error)
+        with reported_errors():
+            run(config)
+            dist.barrier()  # leave together: rank 0 may still be writing the last checkpoint
     finally:
         dist.destroy_process_group()
 
 
 def spawned_worker(local_rank: int, nproc: int, port: int, run: Callable, config, timeout_secs: float) -> None:
+    # Signals reach the workers through the launcher (spawn), once: a terminal's Ctrl-C goes to the foreground
+    # process group, which the workers leave. And a worker dies with its launcher, even one killed with SIGKILL.
+    os.setpgrp()
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     os.environ.update(rank_environment(local_rank, nproc, port))
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))  # oversubscribed cores slow every rank
@@ -310,26 +342,36 @@ def spawned_worker(local_rank: int, nproc: int, port: int, run: Callable, config
 def launch(run: Callable, config, world_size: int) -> None:
     """run(config) in this process (one-process trainers), as this torchrun rank, or on `world_size` workers
     started here (one per GPU, or CPU workers with an equal share of the cores), waiting for them."""
-    try:
-        if launched_by_torchrun():
-            run_rank(run, config, config.distributed_timeout_secs)
-        elif TRAINERS[config.trainer].one_process:
+    if launched_by_torchrun():
+        run_rank(run, config, config.distributed_timeout_secs)
+    elif TRAINERS[config.trainer].one_process:
+        with reported_errors():
             run(config)
-        else:
-            spawn(run, config, world_size)
-    except UserError as error:
-        report_and_exit(error)
+    else:
+        spawn(run, config, world_size)
 
 
 def spawn(run: Callable, config, nproc: int) -> None:
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its notes would bury a rank's error
     backend = "nccl, one per GPU" if torch.cuda.is_available() else "gloo, on the CPU"
     print(f"{config.trainer}: starting {nproc} processes ({backend})")
+    args = (nproc, free_port(), run, config, config.distributed_timeout_secs)
+    context = torch.multiprocessing.spawn(spawned_worker, args=args, nprocs=nproc, join=False)
+
+    def forward(signum, frame):  # the workers stop after their current step, with a checkpoint
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signum)
+
+    handlers = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        args = (nproc, free_port(), run, config, config.distributed_timeout_secs)
-        torch.multiprocessing.spawn(spawned_worker, args=args, nprocs=nproc)
+        while not context.join():
+            pass
     except torch.multiprocessing.ProcessExitedException as error:
         # A rank that stopped on a UserError has printed it; one that was killed has not.
         if error.exit_code is None or error.exit_code < 0:
             print(f"error: rank {error.error_index} was killed ({error.signal_name})", file=sys.stderr)
         sys.exit(error.exit_code if error.exit_code and error.exit_code > 0 else 1)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)

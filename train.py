@@ -11,39 +11,58 @@ torch.backends.cudnn.allow_tf32 = True
 
 import netrc
 import os
+import secrets
 import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+import checkpoint
 import config as configuration
 from adapters import apply_lora, quantization_config
 from distributed import Topology, launch, planned_world_size
 from models import load_model, load_tokenizer
 from precision import parse_dtype
 from preference_datasets import load_datasets
-from trainers import Trainer
+from trainers import LOGS, Trainer
 from utils import UserError, get_local_dir, get_local_run_dir, set_seed
 
 
 def prepare_run_dir(config: DictConfig) -> Path:
+    """The run directory, created, with this run's config.yaml; resume_from=auto resolved to the newest complete
+    checkpoint there, or to null: a fresh start, which clears the logs of an attempt that never reached one."""
     run_dir = (
         Path(config.local_run_dir) if config.local_run_dir else get_local_run_dir(config.exp_name, config.local_dirs)
     )
-    if (run_dir / "metrics.jsonl").exists() and config.resume_from is None:
+    if config.resume_from == "auto":
+        resume = checkpoint.newest(run_dir)
+        print("resume_from=auto: " + (f"continuing from {resume}" if resume else f"no checkpoint in {run_dir} yet"))
+        for log in LOGS if resume is None else ():
+            (run_dir / log).unlink(missing_ok=True)
+        config.resume_from = str(resume) if resume else None
+    elif (run_dir / "metrics.jsonl").exists() and config.resume_from is None:
         raise UserError(
-            f"{run_dir} already holds a run; choose another local_run_dir or continue it with "
-            f"resume_from={run_dir}/LATEST"
+            f"{run_dir} already holds a run; choose another local_run_dir, or continue it with resume_from=auto "
+            f"local_run_dir={run_dir}"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
     config.local_run_dir = str(run_dir)
-    OmegaConf.save(config, run_dir / "config.yaml", resolve=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(config, run_dir / "config.yaml", resolve=True)
+    except OSError as error:
+        raise UserError(f"local_run_dir={run_dir} cannot be written ({error.strerror}: {error.filename})") from None
     return run_dir
 
 
 def init_wandb(config: DictConfig, run_dir: Path):
-    """A wandb run: online with a login, else offline (one line says so); never a prompt, never a crash."""
+    """A wandb run: online with a login, else offline (one line says so); never a prompt, never a crash. A run
+    directory keeps one wandb run: a resumed run logs on to it (the steps redone after a crash log the same values,
+    which wandb keeps once)."""
     import wandb
+
+    id_file = run_dir / "wandb-run-id"
+    if not id_file.exists():
+        id_file.write_text(secrets.token_hex(8))  # wandb run ids: letters and digits
 
     mode = os.environ.get("WANDB_MODE") or None
     if mode is None and not has_wandb_login():
@@ -56,6 +75,8 @@ def init_wandb(config: DictConfig, run_dir: Path):
         dir=str(run_dir),
         config=OmegaConf.to_container(config, resolve=True),
         settings=wandb.Settings(init_timeout=30, console="off"),
+        id=id_file.read_text().strip(),
+        resume="allow",
     )
     try:
         return wandb.init(mode=mode or "online", **kwargs)
@@ -98,7 +119,10 @@ def run(config: DictConfig) -> None:
     """One rank's whole run (the only rank, for BasicTrainer), on a checked config (config.load)."""
     topology = Topology.create(config.trainer, config.tensor_parallel_size)
     set_seed(config.seed)
-    run_dir = Path(topology.broadcast(topology.run_on_main(lambda: str(prepare_run_dir(config)))))
+    run_dir, config.resume_from = topology.broadcast(
+        topology.run_on_main(lambda: (str(prepare_run_dir(config)), config.resume_from))
+    )
+    run_dir = Path(run_dir)
     config.local_run_dir = str(run_dir)
     print(f"run directory: {run_dir}; {topology.describe()}")
     wandb_run = init_wandb(config, run_dir) if config.wandb.enabled and not config.debug and topology.is_main else None

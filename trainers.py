@@ -12,6 +12,8 @@ torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
 
 import math
+import signal
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -31,7 +33,9 @@ from plots import write_plots
 from precision import parse_dtype, resolve_compute_dtype
 from preference_datasets import PreferencePair, batch_schedule, tokenize_examples
 from scoring import Scorer
-from utils import UserError, append_jsonl, get_local_dir
+from utils import Interrupted, UserError, append_jsonl, get_local_dir, truncate_jsonl
+
+LOGS = ("metrics.jsonl", "samples.jsonl", "plots.png")  # what a run writes besides checkpoints
 
 
 class Trainer:
@@ -76,14 +80,33 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, c.warmup_steps)
         self.evaluator = Evaluator(c, topology, tokenizer, self.eval_batches, self.batch_metrics)
         self.example_counter = self.batch_counter = self.nonfinite_in_a_row = 0
-        self.last_eval_at = self.last_checkpoint = None
+        self.last_eval_at = self.last_saved_at = self.last_checkpoint = None
+        self.finished = False  # resumed from the checkpoint that ends this run
         if c.resume_from is not None:
-            step, objective_state = checkpoint.load(
-                Path(c.resume_from), self.policy, self.optimizer, self.scheduler, c.batch_size, topology
+            self.resume(Path(c.resume_from))
+
+    def resume(self, checkpoint_dir: Path) -> None:
+        """Continue where a checkpoint left off: weights, optimizer, scheduler and the objective's state, the data
+        position and the loop's counters, and the logs cut back to it (later steps are redone and logged again).
+        Every random draw (dropout, sampling) is seeded by (seed, step): there is no random state to restore."""
+        c = self.config
+        step, objective_state, marker = checkpoint.load(
+            checkpoint_dir, self.policy, self.optimizer, self.scheduler, c.batch_size, self.topology
+        )
+        self.objective.state.update(objective_state)
+        loop = marker.get("loop", {})
+        self.example_counter, self.batch_counter = step, step // c.batch_size
+        self.last_eval_at = loop.get("last_eval_at", step)  # older checkpoints were all written right after an eval
+        self.nonfinite_in_a_row = loop.get("nonfinite_in_a_row", 0)
+        self.last_saved_at, self.last_checkpoint = step, checkpoint_dir
+        self.finished = marker.get("final", False) and self.batch_counter >= len(self.schedule)
+        if self.topology.is_main:  # at the checkpoint's own step, the eval only if it came before the checkpoint
+            evaluated = self.last_eval_at == step
+            kept = lambda r: r["step"] < step or r["step"] == step and (evaluated or "loss/eval" not in r)  # noqa: E731
+            truncate_jsonl(self.run_dir / "metrics.jsonl", kept)
+            truncate_jsonl(
+                self.run_dir / "samples.jsonl", lambda r: r["step"] < step or evaluated and r["step"] == step
             )
-            self.objective.state.update(objective_state)
-            self.example_counter, self.batch_counter, self.last_eval_at = step, step // c.batch_size, step
-            self.last_checkpoint = Path(c.resume_from)
 
     def tokenize(self, data: dict[str, list[PreferencePair]]) -> tuple[list[dict], list[list[dict]], list[list[int]]]:
         """Token ids of every example, once per run: (training examples, eval batches, the training schedule)."""
@@ -214,6 +237,9 @@ class Trainer:
 
     def train(self) -> None:
         c = self.config
+        if self.finished:
+            print(f"{self.last_checkpoint} ends this run: nothing left to train")
+            return
         progress = tqdm.tqdm(
             total=len(self.schedule),
             initial=self.batch_counter,
@@ -226,35 +252,69 @@ class Trainer:
         interval_time = interval_tokens = interval_examples = 0
         last_log = start_time = time.time()
         start_examples = self.example_counter
-        for indices in self.schedule[self.batch_counter :]:
-            if self.example_counter % c.eval_every == 0 and (self.example_counter > 0 or c.do_first_eval):
-                self.evaluate_and_save(final=False)
-            start = time.time()
-            examples = [self.train_examples[i] for i in indices]
-            for name, values in self.train_step(examples).items():
-                interval[name].extend(values)
-            interval_time += time.time() - start
-            interval_tokens += sum(
-                len(ex["prompt"]) * len(ex["responses"]) + sum(map(len, ex["responses"])) for ex in examples
-            )
-            interval_examples += len(examples)
-            self.example_counter += len(examples)
-            self.batch_counter += 1
-            progress.update()
-            progress.set_postfix(loss=f"{sum(interval['loss/train']) / len(interval['loss/train']):.4f}")
-            # Metrics of every step count: they are averaged over the interval, not sampled at its end.
-            if time.time() - last_log >= c.minimum_log_interval_secs or self.batch_counter == len(self.schedule):
-                record = {name: sum(values) / len(values) for name, values in interval.items()}
-                record.update(
-                    examples_per_second=interval_examples / interval_time,
-                    tokens_per_second=interval_tokens / interval_time,
+        with StopSignals() as stop, progress:
+            for indices in self.schedule[self.batch_counter :]:
+                self.evaluate_and_save_when_due()
+                start = time.time()
+                examples = [self.train_examples[i] for i in indices]
+                for name, values in self.train_step(examples).items():
+                    interval[name].extend(values)
+                interval_time += time.time() - start
+                interval_tokens += sum(
+                    len(ex["prompt"]) * len(ex["responses"]) + sum(map(len, ex["responses"])) for ex in examples
                 )
-                self.log(record)
-                interval = defaultdict(list)
-                interval_time = interval_tokens = interval_examples = 0
-                last_log = time.time()
-        progress.close()
-        self.summarize(self.evaluate_and_save(final=True), start_examples, time.time() - start_time)
+                interval_examples += len(examples)
+                self.example_counter += len(examples)
+                self.batch_counter += 1
+                progress.update()
+                progress.set_postfix(loss=f"{sum(interval['loss/train']) / len(interval['loss/train']):.4f}")
+                stopping = self.topology.any(stop.received is not None)
+                # Metrics of every step count: they are averaged over the interval, not sampled at its end. The
+                # interval also closes where a checkpoint may follow, so the log holds every step up to it.
+                if time.time() - last_log >= c.minimum_log_interval_secs or stopping or self.at_boundary():
+                    record = {name: sum(values) / len(values) for name, values in interval.items()}
+                    record.update(
+                        examples_per_second=interval_examples / interval_time,
+                        tokens_per_second=interval_tokens / interval_time,
+                    )
+                    self.log(record)
+                    interval = defaultdict(list)
+                    interval_time = interval_tokens = interval_examples = 0
+                    last_log = time.time()
+                if stopping:
+                    self.stop(stop.received)
+        final_metrics = self.evaluate()
+        self.save(self.run_dir / "LATEST", final_metrics, final=True)
+        self.summarize(final_metrics, start_examples, time.time() - start_time)
+
+    def at_boundary(self) -> bool:
+        """Whether an eval or a checkpoint may fall here, or training ends here."""
+        c, n = self.config, self.example_counter
+        return (
+            n % c.eval_every == 0 or n % (c.save_every or c.eval_every) == 0 or self.batch_counter == len(self.schedule)
+        )
+
+    def evaluate_and_save_when_due(self) -> None:
+        """Evaluate every eval_every examples; checkpoint every save_every (default: at each eval). A point done
+        before a resume is not done again."""
+        c, n = self.config, self.example_counter
+        metrics = {}
+        if n % c.eval_every == 0 and (n > 0 or c.do_first_eval) and self.last_eval_at != n:
+            metrics = self.evaluate()
+        if n > 0 and n % (c.save_every or c.eval_every) == 0 and self.last_saved_at != n:
+            self.save(self.run_dir / f"step-{n}", metrics)
+
+    def stop(self, signum: int) -> None:
+        """Stop on a signal, with a checkpoint of the last finished step."""
+        name = signal.Signals(signum).name
+        if self.last_saved_at != self.example_counter:
+            self.save(self.run_dir / f"step-{self.example_counter}", {})
+        where = f"the checkpoint is {self.last_checkpoint}" if self.last_checkpoint else "no checkpoint (debug=true)"
+        raise Interrupted(
+            f"stopped by {name} after {self.example_counter} examples; {where}. To continue, run the same command "
+            f"with resume_from=auto local_run_dir={self.run_dir}",
+            signum,
+        )
 
     def summarize(self, final_metrics: dict[str, float], start_examples: int, seconds: float) -> None:
         """The run in a few lines: what was trained, how fast, how it ended, and where it is."""
@@ -269,10 +329,8 @@ class Trainer:
             f"{self.run_dir / 'metrics.jsonl'}"
         )
 
-    def evaluate_and_save(self, final: bool) -> dict[str, float] | None:
-        """Evaluate, sample and checkpoint, unless this point was evaluated already; the eval metrics."""
-        if self.last_eval_at == self.example_counter and not final:
-            return None
+    def evaluate(self) -> dict[str, float]:
+        """Evaluate (and sample), log it and redraw the plots; the eval metrics."""
         metrics = self.evaluator.evaluate(self.policy)
         self.log(metrics)
         if self.config.plots and self.topology.is_main:
@@ -281,16 +339,17 @@ class Trainer:
         if self.config.sample_during_eval:
             self.log_samples(self.evaluator.sample(self.policy, self.reference_model, self.example_counter))
         self.last_eval_at = self.example_counter
-        if final:
-            self.save(self.run_dir / "LATEST", metrics, export_hf=True)
-        elif self.example_counter > 0:
-            self.save(self.run_dir / f"step-{self.example_counter}", metrics, export_hf=False)
         return metrics
 
-    def save(self, output_dir: Path, metrics: dict[str, float], export_hf: bool) -> None:
-        """A checkpoint of policy, optimizer and scheduler (see checkpoint.py); export_hf: also a from_pretrained
-        copy of policy and tokenizer. Nothing is written under debug=true."""
-        if not self.config.debug:
+    def save(self, output_dir: Path, metrics: dict[str, float], final: bool = False) -> None:
+        """A checkpoint of policy, optimizer and scheduler (see checkpoint.py) and of the loop's counters; final: also
+        a from_pretrained copy of policy and tokenizer. keep_last prunes older step-N ones. Nothing is written under
+        debug=true."""
+        c = self.config
+        if c.debug:
+            return
+        loop = {"last_eval_at": self.last_eval_at, "nonfinite_in_a_row": self.nonfinite_in_a_row}
+        try:
             checkpoint.save(
                 output_dir,
                 self.example_counter,
@@ -300,9 +359,15 @@ class Trainer:
                 self.scheduler,
                 self.topology,
                 self.objective.state,
-                self.tokenizer if export_hf else None,
+                loop,
+                self.tokenizer if final else None,
             )
-            self.last_checkpoint = output_dir
+        except UserError as error:
+            last = self.last_checkpoint or "none yet"
+            raise UserError(f"{error}; the last complete checkpoint, {last}, is intact") from None
+        self.last_checkpoint, self.last_saved_at = output_dir, self.example_counter
+        if c.keep_last is not None and not final:
+            self.topology.run_on_main(lambda: checkpoint.prune(self.run_dir, c.keep_last))
 
     def log(self, metrics: dict[str, float]) -> None:
         if not self.topology.is_main:
@@ -323,3 +388,29 @@ class Trainer:
             columns = ["step", "prompt", "policy", "reference"]
             table = wandb.Table(columns=columns, data=[[s[k] for k in columns] for s in samples])
             self.wandb_run.log({"samples": table}, step=self.example_counter)
+
+
+class StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM (a scheduler's preemption, torchrun's shutdown) ask the loop to stop after the
+    current step, with a checkpoint; a second Ctrl-C interrupts at once. Handlers can only be set in the main thread;
+    elsewhere (a test's thread) signals keep their usual effect."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self.previous = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {signum: signal.signal(signum, self.handle) for signum in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def handle(self, signum: int, frame) -> None:
+        if self.received is None:
+            print(f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint", flush=True)
+            self.received = signum
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def __exit__(self, *exception) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)

@@ -17,6 +17,15 @@ class UserError(Exception):
     """A problem with the user's input or config; train.py prints it as one line, without a traceback."""
 
 
+class Interrupted(Exception):
+    """The run stopped on a signal, after saving a checkpoint; the process exits with 128 + the signal's number, as
+    a shell reports a process a signal ended."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
 def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -42,6 +51,22 @@ def get_local_run_dir(exp_name: str, local_dirs: list[str]) -> Path:
 def append_jsonl(path: Path, record: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def truncate_jsonl(path: Path, keep) -> None:
+    """Rewrite a JSON-lines log with the records for which keep(record) holds; a line cut short by a kill is
+    dropped. The rewrite replaces the file whole."""
+    if not path.exists():
+        return
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(record) + "\n" for record in records if keep(record)))
+    tmp.replace(path)
 
 
 def first_line(error: Exception) -> str:

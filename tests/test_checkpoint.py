@@ -1,10 +1,14 @@
 """Checkpoints (checkpoint.py): atomic directories, one-line errors, and the format of earlier versions."""
 
+import errno
+import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+import checkpoint
 import train
 from checkpoint import replace_dir
 from conftest import assert_same_metrics, build_trainer, read_jsonl
@@ -39,13 +43,89 @@ def test_save_ignores_leftovers_of_a_crashed_save(make_config):
     stale = trainer.run_dir / "step-8.tmp"
     stale.mkdir()
     (stale / "stale.bin").write_text("from a crashed save")
-    trainer.save(trainer.run_dir / "step-8", {"loss/eval": 0.5}, export_hf=False)
+    trainer.save(trainer.run_dir / "step-8", {"loss/eval": 0.5})
     assert sorted(p.name for p in (trainer.run_dir / "step-8").iterdir()) == [
+        "checkpoint.json",
         "optimizer.pt",
         "policy.pt",
         "scheduler.pt",
     ]
     assert not stale.exists()
+
+
+def fake_checkpoint(run_dir: Path, name: str, step: int, eval_loss: float | None = None, complete: bool = True):
+    directory = run_dir / name
+    directory.mkdir(parents=True)
+    (directory / "policy.pt").write_text("weights")
+    if complete:
+        metrics = {} if eval_loss is None else {"loss/eval": eval_loss}
+        (directory / "checkpoint.json").write_text(json.dumps({"step": step, "metrics": metrics}))
+    return directory
+
+
+def test_newest_picks_the_complete_checkpoint_with_most_examples(tmp_path):
+    assert checkpoint.newest(tmp_path) is None
+    fake_checkpoint(tmp_path, "step-8", 8)
+    fake_checkpoint(tmp_path, "step-24", 24, complete=False)  # no checkpoint.json: not written by save()
+    fake_checkpoint(tmp_path, "step-16.tmp", 16)  # a save in progress
+    fake_checkpoint(tmp_path, "step-100.deleted", 100)  # pruning in progress
+    (tmp_path / "step-9").mkdir()
+    (tmp_path / "step-9" / "checkpoint.json").write_text('{"step": 9')  # cut short
+    assert checkpoint.newest(tmp_path) == tmp_path / "step-8"
+    fake_checkpoint(tmp_path, "step-16", 16)
+    assert checkpoint.newest(tmp_path) == tmp_path / "step-16"
+    fake_checkpoint(tmp_path, "LATEST", 16)
+    assert checkpoint.newest(tmp_path) == tmp_path / "LATEST"
+
+
+def test_prune_keeps_the_newest_and_the_best_by_eval_loss(tmp_path):
+    for step, loss in ((8, 0.6), (16, 0.4), (24, None), (32, 0.5), (40, 0.7)):
+        fake_checkpoint(tmp_path, f"step-{step}", step, loss)
+    fake_checkpoint(tmp_path, "LATEST", 40)
+    fake_checkpoint(tmp_path, "step-4", 4, complete=False)  # not ours to judge: kept
+    (tmp_path / "step-2.deleted").mkdir()  # a deletion a kill interrupted
+    checkpoint.prune(tmp_path, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-16", "step-32", "step-4", "step-40"]
+    checkpoint.prune(tmp_path, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-16", "step-4", "step-40"]
+
+
+def test_keep_last_and_save_every_in_a_run(make_config):
+    # 5 steps of 8; a checkpoint every step, evals every 2 steps; the best eval so far is kept beside the last two.
+    config = make_config("save_every=8", "eval_every=16", "keep_last=2", "n_epochs=2", "lr=1e-2")
+    train.run(config)
+    run_dir = Path(config.local_run_dir)
+    evals = {r["step"]: r["loss/eval"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss/eval" in r}
+    best = min((loss, step) for step, loss in evals.items() if 0 < step < 80)[1]
+    kept = sorted(p.name for p in run_dir.iterdir() if p.is_dir())
+    assert kept == sorted({"LATEST", "step-64", "step-72", f"step-{best}"})
+    marker = json.loads((run_dir / "step-72" / "checkpoint.json").read_text())
+    assert marker["step"] == 72 and marker["metrics"] == {} and not marker["final"]
+
+
+def test_a_full_disk_leaves_the_previous_checkpoint_intact(make_config, monkeypatch):
+    trainer = build_trainer(make_config())
+    trainer.example_counter = 8
+    trainer.save(trainer.run_dir / "step-8", {"loss/eval": 0.5})
+    before = {p.name: p.read_bytes() for p in (trainer.run_dir / "step-8").iterdir()}
+    real_save = torch.save
+
+    def full_disk(obj, path, *args, **kwargs):
+        if Path(path).name == "optimizer.pt":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    trainer.example_counter = 16
+    with pytest.raises(UserError) as error:
+        trainer.save(trainer.run_dir / "step-16", {"loss/eval": 0.4})
+    assert str(error.value) == (
+        f"could not write the checkpoint {trainer.run_dir / 'step-16'} (No space left on device: "
+        f"{trainer.run_dir / 'step-16.tmp' / 'optimizer.pt'}); the last complete checkpoint, "
+        f"{trainer.run_dir / 'step-8'}, is intact"
+    )
+    assert sorted(p.name for p in trainer.run_dir.iterdir() if p.is_dir()) == ["step-8"]  # no half step-16
+    assert {p.name: p.read_bytes() for p in (trainer.run_dir / "step-8").iterdir()} == before
 
 
 def test_resume_from_a_bad_checkpoint_is_one_clear_line(make_config, tmp_path):

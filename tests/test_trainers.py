@@ -88,14 +88,17 @@ def test_run_logs_train_and_eval_with_final_eval(make_config):
 
 
 def test_metrics_are_averaged_over_the_log_interval(make_config, tmp_path):
+    # The interval also closes where a checkpoint may follow (evals every 16 examples here), so that the log up to
+    # a checkpoint is complete when a run resumes from it.
     every_step = make_config(f"local_run_dir={tmp_path / 'every'}")
     interval = make_config(f"local_run_dir={tmp_path / 'interval'}", "minimum_log_interval_secs=1e9")
     train.run(every_step)
     train.run(interval)
-    per_step, [aggregated] = records(tmp_path / "every", "train"), records(tmp_path / "interval", "train")
-    assert aggregated["counters/examples"] == 40
-    for name in ("loss/train", "rewards_train/margins", "grad_norm"):
-        assert aggregated[name] == pytest.approx(sum(r[name] for r in per_step) / len(per_step), rel=1e-5)
+    per_step, aggregated = records(tmp_path / "every", "train"), records(tmp_path / "interval", "train")
+    assert [r["counters/examples"] for r in aggregated] == [16, 32, 40]
+    for record, steps in zip(aggregated, (per_step[:2], per_step[2:4], per_step[4:])):
+        for name in ("loss/train", "rewards_train/margins", "grad_norm"):
+            assert record[name] == pytest.approx(sum(r[name] for r in steps) / len(steps), rel=1e-5)
 
 
 def test_resume_matches_uninterrupted(make_config, tmp_path):

@@ -1,0 +1,107 @@
+"""Crash-exact resume: a real CLI run killed at seeded random moments (mid-step, mid-eval, mid-save, between the
+renames that swap a checkpoint in) and stopped by Ctrl-C, each time re-run with the same command
+(resume_from=auto), ends with the uninterrupted run's training and eval records and bit-identical weights."""
+
+import random
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint
+from conftest import read_jsonl, run_cli, tiny_run_overrides
+
+FAULTS_DIR = Path(__file__).parent / "faults"  # sitecustomize.py: the FAULT=KIND:N hooks
+TIMINGS = ("examples_per_second", "tokens_per_second")
+# The most events of each kind an attempt is sure to reach (see faults/sitecustomize.py), so each one is killed.
+REACHABLE = {"step": 4, "eval": 2, "save": 4, "swap": 3, "interrupt": 4}
+
+
+def command(run_dir: Path, pairs_file: Path, *overrides: str) -> list[str]:
+    """15 steps of 8, evals every 2 steps, a checkpoint every step of which the last 3 are kept."""
+    return [
+        *tiny_run_overrides(run_dir.parent, pairs_file),
+        f"local_run_dir={run_dir}",
+        "resume_from=auto",
+        "n_epochs=3",
+        "save_every=8",
+        "keep_last=3",
+        "max_grad_norm=1.5",
+        *overrides,
+    ]
+
+
+def faults(seed: int, ranks: int) -> list[tuple[str, int, int]]:
+    """(kind, N, rank): first Ctrl-C at step 2, whose checkpoint comes before the eval at its step, then a kill
+    before the next checkpoint, after the resumed run evaluated at that step (which must then be logged once);
+    then one fault of each kind, in a seeded order, at a seeded event count and rank (rank 0 alone writes files,
+    so it alone can be killed mid-save)."""
+    rng = random.Random(seed)
+    kinds = list(REACHABLE)
+    rng.shuffle(kinds)
+    writes = ("save", "swap")
+    seeded = [(kind, rng.randint(1, REACHABLE[kind]), 0 if kind in writes else rng.randrange(ranks)) for kind in kinds]
+    return [("interrupt", 2, 0), ("step", 1, 0), *seeded]
+
+
+def assert_crashes_do_not_change_the_run(tmp_path, pairs_file, seed: int, ranks: int, *overrides: str):
+    env = {"OMP_NUM_THREADS": "1"} if ranks > 1 else {}
+    whole = tmp_path / "whole"
+    result = run_cli(*command(whole, pairs_file, *overrides), env_extra=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    crashed = tmp_path / "crashed"
+    for kind, n, rank in faults(seed, ranks):
+        fault = {"PYTHONPATH": str(FAULTS_DIR), "FAULT": f"{kind}:{n}", "FAULT_RANK": str(rank), **env}
+        result = run_cli(*command(crashed, pairs_file, *overrides), env_extra=fault)
+        if kind == "interrupt":  # a clean stop: a checkpoint of the last step, one line, no traceback
+            assert result.returncode == 128 + signal.SIGINT, result.stderr[-3000:]
+            assert "Traceback" not in result.stderr
+            assert result.stderr.splitlines()[-1].startswith("stopped by SIGINT after ")
+            assert result.stderr.splitlines()[-1].endswith(f"with resume_from=auto local_run_dir={crashed}")
+        else:
+            killed = -signal.SIGKILL if ranks == 1 else 1  # spawn reports a killed rank with exit code 1
+            assert result.returncode == killed, (kind, n, rank, result.returncode, result.stderr[-3000:])
+        for directory in crashed.iterdir():  # every checkpoint directory resume could pick is complete
+            if checkpoint.STEP_DIR.fullmatch(directory.name) or directory.name == "LATEST":
+                assert checkpoint.describe(directory) is not None, (kind, n, directory)
+                assert {"policy.pt", "optimizer.pt", "scheduler.pt"} <= {p.name for p in directory.iterdir()}
+    result = run_cli(*command(crashed, pairs_file, *overrides), env_extra=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    expected, actual = read_jsonl(whole / "metrics.jsonl"), read_jsonl(crashed / "metrics.jsonl")
+    assert [r["step"] for r in expected if "loss/train" in r] == list(range(8, 121, 8))
+    strip = lambda records: [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]  # noqa: E731
+    assert strip(actual) == strip(expected)  # every train and eval record, once, with the same values
+    for name in ("LATEST/policy.pt", "LATEST/optimizer.pt"):
+        a = torch.load(whole / name, weights_only=True)["state"]
+        b = torch.load(crashed / name, weights_only=True)["state"]
+        assert_equal_states(a, b, name)
+    assert sorted(p.name for p in crashed.iterdir() if p.is_dir()) == sorted(
+        p.name for p in whole.iterdir() if p.is_dir()
+    )
+
+
+def assert_equal_states(a, b, where: str):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_equal_states(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):  # a loaded optimizer holds its betas as a list
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_equal_states(x, y, f"{where}[{i}]")
+    elif torch.is_tensor(a):
+        assert torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+def test_crashes_and_ctrl_c_resume_bit_identically(tmp_path, pairs_file):
+    assert_crashes_do_not_change_the_run(tmp_path, pairs_file, 0, 1)
+
+
+@pytest.mark.slow
+def test_crashes_and_ctrl_c_resume_bit_identically_with_fsdp_on_2_processes(tmp_path, pairs_file):
+    assert_crashes_do_not_change_the_run(tmp_path, pairs_file, 1, 2, "trainer=FSDPTrainer", "nproc=2")
