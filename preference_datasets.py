@@ -165,7 +165,9 @@ def parse_rows(rows: Iterable[tuple[str, Any]], source: str, tokenizer) -> list[
     """Parse (location, row) items; bad rows raise UserError naming the location, unusable ones are skipped."""
     pairs, skipped, first_skipped = [], Counter(), {}
     parser = None
+    n_rows = 0
     for location, row in rows:
+        n_rows += 1
         try:
             if not isinstance(row, dict):
                 raise ValueError(f"expected a JSON object, got {type(row).__name__}")
@@ -178,11 +180,15 @@ def parse_rows(rows: Iterable[tuple[str, Any]], source: str, tokenizer) -> list[
             raise UserError(f"{location}: missing column {key.args[0]}") from None
         except (ValueError, TypeError, AttributeError) as error:
             raise UserError(f"{location}: {error}") from None
-    if skipped:
-        reasons = ", ".join(f"{count} {reason} (first: {first_skipped[reason]})" for reason, count in skipped.items())
-        print(f"{source}: skipped {sum(skipped.values())} rows: {reasons}")
+    reasons = ", ".join(f"{count} {reason} (first: {first_skipped[reason]})" for reason, count in skipped.items())
+    print(
+        f"data: {source}: {len(pairs)} pairs from {n_rows} rows"
+        + (f"; skipped {sum(skipped.values())} rows: {reasons}" if skipped else "")
+    )
     if not pairs:
-        raise UserError(f"{source}: no usable preference pairs")
+        raise UserError(
+            f"{source}: no usable preference pairs in {n_rows} rows" + (f" (skipped: {reasons})" if skipped else "")
+        )
     return pairs
 
 
@@ -294,7 +300,11 @@ def hold_out(pairs: list[PreferencePair], n_eval: int, seed: int, source: str) -
         held += counts[prompt]
     train = [pair for pair in pairs if pair.prompt not in eval_prompts]
     if not train:
-        raise UserError(f"{source}: holding out n_eval_examples={n_eval} pairs for eval leaves none to train on")
+        raise UserError(
+            f"{source}: holding out n_eval_examples={n_eval} pairs for eval leaves none of its {len(pairs)} pairs "
+            "to train on; lower n_eval_examples"
+        )
+    print(f"data: {source}: {len(pairs) - len(train)} pairs ({len(eval_prompts)} prompts) held out for eval")
     return {"train": train, "test": [pair for pair in pairs if pair.prompt in eval_prompts]}
 
 
@@ -311,7 +321,8 @@ def get_dataset(
         for split, files in local_split_files(path).items():
             if files:
                 rows = (item for file in files for item in read_file_rows(file))
-                splits[split] = parse_rows(rows, str(path), tokenizer)
+                source = f"{path} ({split} files)" if path.is_dir() else str(path)
+                splits[split] = parse_rows(rows, source, tokenizer)
     elif HUB_ID.match(name) and not name.endswith(FILE_SUFFIXES):
         splits = get_hub_dataset(name, tokenizer, cache_dir)
     else:
@@ -342,7 +353,7 @@ def load_datasets(
 
 
 def tokenize_pair(pair: PreferencePair, tokenizer, max_length: int, max_prompt_length: int, sft: bool) -> dict:
-    """Token ids of prompt and responses, truncated as the reference does.
+    """Token ids of prompt and responses, truncated as the reference does, and their lengths before truncation.
 
     No special tokens are added (tokenizers disagree on BOS); EOS ends each response. When prompt plus
     the longer response exceed max_length, the prompt is cut to max_prompt_length (from the start for
@@ -353,12 +364,13 @@ def tokenize_pair(pair: PreferencePair, tokenizer, max_length: int, max_prompt_l
     responses = [
         tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in responses
     ]
+    full_lengths = [len(prompt), *map(len, responses)]
     longest = max(len(response) for response in responses)
     if len(prompt) + longest > max_length:
         prompt = prompt[-max_prompt_length:] if pair.truncation_mode == "keep_end" else prompt[:max_prompt_length]
     if len(prompt) + longest > max_length:
         responses = [response[: max_length - max_prompt_length] for response in responses]
-    return {"prompt": prompt, "responses": responses, "pair": pair}
+    return {"prompt": prompt, "responses": responses, "pair": pair, "full_lengths": full_lengths}
 
 
 def tokenize_examples(
@@ -369,6 +381,19 @@ def tokenize_examples(
     for example in examples:
         example["key"] = pair_key(example)
     return examples
+
+
+def prepare_examples(data: dict[str, list[PreferencePair]], objective, tokenizer, config) -> tuple:
+    """(training examples, eval examples, the training schedule): the objective's examples (pairs, or SFT's one
+    per prompt) tokenized once per run, the first n_eval_examples for eval, and the batch schedule."""
+
+    def tokenize(pairs):
+        pairs = objective.examples(pairs)
+        return tokenize_examples(pairs, tokenizer, config.max_length, config.max_prompt_length, objective.sft_targets)
+
+    train, evals = tokenize(data["train"]), tokenize(data["test"])[: config.n_eval_examples]
+    schedule = batch_schedule(len(train), config.batch_size, config.seed, config.n_epochs, config.n_examples)
+    return train, evals, schedule
 
 
 def sft_examples(pairs: list[PreferencePair]) -> list[PreferencePair]:

@@ -20,10 +20,11 @@ from omegaconf import DictConfig, OmegaConf
 import checkpoint
 import config as configuration
 from adapters import apply_lora, quantization_config
-from distributed import Topology, launch, planned_world_size
+from distributed import Topology, launch, planned_world_size, process_rank, reported_errors
 from models import load_model, load_tokenizer
 from precision import parse_dtype
 from preference_datasets import load_datasets
+from report import dry_run
 from trainers import LOGS, Trainer
 from utils import UserError, get_local_dir, get_local_run_dir, set_seed
 
@@ -143,7 +144,12 @@ def main(args: list[str]) -> None:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     OmegaConf.resolve(config)  # workers resolve nothing: the run directory and exp_name are fixed here
-    launch(run, config, world_size)
+    if config.dry_run:  # one process, whatever the trainer: nothing is computed
+        with reported_errors():
+            if process_rank() == 0:
+                dry_run(config, world_size)
+    else:
+        launch(run, config, world_size)
 
 
 if __name__ == "__main__":

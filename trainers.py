@@ -31,7 +31,8 @@ from objective import build_objective
 from optim import build_optimizer, build_scheduler, clip_grad_norm
 from plots import write_plots
 from precision import parse_dtype, resolve_compute_dtype
-from preference_datasets import PreferencePair, batch_schedule, tokenize_examples
+from preference_datasets import PreferencePair, prepare_examples
+from report import data_report
 from scoring import Scorer
 from utils import Interrupted, UserError, append_jsonl, get_local_dir, truncate_jsonl
 
@@ -109,23 +110,15 @@ class Trainer:
             )
 
     def tokenize(self, data: dict[str, list[PreferencePair]]) -> tuple[list[dict], list[list[dict]], list[list[int]]]:
-        """Token ids of every example, once per run: (training examples, eval batches, the training schedule)."""
-        c, objective = self.config, self.objective
-
-        def tokenize(pairs):
-            pairs = objective.examples(pairs)
-            return tokenize_examples(pairs, self.tokenizer, c.max_length, c.max_prompt_length, objective.sft_targets)
-
-        train_examples = tokenize(data["train"])
-        eval_examples = tokenize(data["test"])[: c.n_eval_examples]
+        """Token ids of every example, once per run: (training examples, eval batches, the training schedule); the
+        data report says what they are."""
+        c = self.config
+        train_examples, eval_examples, schedule = prepare_examples(data, self.objective, self.tokenizer, c)
+        if self.topology.is_main:
+            print(data_report(train_examples, eval_examples, self.tokenizer, c.max_length, c.max_prompt_length))
+        print(f"{len(schedule)} steps of {c.batch_size} examples")
         size = c.eval_batch_size
-        eval_batches = [eval_examples[i : i + size] for i in range(0, len(eval_examples), size)]
-        schedule = batch_schedule(len(train_examples), c.batch_size, c.seed, c.n_epochs, c.n_examples)
-        print(
-            f"{len(train_examples)} training and {len(eval_examples)} eval examples; "
-            f"{len(schedule)} steps of {c.batch_size}"
-        )
-        return train_examples, eval_batches, schedule
+        return train_examples, [eval_examples[i : i + size] for i in range(0, len(eval_examples), size)], schedule
 
     def build_reference(self, initial_weights: str | None, load: Callable[[], torch.nn.Module], reference_dtype):
         """(the reference's log-probs: cached, live or None for a loss without one; the reference model, kept only

@@ -1,0 +1,165 @@
+"""What a run will do, told before it does it: the data report every run prints before training, and
+`dry_run=true`, which adds the resolved config, the number of steps and an estimate of peak memory per process, and
+exits before any weights are loaded."""
+
+import statistics
+from pathlib import Path
+
+import torch
+import transformers
+from omegaconf import DictConfig, OmegaConf
+
+from adapters import apply_lora
+from distributed import TRAINERS, mesh_shape
+from layouts import make_batch
+from models import find_blocks, load_tokenizer, resolve_model_dir
+from objective import build_objective
+from optim import build_optimizer
+from precision import choose_compute_dtype, parse_dtype
+from preference_datasets import load_datasets, prepare_examples
+from utils import get_local_dir
+
+GIB = 2**30
+SHOWN_TOKENS = 24  # of a long segment, the decoded example shows this many tokens at each end
+
+
+def data_report(train: list[dict], evals: list[dict], tokenizer, max_length: int, max_prompt_length: int) -> str:
+    """Token lengths (before truncation) of prompts and responses, how many examples were truncated, and the first
+    training example decoded token by token, so that a tokenization problem shows at a glance."""
+    examples = train + evals
+    names = ["prompt", "chosen", "rejected"] if len(examples[0]["responses"]) == 2 else ["prompt", "target"]
+    lines = [
+        f"data report: {len(train)} training and {len(evals)} eval examples",
+        "  tokens     p50    p90    p99    max",
+    ]
+    for i, name in enumerate(names):
+        lengths = sorted(ex["full_lengths"][i] for ex in examples)
+        cuts = statistics.quantiles(lengths, n=100, method="inclusive") if len(lengths) > 1 else lengths * 99
+        lines.append(f"  {name:8} {cuts[49]:5.0f}  {cuts[89]:5.0f}  {cuts[98]:5.0f}  {lengths[-1]:5d}")
+    truncated = sum(len(ex["prompt"]) + sum(map(len, ex["responses"])) < sum(ex["full_lengths"]) for ex in examples)
+    lines.append(
+        f"  truncated: {truncated} of {len(examples)} examples (prompt + longest response over max_length="
+        f"{max_length}; prompts cut to max_prompt_length={max_prompt_length})"
+    )
+    example = train[0]
+    lines.append("  first training example, token by token (| between tokens; the responses are scored):")
+    for name, ids in zip(names, [example["prompt"], *example["responses"]]):
+        lines.append(f"    {name:8} {len(ids):4d} tokens: {decoded_tokens(ids, tokenizer)}")
+    return "\n".join(lines)
+
+
+def decoded_tokens(ids: list[int], tokenizer) -> str:
+    pieces = [tokenizer.decode([i]).replace("\n", "\\n") for i in ids]
+    if len(pieces) > 2 * SHOWN_TOKENS:
+        hidden = len(pieces) - 2 * SHOWN_TOKENS
+        pieces = [*pieces[:SHOWN_TOKENS], f" ... {hidden} more ... ", *pieces[-SHOWN_TOKENS:]]
+    return "|".join(pieces)
+
+
+def dry_run(config: DictConfig, world_size: int) -> None:
+    """Config, tokenizer and data checked and reported, with the steps and a memory estimate; no weights loaded,
+    nothing written but the caches."""
+    print(OmegaConf.to_yaml(config))
+    cache_dir = get_local_dir(config.local_dirs)
+    tokenizer = load_tokenizer(config.model, cache_dir)
+    data = load_datasets(config.datasets, tokenizer, config.seed, config.n_eval_examples, cache_dir)
+    objective = build_objective(config.loss)
+    train, evals, schedule = prepare_examples(data, objective, tokenizer, config)
+    print(data_report(train, evals, tokenizer, config.max_length, config.max_prompt_length))
+    print(
+        f"steps: {len(schedule)} optimizer steps of {config.batch_size} examples ({len(schedule) * config.batch_size} "
+        f"examples), an eval every {config.eval_every} examples on {len(evals)}"
+    )
+    header, parts = memory_estimate(config, world_size, train, schedule, objective.needs_reference, cache_dir)
+    print(f"memory estimate per process: {sum(parts.values()) / GIB:.2f} GiB ({header})")
+    for name, value in parts.items():
+        if value:
+            print(f"  {name:40} {value / GIB:8.3f} GiB")
+    print("dry run: no weights were loaded and nothing was trained")
+
+
+def memory_estimate(
+    config: DictConfig, world_size: int, train: list[dict], schedule: list[list[int]], needs_reference: bool, cache_dir
+) -> tuple[str, dict[str, float]]:
+    """(what it assumes, {part: bytes}): peak memory of one process, from the model's shapes (built on the meta
+    device: no weights) and the run's largest micro-batch. Activations follow Korthikanti et al. 2022 ("Reducing
+    Activation Recomputation in Large Transformer Models"): 34 x hidden bytes per token and layer in 16-bit compute,
+    without the attention scores (scaled dot-product attention does not keep them); activation checkpointing keeps
+    each layer's input and one layer's activations. Not counted: the framework itself (CUDA context, Python and
+    torch: ~0.5-1 GiB)."""
+    model_config = transformers.AutoConfig.from_pretrained(
+        resolve_model_dir(config.model.name_or_path, cache_dir), trust_remote_code=config.model.trust_remote_code
+    )
+    weights_dtype = parse_dtype(config.model.policy_dtype, "model.policy_dtype")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=weights_dtype)
+        if config.lora.enabled:
+            model = apply_lora(model, config.lora)
+    n_parameters = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    block = find_blocks(model, config.model.block_name)[0]
+    n_layers, hidden = len(find_blocks(model, config.model.block_name)), model_config.hidden_size
+
+    parallelism = TRAINERS[config.trainer]
+    dp, tp = mesh_shape(config.trainer, world_size, config.tensor_parallel_size)
+    shards = dp * tp if parallelism.fsdp else tp  # tensor parallelism splits the blocks only: an upper bound below
+    element = torch.finfo(weights_dtype).bits // 8
+    compute = compute_dtype(config, parallelism.fsdp, cache_dir) or weights_dtype
+    compute_bytes = torch.finfo(compute).bits // 8
+
+    micro = config.batch_size // (config.gradient_accumulation_steps * dp)
+    rows = max(
+        make_batch(config.layout, [train[i] for i in indices[start : start + micro]], 0).n_tokens
+        for indices in schedule
+        for start in range(0, len(indices), micro)
+    )
+    per_layer = 34 * hidden * compute_bytes / 2
+    activations = rows * (
+        2 * hidden * compute_bytes * n_layers + per_layer if config.activation_checkpointing else per_layer * n_layers
+    )
+    vocab = model_config.vocab_size
+    logits = 0 if config.scored_logits_only else rows * vocab * (compute_bytes + 2 * 4)  # + float32 log-softmax
+    live_reference = (
+        needs_reference and not config.lora.enabled and (not config.reference_cache or config.sample_during_eval)
+    )
+    reference_bytes = (
+        element
+        if config.model.reference_dtype in (None, "auto")
+        else (torch.finfo(parse_dtype(config.model.reference_dtype, "model.reference_dtype")).bits // 8)
+    )
+    parts = {
+        "policy weights": n_parameters * element / shards,
+        "gradients": n_trainable * element / shards,
+        f"{config.optimizer} state": optimizer_states(config) * n_trainable * element / shards,
+        "reference weights": n_parameters * reference_bytes / shards if live_reference else 0,
+        "gathered block (FSDP)": 2 * sum(p.numel() for p in block.parameters()) * compute_bytes
+        if parallelism.fsdp
+        else 0,
+        f"activations ({rows} token positions)": activations,
+        "full logits": logits,
+    }
+    header = (
+        f"{n_parameters / 1e6:.1f}M parameters, {n_trainable / 1e6:.2f}M trainable; {weights_dtype} weights, "
+        f"{compute} compute; {config.trainer} dp {dp} x tp {tp}; {config.layout} layout"
+    )
+    return header, parts
+
+
+def compute_dtype(config: DictConfig, fsdp: bool, cache_dir: Path) -> torch.dtype | None:
+    setting = parse_dtype(config.model.fsdp_policy_mp, "model.fsdp_policy_mp", allow_auto=True)
+    if setting != "auto":
+        return setting
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return choose_compute_dtype(device, cache_dir)[0]
+
+
+def optimizer_states(config: DictConfig) -> int:
+    """Tensors the optimizer keeps per parameter tensor (AdamW: 2, SGD with momentum: 1), counted on a 2-element
+    parameter after one step."""
+    parameter = torch.nn.Parameter(torch.zeros(2))
+    optimizer = build_optimizer(
+        config.optimizer, [parameter], config.lr, OmegaConf.to_container(config.optimizer_kwargs)
+    )
+    parameter.grad = torch.ones(2)
+    optimizer.step()
+    return sum(torch.is_tensor(v) and v.numel() == 2 for v in optimizer.state[parameter].values())

@@ -1,0 +1,80 @@
+"""The data report and the dry run (report.py): lengths and truncation counted by hand, the decoded example, and a
+dry run that loads no weights, writes no run and estimates memory from the model's shapes."""
+
+import pytest
+import transformers
+
+import report
+import train
+from conftest import TINY_DIR, tiny_run_overrides
+from preference_datasets import PreferencePair, tokenize_examples
+
+
+def tiny_model():
+    return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(TINY_DIR))
+
+
+def test_data_report_gives_length_percentiles_truncation_and_the_tokens(tiny_tokenizer):
+    # The tiny tokenizer spells text byte by byte: a text of n characters is n tokens, and each response ends in EOS.
+    pairs = [PreferencePair("p" * n, "c" * (n // 10), "r", "", "keep_start") for n in (10, 20, 30)]
+    examples = tokenize_examples(pairs, tiny_tokenizer, max_length=25, max_prompt_length=12, sft=False)
+    text = report.data_report(examples[:2], examples[2:], tiny_tokenizer, 25, 12)
+    lines = text.splitlines()
+    assert lines[0] == "data report: 2 training and 1 eval examples"
+    # inclusive percentiles of 10, 20, 30: p50 20, p90 20 + 0.8 x 10 = 28, p99 29.8
+    assert lines[2].split() == ["prompt", "20", "28", "30", "30"]
+    assert lines[3].split() == ["chosen", "3", "4", "4", "4"]  # 1, 2, 3 characters + EOS
+    assert lines[4].split() == ["rejected", "2", "2", "2", "2"]
+    # 30 + 4 tokens exceed max_length=25 (20 + 3 do not): one example was cut
+    assert lines[5].startswith("  truncated: 1 of 3 examples")
+    eos = tiny_tokenizer.decode([tiny_tokenizer.eos_token_id])
+    assert lines[7] == f"    prompt     10 tokens: {'|'.join('p' * 10)}"
+    assert lines[8] == f"    chosen      2 tokens: c|{eos}"
+
+
+def test_dry_run_reports_and_exits_without_weights_or_a_run(tmp_path, pairs_file, monkeypatch, capsys):
+    def no_weights(*args, **kwargs):
+        raise AssertionError("a dry run loaded weights")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    monkeypatch.setattr(train, "load_model", no_weights)
+    train.main([*tiny_run_overrides(tmp_path, pairs_file), "dry_run=true", "trainer=FSDPTrainer", "nproc=2"])
+    out = capsys.readouterr().out
+    assert "loss:\n  name: dpo" in out  # the resolved config
+    assert "data report: 40 training and 8 eval examples" in out
+    assert "steps: 5 optimizer steps of 8 examples (40 examples)" in out
+    assert "memory estimate per process: " in out and "FSDPTrainer dp 2 x tp 1" in out
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, shards, optimizer_states",
+    [((), 1, 2), (("trainer=FSDPTrainer", "nproc=2"), 2, 2), (("optimizer=SGD",), 1, 0)],
+)
+def test_memory_estimate_counts_the_real_model(make_config, tiny_tokenizer, overrides, shards, optimizer_states):
+    config = make_config(*overrides)
+    model = tiny_model()
+    n_parameters = sum(p.numel() for p in model.parameters())
+    examples = tokenize_examples(
+        [PreferencePair("q" * 5, "a" * 3, "b" * 6, "", "keep_start")] * 8, tiny_tokenizer, 512, 256, False
+    )
+    _, parts = report.memory_estimate(config, shards, examples, [list(range(8))], True, config.local_dirs[0])
+    assert parts["policy weights"] == n_parameters * 4 / shards  # float32
+    assert parts["gradients"] == n_parameters * 4 / shards
+    assert parts[f"{config.optimizer} state"] == optimizer_states * n_parameters * 4 / shards
+    assert parts["reference weights"] == 0  # reference_cache=true: no reference model is held
+    micro = 8 // shards  # packed: each example is 5 + (3 + 1) + (6 + 1) = 16 token positions
+    hidden, layers = model.config.hidden_size, model.config.num_hidden_layers
+    assert parts[f"activations ({16 * micro} token positions)"] == 16 * micro * 34 * hidden * 4 / 2 * layers
+
+
+def test_memory_estimate_of_lora_counts_the_adapters(make_config, tiny_tokenizer):
+    from adapters import apply_lora
+
+    config = make_config("lora.enabled=true", "lora.rank=4")
+    lora_model = apply_lora(tiny_model(), config.lora)
+    trainable = sum(p.numel() for p in lora_model.parameters() if p.requires_grad)
+    examples = tokenize_examples([PreferencePair("q", "a", "b", "", "keep_start")] * 8, tiny_tokenizer, 512, 256, False)
+    header, parts = report.memory_estimate(config, 1, examples, [list(range(8))], True, config.local_dirs[0])
+    assert parts["gradients"] == trainable * 4
+    assert f"{trainable / 1e6:.2f}M trainable" in header
