@@ -133,11 +133,14 @@ def load(
 
 def read(checkpoint_dir: Path, policy, optimizer, batch_size: int, setting: str) -> dict[str, dict]:
     """The three files, checked to fit this run, so that loading them cannot fail half-way through a broadcast."""
-    states = {name: read_file(checkpoint_dir / f"{name}.pt", setting) for name in FILES}
+    states = {"policy": read_file(checkpoint_dir / "policy.pt", setting)}
+    step = states["policy"].get("step_idx")
+    if not isinstance(step, int):
+        raise UserError(f"{setting}: {checkpoint_dir / 'policy.pt'} has no step_idx: not a training checkpoint")
+    states |= {name: read_file(checkpoint_dir / f"{name}.pt", setting) for name in FILES[1:]}
     objective_file = checkpoint_dir / "objective.pt"
     states["objective"] = read_file(objective_file, setting)["state"] if objective_file.exists() else {}
     states["marker"] = describe(checkpoint_dir) or {}
-    step = states["policy"]["step_idx"]
     if step % batch_size:
         raise UserError(f"{setting}: {step} examples seen is not a multiple of batch_size={batch_size}")
     # DTensor shapes are global, so these are the full shapes whatever the sharding. Frozen weights (a LoRA base)

@@ -163,6 +163,7 @@ class Config:
             expect(value is None or value > 0, key, value, f"positive, or null {null}")
         if self.n_epochs is None and self.n_examples is None:
             raise UserError("set n_epochs or n_examples: training stops at whichever comes first")
+        expect(self.max_length > 0, "max_length", self.max_length, "positive")
         expect(
             0 < self.max_prompt_length < self.max_length,
             "max_prompt_length",

@@ -15,13 +15,14 @@ import html.parser
 import json
 import random
 import re
+import zlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from reference_cache import pair_key
-from utils import REPO_ROOT, UserError
+from utils import REPO_ROOT, UserError, first_line
 
 HUB_DATASETS = {"hh": "Anthropic/hh-rlhf", "shp": "stanfordnlp/SHP", "se": "HuggingFaceH4/stack-exchange-preferences"}
 DEMO_DIR = REPO_ROOT / "data" / "demo"
@@ -76,6 +77,9 @@ def parse_conversational(row: dict, chat_template: Callable[[list[dict]], str]) 
         messages = chosen[:-1]
         if rejected[:-1] != messages:
             raise ValueError("chosen and rejected conversations differ before their last message")
+    for message in [*messages, *chosen, *rejected]:
+        if not isinstance(message, dict):
+            raise ValueError(f"a message is a {type(message).__name__}, expected {{'role': ..., 'content': ...}}")
     for name, conversation in (("chosen", chosen), ("rejected", rejected)):
         if not conversation or conversation[-1].get("role") != "assistant":
             raise ValueError(f"the last message of {name} is not an assistant message")
@@ -200,17 +204,27 @@ def read_file_rows(path: Path) -> Iterator[tuple[str, Any]]:
     """(location, row) for each row of a .jsonl, .jsonl.gz, .json or .parquet file."""
     name = path.name
     if name.endswith((".jsonl", ".jsonl.gz")):
-        with gzip.open(path, "rt", encoding="utf-8") if name.endswith(".gz") else open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if line.strip():
+        try:
+            with gzip.open(path) if name.endswith(".gz") else open(path, "rb") as f:
+                for number, raw in enumerate(f, start=1):
                     try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as error:
-                        raise UserError(f"{path}:{number}: malformed JSON line ({error.msg})") from None
-                    yield f"{path}:{number}", row
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as error:
+                        reason = f"{error.reason} at column {error.start}"
+                        raise UserError(f"{path}:{number}: not UTF-8 text ({reason})") from None
+                    if line.strip():
+                        try:
+                            row = json.loads(line)
+                        except json.JSONDecodeError as error:
+                            raise UserError(f"{path}:{number}: malformed JSON line ({error.msg})") from None
+                        yield f"{path}:{number}", row
+        except (EOFError, gzip.BadGzipFile, zlib.error) as error:
+            raise UserError(f"{path}: a truncated or corrupt gzip file ({first_line(error)})") from None
     elif name.endswith(".json"):
         try:
             rows = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as error:
+            raise UserError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
         except json.JSONDecodeError as error:
             raise UserError(f"{path}:{error.lineno}: malformed JSON ({error.msg})") from None
         if not isinstance(rows, list):
@@ -218,9 +232,14 @@ def read_file_rows(path: Path) -> Iterator[tuple[str, Any]]:
         for number, row in enumerate(rows, start=1):
             yield f"{path} row {number}", row
     else:
+        import pyarrow
         import pyarrow.parquet
 
-        for number, row in enumerate(pyarrow.parquet.read_table(path).to_pylist(), start=1):
+        try:
+            table = pyarrow.parquet.read_table(path)
+        except (pyarrow.ArrowException, OSError) as error:
+            raise UserError(f"{path}: not a readable Parquet file ({first_line(error)})") from None
+        for number, row in enumerate(table.to_pylist(), start=1):
             yield f"{path} row {number}", row
 
 

@@ -1,0 +1,155 @@
+"""A corpus of malformed inputs: each ends in one `error:` line on stderr that names the culprit (file and line, or
+key and value), exit code 2 and no traceback (progress bars may come before it); or, where the input is usable, a
+normal run that counts what it left out. Each case runs train.py's main in this process. Ctrl-C mid-run is in
+test_crash_resume.py (the `interrupt` fault): a checkpoint, one line and a clean exit, then an exact resume."""
+
+import gzip
+import json
+
+import pytest
+import torch
+
+import train
+from conftest import arithmetic_pairs, tiny_run_overrides, write_jsonl
+
+GOOD = {"prompt": "Q: 1 + 1?\nA:", "chosen": " 2", "rejected": " 3"}
+
+
+def write_corpus(d):
+    """The malformed files, in directory d."""
+    (d / "empty.jsonl").write_text("")
+    (d / "latin1.jsonl").write_bytes(json.dumps(GOOD).encode() + b"\n" + '{"prompt": "caf\xe9"}'.encode("latin-1"))
+    good_gz = gzip.compress("".join(json.dumps(GOOD) + "\n" for _ in range(200)).encode())
+    (d / "truncated.jsonl.gz").write_bytes(good_gz[: len(good_gz) // 2])
+    (d / "fake.parquet").write_text("prompt,chosen,rejected\n")
+    (d / "pairs.csv").write_text("prompt,chosen,rejected\n")
+    (d / "malformed.jsonl").write_text(json.dumps(GOOD) + '\n{"prompt": "Q", "chosen": \n')
+    (d / "array.jsonl").write_text('["Q", " 2", " 3"]\n')
+    (d / "null.jsonl").write_text("null\n")
+    (d / "object.json").write_text(json.dumps(GOOD))
+    (d / "broken.json").write_text('[{"prompt": "Q",')
+    write_jsonl(d / "number.jsonl", [{**GOOD, "chosen": 2}])
+    write_jsonl(d / "missing-column.jsonl", [{"prompt": "Q", "chosen": " 2"}])
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    write_jsonl(d / "chat-ends-with-user.jsonl", [{"prompt": chat[:1], "chosen": chat[:1], "rejected": chat[1:]}])
+    write_jsonl(d / "chat-of-strings.jsonl", [{"chosen": ["Hi", "Hello"], "rejected": ["Hi", "Bye"]}])
+    write_jsonl(d / "hh-no-assistant.jsonl", [{"chosen": "\n\nHuman: Hi\n\nBot: Hello", "rejected": "\n\nHuman: Hi"}])
+    write_jsonl(d / "all-identical.jsonl", [{**GOOD, "rejected": GOOD["chosen"]}] * 3)
+    (d / "no-data-files").mkdir()
+    (d / "no-data-files" / "readme.txt").write_text("nothing here")
+    (d / "garbage.pt").write_bytes(b"not a checkpoint at all")
+    torch.save({"step_idx": 8, "state": {"model.embed_tokens.weight": torch.zeros(3, 3)}}, d / "wrong-shape.pt")
+    (d / "archive-not-checkpoint").mkdir()
+    torch.save({"state": {}}, d / "archive-not-checkpoint" / "policy.pt")
+    for name, policy in (("garbage-checkpoint", b"garbage"), ("incomplete-checkpoint", None)):
+        (d / name).mkdir()
+        if policy:
+            (d / name / "policy.pt").write_bytes(policy)
+    (d / "incomplete-checkpoint" / "policy.pt").write_bytes((d / "wrong-shape.pt").read_bytes())
+    (d / "wrong-shape-checkpoint").mkdir()
+    for name in ("policy", "optimizer", "scheduler"):
+        (d / "wrong-shape-checkpoint" / f"{name}.pt").write_bytes((d / "wrong-shape.pt").read_bytes())
+    (d / "a-file").write_text("")
+
+
+# (arguments after the tiny run's, with {d} the corpus directory; what the one error line must contain)
+ERRORS = [
+    # data files
+    ("datasets={d}/missing.jsonl", "unknown dataset '{d}/missing.jsonl'"),
+    ("datasets={d}/empty.jsonl", "{d}/empty.jsonl: no usable preference pairs in 0 rows"),
+    ("datasets={d}/latin1.jsonl", "{d}/latin1.jsonl:2: not UTF-8 text"),
+    ("datasets={d}/truncated.jsonl.gz", "{d}/truncated.jsonl.gz: a truncated or corrupt gzip file"),
+    ("datasets={d}/fake.parquet", "{d}/fake.parquet: not a readable Parquet file"),
+    ("datasets={d}/pairs.csv", "{d}/pairs.csv: unsupported file type; expected one of .jsonl"),
+    ("datasets={d}/malformed.jsonl", "{d}/malformed.jsonl:2: malformed JSON line"),
+    ("datasets={d}/array.jsonl", "{d}/array.jsonl:1: expected a JSON object, got list"),
+    ("datasets={d}/null.jsonl", "{d}/null.jsonl:1: expected a JSON object, got NoneType"),
+    ("datasets={d}/object.json", "{d}/object.json: expected a JSON list of rows"),
+    ("datasets={d}/broken.json", "{d}/broken.json:1: malformed JSON"),
+    ("datasets={d}/number.jsonl", "{d}/number.jsonl:1: chosen is a int, expected a string"),
+    ("datasets={d}/missing-column.jsonl", "{d}/missing-column.jsonl:1: unrecognised columns ['chosen', 'prompt']"),
+    ("datasets={d}/chat-ends-with-user.jsonl", "chat-ends-with-user.jsonl:1: the last message of chosen is not an"),
+    ("datasets={d}/chat-of-strings.jsonl", "{d}/chat-of-strings.jsonl:1: a message is a str, expected"),
+    ("datasets={d}/hh-no-assistant.jsonl", "{d}/hh-no-assistant.jsonl:1: no '\\n\\nAssistant:' marker"),
+    (
+        "datasets={d}/all-identical.jsonl",
+        "all-identical.jsonl: no usable preference pairs in 3 rows (skipped: 3 chosen",
+    ),
+    ("datasets={d}/no-data-files", "{d}/no-data-files: no .jsonl, .jsonl.gz, .json, .parquet files"),
+    ("n_eval_examples=1000", "holding out n_eval_examples=1000 pairs for eval leaves none of its 48 pairs"),
+    ("batch_size=64 eval_batch_size=64 eval_every=64", "the training data has 40 examples, fewer than batch_size=64"),
+    ("datasets=[]", "datasets=[] names no dataset"),
+    # numeric keys out of range, wrong types
+    ("lr=-1e-5", "lr=-1e-05 must be positive"),
+    ("lr=fast", "lr=fast must be a number"),
+    ("warmup_steps=-1", "warmup_steps=-1 must be zero or more"),
+    ("max_length=0", "max_length=0 must be positive"),
+    ("max_prompt_length=600", "max_prompt_length=600 must be positive and below max_length=512"),
+    ("n_epochs=0", "n_epochs=0 must be positive, or null to train by n_examples"),
+    ("n_examples=-5", "n_examples=-5 must be positive"),
+    ("loss.beta=0", "loss.beta=0.0 must be positive"),
+    ("loss.label_smoothing=0.6", "loss.label_smoothing=0.6 must be in [0, 0.5]"),
+    ("batch_size=7 gradient_accumulation_steps=2", "batch_size=7 must be a positive multiple of"),
+    ("eval_every=12", "eval_every=12 must be a positive multiple of batch_size=8"),
+    ("save_every=12", "save_every=12 must be a positive multiple of batch_size=8, or null"),
+    ("keep_last=0", "keep_last=0 must be positive, or null to keep every checkpoint"),
+    ("debug=maybe", "debug=maybe must be true or false"),
+    ("wandb.enabled=1", "wandb.enabled=1 must be true or false"),
+    ("model.policy_dtype=float33", "model.policy_dtype=float33 is not a dtype"),
+    # unknown names
+    ("learning_rate=1e-5", "unknown key 'learning_rate' in the config; valid: seed, exp_name,"),
+    ("loss.betta=0.1", "unknown key 'loss.betta' in loss=dpo (did you mean 'beta'?"),
+    ("loss=dpoo", "unknown loss 'dpoo' (did you mean 'dpo'?"),
+    ("model=smollm", "unknown model 'smollm'"),
+    ("trainer=FSDPtrainer", "unknown trainer 'FSDPtrainer' (did you mean 'FSDPTrainer'?"),
+    ("optimizer=Adamw", "unknown optimizer 'Adamw'"),
+    ("layout=pack", "layout=pack is not a layout (did you mean 'packed'?"),
+    # models, archives, checkpoints, run directories
+    ("model.name_or_path={d}/no-model model.random_init=false", "could not load model '{d}/no-model'"),
+    ("model.archive={d}/garbage.pt", "model.archive: {d}/garbage.pt is not a readable checkpoint"),
+    ("model.archive={d}/wrong-shape.pt", "model.archive: {d}/wrong-shape.pt does not fit this LlamaForCausalLM"),
+    ("resume_from={d}/garbage-checkpoint", "resume_from={d}/garbage-checkpoint: {d}/garbage-checkpoint/policy.pt is"),
+    ("resume_from={d}/incomplete-checkpoint", "{d}/incomplete-checkpoint/optimizer.pt does not exist"),
+    ("resume_from={d}/wrong-shape-checkpoint", "wrong-shape-checkpoint/policy.pt does not fit this LlamaForCausalLM"),
+    ("resume_from={d}/archive-not-checkpoint", "archive-not-checkpoint/policy.pt has no step_idx: not a training"),
+    ("resume_from={d}/nowhere", "resume_from={d}/nowhere: {d}/nowhere/policy.pt does not exist"),
+    ("resume_from=auto local_run_dir=null", "resume_from=auto continues the run in local_run_dir"),
+    ("local_run_dir={d}/a-file/run", "local_run_dir={d}/a-file/run must be a directory, but {d}/a-file is a file"),
+    ("local_run_dir=/proc/dpo-run", "local_run_dir=/proc/dpo-run cannot be written"),
+]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    write_corpus(d)
+    return d
+
+
+@pytest.mark.parametrize("args, message", ERRORS, ids=[args for args, _ in ERRORS])
+def test_bad_input_is_one_error_line(corpus, tmp_path, pairs_file, capsys, args, message):
+    command = [*tiny_run_overrides(tmp_path, pairs_file), *args.format(d=corpus).split()]
+    with pytest.raises(SystemExit) as exit:
+        train.main(command)
+    err = capsys.readouterr().err.strip().splitlines()  # progress bars (tqdm) may come first
+    assert exit.value.code == 2
+    assert [line for line in err if line.startswith("error: ")] == err[-1:], err
+    assert not any("Traceback" in line for line in err)
+    assert message.format(d=corpus) in err[-1]
+
+
+def test_the_corpus_has_at_least_40_cases():
+    assert len(ERRORS) >= 40
+
+
+def test_usable_input_runs_and_counts_what_it_left_out(tmp_path, capsys):
+    # 2 unusable rows among 50 are skipped and counted; prompts far over max_length are cut and counted.
+    rows = arithmetic_pairs(48) + [{**GOOD, "chosen": "  "}, {**GOOD, "rejected": GOOD["chosen"]}]
+    rows[0]["prompt"] = "Tell me a long story. " * 100
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    train.main([*tiny_run_overrides(tmp_path, data), "max_length=64", "max_prompt_length=32"])
+    out = capsys.readouterr().out
+    assert f"data: {data}: 48 pairs from 50 rows; skipped 2 rows: 1 empty response (first: {data}:49), " in out
+    assert "1 chosen == rejected" in out
+    assert "truncated: 1 of 48 examples" in out
+    assert (tmp_path / "run" / "LATEST" / "policy.pt").exists()
