@@ -127,6 +127,7 @@ def memory_estimate(
         if config.model.reference_dtype in (None, "auto")
         else (torch.finfo(parse_dtype(config.model.reference_dtype, "model.reference_dtype")).bits // 8)
     )
+    autocast_copies = not parallelism.fsdp and compute != weights_dtype
     parts = {
         "policy weights": n_parameters * element / shards,
         "gradients": n_trainable * element / shards,
@@ -135,6 +136,8 @@ def memory_estimate(
         "gathered block (FSDP)": 2 * sum(p.numel() for p in block.parameters()) * compute_bytes
         if parallelism.fsdp
         else 0,
+        # autocast keeps a compute-dtype copy of each weight it casts, for the whole forward and backward pass
+        "autocast weight copies": n_parameters * compute_bytes / tp if autocast_copies else 0,
         f"activations ({rows} token positions)": activations,
         "full logits": logits,
     }

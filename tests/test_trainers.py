@@ -2,6 +2,9 @@
 
 import json
 import math
+import os
+import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ from conftest import (
     read_jsonl,
     records,
 )
-from trainers import Trainer
+from trainers import StopSignals, Trainer
 from utils import UserError
 
 
@@ -251,3 +254,24 @@ def test_the_run_ends_with_a_summary(make_config, capsys):
     assert f"rewards_eval/accuracies={final['rewards_eval/accuracies']:.4f}" in out.split("final eval: ")[1]
     assert f"loss/eval={final['loss/eval']:.4f}" in out.split("final eval: ")[1]
     assert f"checkpoint and from_pretrained export: {run_dir / 'LATEST'}; metrics: {run_dir / 'metrics.jsonl'}" in out
+
+
+def test_sigterm_asks_for_a_stop_and_the_handlers_come_back():
+    before = signal.getsignal(signal.SIGINT)
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.received == signal.SIGTERM  # noted, not fatal: the loop stops after its step
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.received == signal.SIGTERM  # the first signal is the reason
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # a second Ctrl-C stops at once
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_auto_resume_of_a_finished_run_changes_nothing(make_config, capsys):
+    config = make_config("resume_from=auto")
+    train.run(config)
+    run_dir = Path(config.local_run_dir)
+    log = (run_dir / "metrics.jsonl").read_text()
+    train.run(make_config("resume_from=auto"))
+    assert f"{run_dir / 'LATEST'} ends this run: nothing left to train" in capsys.readouterr().out
+    assert (run_dir / "metrics.jsonl").read_text() == log
