@@ -131,16 +131,41 @@ def load(
     return step, objective_state, marker
 
 
+def preflight(checkpoint_dir: Path, policy, batch_size: int) -> None:
+    """`read`'s checks of the files and the weights' names and shapes, made before the run spends time on anything
+    else (the files' tensors are mapped, not read). policy: the model before placement; names and shapes are the
+    same after it."""
+    setting = f"resume_from={checkpoint_dir}"
+    check_fit(checkpoint_dir, read_states(checkpoint_dir, setting, mmap=True), policy, batch_size, setting)
+
+
 def read(checkpoint_dir: Path, policy, optimizer, batch_size: int, setting: str) -> dict[str, dict]:
     """The three files, checked to fit this run, so that loading them cannot fail half-way through a broadcast."""
-    states = {"policy": read_file(checkpoint_dir / "policy.pt", setting)}
-    step = states["policy"].get("step_idx")
-    if not isinstance(step, int):
-        raise UserError(f"{setting}: {checkpoint_dir / 'policy.pt'} has no step_idx: not a training checkpoint")
-    states |= {name: read_file(checkpoint_dir / f"{name}.pt", setting) for name in FILES[1:]}
+    states = read_states(checkpoint_dir, setting)
     objective_file = checkpoint_dir / "objective.pt"
     states["objective"] = read_file(objective_file, setting)["state"] if objective_file.exists() else {}
     states["marker"] = describe(checkpoint_dir) or {}
+    check_fit(checkpoint_dir, states, policy, batch_size, setting)
+    if len(states["optimizer"]["state"].get("param_groups", [])) != len(optimizer.param_groups):
+        raise UserError(
+            f"{setting}: {checkpoint_dir / 'optimizer.pt'} does not fit this {type(optimizer).__name__} "
+            f"({len(states['optimizer']['state'].get('param_groups', []))} parameter groups, expected "
+            f"{len(optimizer.param_groups)})"
+        )
+    return states
+
+
+def read_states(checkpoint_dir: Path, setting: str, mmap: bool = False) -> dict[str, dict]:
+    states = {"policy": read_file(checkpoint_dir / "policy.pt", setting, mmap)}
+    if not isinstance(states["policy"].get("step_idx"), int):
+        raise UserError(f"{setting}: {checkpoint_dir / 'policy.pt'} has no step_idx: not a training checkpoint")
+    return states | {name: read_file(checkpoint_dir / f"{name}.pt", setting, mmap) for name in FILES[1:]}
+
+
+def check_fit(checkpoint_dir: Path, states: dict[str, dict], policy, batch_size: int, setting: str) -> None:
+    """The step fits the batch size; policy.pt holds every trainable weight of the policy in its shape; the
+    optimizer state names only those."""
+    step = states["policy"]["step_idx"]
     if step % batch_size:
         raise UserError(f"{setting}: {step} examples seen is not a multiple of batch_size={batch_size}")
     # DTensor shapes are global, so these are the full shapes whatever the sharding. Frozen weights (a LoRA base)
@@ -162,21 +187,19 @@ def read(checkpoint_dir: Path, policy, optimizer, batch_size: int, setting: str)
         )
     optimizer_state = states["optimizer"]["state"]
     groups = optimizer_state.get("param_groups", [])
-    misfit = f"{setting}: {checkpoint_dir / 'optimizer.pt'} does not fit this {type(optimizer).__name__}"
     parameters = [p for group in groups for p in group.get("params", [])] + list(optimizer_state.get("state", {}))
     unknown = [p for p in parameters if p not in expected]
     if unknown:
-        raise UserError(f"{misfit} (state for unknown parameter {unknown[0]!r})")
-    if len(groups) != len(optimizer.param_groups):
-        raise UserError(f"{misfit} ({len(groups)} parameter groups, expected {len(optimizer.param_groups)})")
-    return states
+        raise UserError(
+            f"{setting}: {checkpoint_dir / 'optimizer.pt'} has state for an unknown parameter {unknown[0]!r}"
+        )
 
 
-def read_file(path: Path, setting: str) -> dict:
-    """A checkpoint file in the reference format, read with weights_only. Anything else raises a UserError
-    that names the `setting` it came from."""
+def read_file(path: Path, setting: str, mmap: bool = False) -> dict:
+    """A checkpoint file in the reference format, read with weights_only (mmap: its tensors mapped, not read).
+    Anything else raises a UserError that names the `setting` it came from."""
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise UserError(f"{setting}: {path} does not exist") from None
     except (pickle.UnpicklingError, RuntimeError, EOFError) as error:

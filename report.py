@@ -132,6 +132,8 @@ def memory_estimate(
         "policy weights": n_parameters * element / shards,
         "gradients": n_trainable * element / shards,
         f"{config.optimizer} state": optimizer_states(config) * n_trainable * element / shards,
+        # torch's multi-tensor (foreach) step holds an intermediate per parameter, e.g. AdamW's denominators
+        "optimizer step intermediates": n_trainable * element / shards,
         "reference weights": n_parameters * reference_bytes / shards if live_reference else 0,
         "gathered block (FSDP)": 2 * sum(p.numel() for p in block.parameters()) * compute_bytes
         if parallelism.fsdp

@@ -56,6 +56,8 @@ class Trainer:
         """load_reference: loads the frozen reference; called only if the run needs one."""
         c = self.config = config
         self.topology, self.tokenizer, self.run_dir, self.wandb_run = topology, tokenizer, run_dir, wandb_run
+        if c.resume_from is not None:  # fail now rather than after tokenizing and the reference pass
+            topology.run_on_main(lambda: checkpoint.preflight(Path(c.resume_from), policy, c.batch_size))
         self.cache_dir = get_local_dir(c.local_dirs)
         self.objective = build_objective(c.loss)
         autocast = not topology.fsdp  # FSDP's MixedPrecisionPolicy casts the parameters instead
@@ -276,8 +278,8 @@ class Trainer:
                     last_log = time.time()
                 if stopping:
                     self.stop(stop.received)
-        final_metrics = self.evaluate()
-        self.save(self.run_dir / "LATEST", final_metrics, final=True)
+            final_metrics = self.evaluate()  # a signal from here on lets the run finish: little is left
+            self.save(self.run_dir / "LATEST", final_metrics, final=True)
         self.summarize(final_metrics, start_examples, time.time() - start_time)
 
     def at_boundary(self) -> bool:

@@ -62,6 +62,7 @@ def test_memory_estimate_counts_the_real_model(make_config, tiny_tokenizer, over
     assert parts["policy weights"] == n_parameters * 4 / shards  # float32
     assert parts["gradients"] == n_parameters * 4 / shards
     assert parts[f"{config.optimizer} state"] == optimizer_states * n_parameters * 4 / shards
+    assert parts["optimizer step intermediates"] == n_parameters * 4 / shards
     assert parts["reference weights"] == 0  # reference_cache=true: no reference model is held
     micro = 8 // shards  # packed: each example is 5 + (3 + 1) + (6 + 1) = 16 token positions
     hidden, layers = model.config.hidden_size, model.config.num_hidden_layers

@@ -131,7 +131,8 @@ def test_cli_trains_on_the_real_hh_file(tmp_path):
         "max_prompt_length=64",
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "2288 training and 16 eval examples; 2 steps of 8" in result.stdout
+    assert "data report: 2288 training and 16 eval examples" in result.stdout
+    assert "\n2 steps of 8 examples\n" in result.stdout
     assert (run_dir / "LATEST" / "policy.pt").exists()
 
 
