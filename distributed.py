@@ -301,7 +301,8 @@ def report_and_exit(error: Exception) -> None:
 @contextlib.contextmanager
 def reported_errors():
     """A UserError, a stop on a signal, or a file that cannot be read or written (a full disk, no permission)
-    ends the process with one line instead of a traceback; so does Ctrl-C before training started."""
+    ends the process with one line instead of a traceback; so does Ctrl-C outside the training loop (which stops
+    after a step, see trainers.StopSignals) or a second one inside it."""
     try:
         yield
     except (UserError, Interrupted) as error:
@@ -311,7 +312,7 @@ def reported_errors():
             raise
         report_and_exit(UserError(f"{error.filename}: {error.strerror or first_line(error)}"))
     except KeyboardInterrupt:
-        report_and_exit(Interrupted("interrupted (SIGINT) before training started; nothing was saved", signal.SIGINT))
+        report_and_exit(Interrupted("interrupted (SIGINT); the checkpoints written so far are intact", signal.SIGINT))
 
 
 def run_rank(run: Callable, config, timeout_secs: float) -> None:

@@ -83,6 +83,7 @@ def init_wandb(config: DictConfig, run_dir: Path):
         return wandb.init(mode=mode or "online", **kwargs)
     except Exception as error:  # no network, server down, bad key: log offline rather than lose the run
         print(f"wandb: could not start online ({type(error).__name__}), logging offline to {run_dir}/wandb")
+        wandb.teardown()  # the failed attempt still holds the run id in wandb's service
         return wandb.init(mode="offline", **kwargs)
 
 
