@@ -9,6 +9,7 @@ import torch
 import transformers
 from omegaconf import DictConfig, OmegaConf
 
+import checkpoint
 from adapters import apply_lora
 from distributed import TRAINERS, mesh_shape
 from layouts import make_batch
@@ -70,7 +71,12 @@ def dry_run(config: DictConfig, world_size: int) -> None:
         f"steps: {len(schedule)} optimizer steps of {config.batch_size} examples ({len(schedule) * config.batch_size} "
         f"examples), an eval every {config.eval_every} examples on {len(evals)}"
     )
-    header, parts = memory_estimate(config, world_size, train, schedule, objective.needs_reference, cache_dir)
+    policy = meta_policy(config, cache_dir)
+    resume = checkpoint.newest(Path(config.local_run_dir)) if config.resume_from == "auto" else config.resume_from
+    if resume is not None:  # the checks a run makes before anything else
+        checkpoint.preflight(Path(resume), policy, config.batch_size)
+        print(f"resume: {resume} fits this run")
+    header, parts = memory_estimate(config, world_size, policy, train, schedule, objective.needs_reference, cache_dir)
     print(f"memory estimate per process: {sum(parts.values()) / GIB:.2f} GiB ({header})")
     for name, value in parts.items():
         if value:
@@ -78,27 +84,39 @@ def dry_run(config: DictConfig, world_size: int) -> None:
     print("dry run: no weights were loaded and nothing was trained")
 
 
+def meta_policy(config: DictConfig, cache_dir: Path) -> torch.nn.Module:
+    """The policy as the run would build it (with its LoRA adapters), on the meta device: shapes, no weights."""
+    model_config = transformers.AutoConfig.from_pretrained(
+        resolve_model_dir(config.model.name_or_path, cache_dir), trust_remote_code=config.model.trust_remote_code
+    )
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            model_config, dtype=parse_dtype(config.model.policy_dtype, "model.policy_dtype")
+        )
+        return apply_lora(model, config.lora) if config.lora.enabled else model
+
+
 def memory_estimate(
-    config: DictConfig, world_size: int, train: list[dict], schedule: list[list[int]], needs_reference: bool, cache_dir
+    config: DictConfig,
+    world_size: int,
+    policy: torch.nn.Module,
+    train: list[dict],
+    schedule: list[list[int]],
+    needs_reference: bool,
+    cache_dir: Path,
 ) -> tuple[str, dict[str, float]]:
-    """(what it assumes, {part: bytes}): peak memory of one process, from the model's shapes (built on the meta
-    device: no weights) and the run's largest micro-batch. Activations follow Korthikanti et al. 2022 ("Reducing
+    """(what it assumes, {part: bytes}): peak memory of one process, from the policy's shapes (meta_policy) and the
+    run's largest micro-batch. Activations follow Korthikanti et al. 2022 ("Reducing
     Activation Recomputation in Large Transformer Models"): 34 x hidden bytes per token and layer in 16-bit compute,
     without the attention scores (scaled dot-product attention does not keep them); activation checkpointing keeps
     each layer's input and one layer's activations. Not counted: the framework itself (CUDA context, Python and
     torch: ~0.5-1 GiB)."""
-    model_config = transformers.AutoConfig.from_pretrained(
-        resolve_model_dir(config.model.name_or_path, cache_dir), trust_remote_code=config.model.trust_remote_code
-    )
+    model_config = policy.config
     weights_dtype = parse_dtype(config.model.policy_dtype, "model.policy_dtype")
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=weights_dtype)
-        if config.lora.enabled:
-            model = apply_lora(model, config.lora)
-    n_parameters = sum(p.numel() for p in model.parameters())
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    block = find_blocks(model, config.model.block_name)[0]
-    n_layers, hidden = len(find_blocks(model, config.model.block_name)), model_config.hidden_size
+    n_parameters = sum(p.numel() for p in policy.parameters())
+    n_trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    blocks = find_blocks(policy, config.model.block_name)
+    block, n_layers, hidden = blocks[0], len(blocks), model_config.hidden_size
 
     parallelism = TRAINERS[config.trainer]
     dp, tp = mesh_shape(config.trainer, world_size, config.tensor_parallel_size)

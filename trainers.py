@@ -282,11 +282,16 @@ class Trainer:
             self.save(self.run_dir / "LATEST", final_metrics, final=True)
         self.summarize(final_metrics, start_examples, time.time() - start_time)
 
+    @property
+    def save_interval(self) -> int:
+        """Examples between step-N checkpoints: save_every, or eval_every by default."""
+        return self.config.save_every or self.config.eval_every
+
     def at_boundary(self) -> bool:
         """Whether an eval or a checkpoint may fall here, or training ends here."""
-        c, n = self.config, self.example_counter
+        n = self.example_counter
         return (
-            n % c.eval_every == 0 or n % (c.save_every or c.eval_every) == 0 or self.batch_counter == len(self.schedule)
+            n % self.config.eval_every == 0 or n % self.save_interval == 0 or self.batch_counter == len(self.schedule)
         )
 
     def evaluate_and_save_when_due(self) -> None:
@@ -296,7 +301,7 @@ class Trainer:
         metrics = {}
         if n % c.eval_every == 0 and (n > 0 or c.do_first_eval) and self.last_eval_at != n:
             metrics = self.evaluate()
-        if n > 0 and n % (c.save_every or c.eval_every) == 0 and self.last_saved_at != n:
+        if n > 0 and n % self.save_interval == 0 and self.last_saved_at != n:
             self.save(self.run_dir / f"step-{n}", metrics)
 
     def stop(self, signum: int) -> None:

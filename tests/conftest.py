@@ -113,6 +113,14 @@ def run_cli(
     )
 
 
+def smollm2_two_steps(tmp_path: Path, *overrides: str, timeout: int) -> tuple[subprocess.CompletedProcess, Path]:
+    """The default model (SmolLM2) and data through the CLI, cut to two steps of 8 and evals at 0 and 16 examples;
+    (the finished process, the run directory)."""
+    run_dir = tmp_path / "run"
+    overrides = (f"local_run_dir={run_dir}", f"local_dirs=[{tmp_path}]", "wandb.enabled=false", *overrides)
+    return run_cli(*overrides, "n_examples=16", "n_eval_examples=8", "eval_every=16", timeout=timeout), run_dir
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import train
 from adapters import AdaptersDisabled
-from conftest import assert_resume_matches_uninterrupted, build_trainer, read_jsonl, records, run_cli
+from conftest import assert_resume_matches_uninterrupted, build_trainer, read_jsonl, records, run_cli, smollm2_two_steps
 from models import load_model
 from utils import UserError
 
@@ -123,18 +123,7 @@ def test_qlora_without_cuda_is_one_line(make_config):
 @pytest.mark.cuda
 def test_qlora_trains_a_4bit_base_on_cuda(tmp_path):
     # SmolLM2 (pretrained: a random-init model cannot be quantized) with a 4-bit NF4 base.
-    run_dir = tmp_path / "run"
-    result = run_cli(
-        f"local_run_dir={run_dir}",
-        f"local_dirs=[{tmp_path}]",
-        "wandb.enabled=false",
-        "n_examples=16",
-        "n_eval_examples=8",
-        "eval_every=16",
-        *LORA,
-        "lora.quantize=4bit",
-        timeout=900,
-    )
+    result, run_dir = smollm2_two_steps(tmp_path, *LORA, "lora.quantize=4bit", timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     evals = records(run_dir, "eval")
     assert (

@@ -1,6 +1,8 @@
 """The data report and the dry run (report.py): lengths and truncation counted by hand, the decoded example, and a
 dry run that loads no weights, writes no run and estimates memory from the model's shapes."""
 
+from pathlib import Path
+
 import pytest
 import transformers
 
@@ -47,6 +49,20 @@ def test_dry_run_reports_and_exits_without_weights_or_a_run(tmp_path, pairs_file
     assert not (tmp_path / "run").exists()
 
 
+def test_dry_run_checks_the_checkpoint_it_would_resume_from(make_config, tmp_path, pairs_file, capsys):
+    config = make_config("n_examples=8")
+    train.run(config)
+    latest = Path(config.local_run_dir) / "LATEST"
+    train.main([*tiny_run_overrides(tmp_path, pairs_file), "dry_run=true", "resume_from=auto"])
+    assert f"resume: {latest} fits this run" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit:  # the same checkpoint, but not for a LoRA policy
+        train.main(
+            [*tiny_run_overrides(tmp_path, pairs_file), "dry_run=true", f"resume_from={latest}", "lora.enabled=true"]
+        )
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.startswith(f"error: resume_from={latest}: {latest / 'policy.pt'} does not fit")
+
+
 @pytest.mark.parametrize(
     "overrides, shards, optimizer_states",
     [((), 1, 2), (("trainer=FSDPTrainer", "nproc=2"), 2, 2), (("optimizer=SGD",), 1, 0)],
@@ -58,7 +74,8 @@ def test_memory_estimate_counts_the_real_model(make_config, tiny_tokenizer, over
     examples = tokenize_examples(
         [PreferencePair("q" * 5, "a" * 3, "b" * 6, "", "keep_start")] * 8, tiny_tokenizer, 512, 256, False
     )
-    _, parts = report.memory_estimate(config, shards, examples, [list(range(8))], True, config.local_dirs[0])
+    policy = report.meta_policy(config, Path(config.local_dirs[0]))
+    _, parts = report.memory_estimate(config, shards, policy, examples, [list(range(8))], True, config.local_dirs[0])
     assert parts["policy weights"] == n_parameters * 4 / shards  # float32
     assert parts["gradients"] == n_parameters * 4 / shards
     assert parts[f"{config.optimizer} state"] == optimizer_states * n_parameters * 4 / shards
@@ -76,6 +93,7 @@ def test_memory_estimate_of_lora_counts_the_adapters(make_config, tiny_tokenizer
     lora_model = apply_lora(tiny_model(), config.lora)
     trainable = sum(p.numel() for p in lora_model.parameters() if p.requires_grad)
     examples = tokenize_examples([PreferencePair("q", "a", "b", "", "keep_start")] * 8, tiny_tokenizer, 512, 256, False)
-    header, parts = report.memory_estimate(config, 1, examples, [list(range(8))], True, config.local_dirs[0])
+    policy = report.meta_policy(config, Path(config.local_dirs[0]))
+    header, parts = report.memory_estimate(config, 1, policy, examples, [list(range(8))], True, config.local_dirs[0])
     assert parts["gradients"] == trainable * 4
     assert f"{trainable / 1e6:.2f}M trainable" in header

