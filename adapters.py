@@ -84,6 +84,17 @@ def is_adapted(model: nn.Module) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 
 
+def is_quantized(model: nn.Module) -> bool:
+    """Whether the model holds bitsandbytes 4-bit weights (QLoRA's base)."""
+    return any(type(p).__name__ == "Params4bit" for p in model.parameters())
+
+
+def logical_numel(parameter: torch.Tensor) -> int:
+    """Elements of the weight a parameter stands for: a 4-bit bitsandbytes weight packs two into each byte."""
+    quant_state = getattr(parameter, "quant_state", None)
+    return quant_state.shape.numel() if quant_state is not None else parameter.numel()
+
+
 class AdaptersDisabled(nn.Module):
     """The base model of a LoRA policy: the policy run with its adapters disabled (no copy of any weight)."""
 
@@ -101,6 +112,10 @@ class AdaptersDisabled(nn.Module):
 
     def get_output_embeddings(self) -> nn.Module:
         return self.policy.get_output_embeddings()
+
+    @property
+    def config(self):
+        return self.policy.config
 
 
 def merged_state_dict(full_state: dict[str, torch.Tensor], policy: nn.Module) -> dict[str, torch.Tensor]:

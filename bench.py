@@ -20,6 +20,7 @@
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -82,29 +83,41 @@ LEVERS = {  # each lever alone: the baseline with one setting changed
 WORKLOADS = ((256, 4), (512, 8))
 
 
-def lever_worker(overrides: list[str], warmup: int, steps: int, result_file: str, compile_blocks: bool = False) -> None:
-    """One configuration in this fresh process: build the trainer as train.py does, time `steps` training steps
-    after `warmup`, and write pairs/s, real tokens/s, peak RSS, what precision was chosen and the first step's
-    seconds. compile_blocks: torch.compile each transformer block (dynamic shapes) before the first step."""
+def lever_worker(
+    overrides: list[str],
+    warmup: int,
+    steps: int,
+    result_file: str,
+    compile_blocks: bool = False,
+    data_file: str = str(HH_FILE),
+    n_rows: int | None = 48,
+) -> None:
+    """One configuration in this fresh process: build the trainer as train.py does on the first n_rows pairs of
+    data_file (None: all), time `steps` training steps after `warmup`, and write pairs/s, tokens/s (real: prompt
+    once; computed: padding included), MFU, peak memory, what precision was chosen and the first step's seconds.
+    compile_blocks: torch.compile each transformer block (dynamic shapes) before the first step."""
     import resource
+    from itertools import islice
 
     import config as configuration
     from adapters import apply_lora
     from distributed import Topology
     from models import find_blocks, load_model, load_tokenizer
     from preference_datasets import parse_rows, read_file_rows
+    from reference_cache import LiveReference
+    from telemetry import real_tokens
     from trainers import Trainer
 
     config = configuration.load(overrides)
     cache_dir = Path(config.local_dirs[0])
     tokenizer = load_tokenizer(config.model, cache_dir)
-    pairs = parse_rows([item for _, item in zip(range(48), read_file_rows(HH_FILE))], str(HH_FILE), tokenizer)
+    pairs = parse_rows(list(islice(read_file_rows(Path(data_file)), n_rows)), data_file, tokenizer)
     data = {"train": pairs, "test": pairs[:1]}  # the eval pair plays no part in the timings
     start = time.perf_counter()
     policy = load_model(config.model, torch.float32, cache_dir, config.seed)
     trainer = Trainer(
         config,
-        Topology(),
+        Topology.create(config.trainer),
         apply_lora(policy, config.lora) if config.lora.enabled else policy,
         lambda: load_model(config.model, torch.float32, cache_dir, config.seed),
         tokenizer,
@@ -115,7 +128,8 @@ def lever_worker(overrides: list[str], warmup: int, steps: int, result_file: str
     if compile_blocks:
         for block in find_blocks(trainer.policy, config.model.block_name):
             block.compile(dynamic=True)
-    seconds = pairs_seen = tokens = first_step = 0
+    seconds = pairs_seen = real = computed = flops = first_step = 0
+    live_reference = isinstance(trainer.reference, LiveReference)
     step_rss = [0.0]  # the largest RSS seen while training steps run, sampled every 5 ms
 
     def sample_rss(stop: threading.Event) -> None:
@@ -129,24 +143,32 @@ def lever_worker(overrides: list[str], warmup: int, steps: int, result_file: str
     for step, indices in enumerate(trainer.schedule[: warmup + steps]):
         examples = [trainer.train_examples[i] for i in indices]
         start = time.perf_counter()
-        trainer.train_step(examples)
+        metrics = trainer.train_step(examples)  # ends with the step's one transfer from the device: synchronised
         first_step = first_step or time.perf_counter() - start
         if step >= warmup:
             seconds += time.perf_counter() - start
             pairs_seen += len(examples)
-            tokens += sum(len(ex["prompt"]) * 2 + sum(map(len, ex["responses"])) for ex in examples)
+            real += sum(map(real_tokens, examples))
+            computed += sum(metrics["perf/computed_tokens"])
+            flops += sum(trainer.flops.example(ex, live_reference) for ex in examples)
     stop.set()
     sampler.join()
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
-    precision = "bfloat16" if trainer.policy_compute == torch.bfloat16 else "float32"
+    cuda = trainer.topology.device.type == "cuda"
     Path(result_file).write_text(
         json.dumps(
             {
                 "pairs_per_second": pairs_seen / seconds,
-                "tokens_per_second": tokens / seconds,
-                "peak_rss_gib": peak_rss,
+                "real_tokens_per_second": real / seconds,
+                "computed_tokens_per_second": computed / seconds,
+                "mfu": flops / seconds / trainer.peak_flops,
+                "peak_memory_gib": (
+                    torch.cuda.max_memory_allocated() / 2**30
+                    if cuda
+                    else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+                ),
                 "training_rss_gib": step_rss[0],
-                "precision": precision,
+                "precision": "bfloat16" if trainer.policy_compute == torch.bfloat16 else "float32",
+                "layout": trainer.scorer.describe(),
                 "setup_seconds": setup_seconds,
                 "first_step_seconds": first_step,
             }
@@ -172,8 +194,8 @@ def bench_levers(warmup: int, steps: int) -> None:
     for max_length, batch in WORKLOADS:
         print(f"\nmax_length {max_length} x {batch} pairs per step")
         print(
-            f"{'configuration':28s} {'pairs/s':>8s} {'x base':>7s} {'tokens/s':>9s} {'peak RSS':>9s}  precision, setup "
-            "(loading, probes, tokenizing, and the reference pass where cached)"
+            f"{'configuration':28s} {'pairs/s':>8s} {'x base':>7s} {'tokens/s':>9s} {'MFU':>6s} {'peak RSS':>9s}  "
+            "precision, setup (loading, probes, tokenizing, and the reference pass where cached)"
         )
         baseline = None
         for name, lever in LEVERS.items():
@@ -183,21 +205,24 @@ def bench_levers(warmup: int, steps: int) -> None:
             baseline = baseline or result["pairs_per_second"]
             print(
                 f"{name:28s} {result['pairs_per_second']:8.3f} {result['pairs_per_second'] / baseline:6.2f}x "
-                f"{result['tokens_per_second']:9.0f} {result['peak_rss_gib']:7.2f} GiB  {result['precision']}"
-                + f", setup {result['setup_seconds']:.0f} s",
+                f"{result['real_tokens_per_second']:9.0f} {result['mfu']:6.1%} {result['peak_memory_gib']:7.2f} GiB  "
+                f"{result['precision']}, setup {result['setup_seconds']:.0f} s",
                 flush=True,
             )
     print()
     bench_vocabulary_memory()
 
 
-def lever_subprocess(
-    overrides: list[str], warmup: int, steps: int, result_file: str, compile_blocks: bool = False
-) -> dict:
-    code = (
-        f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r}); import bench; "
-        f"bench.lever_worker({overrides!r}, {warmup}, {steps}, {result_file!r}, {compile_blocks})"
-    )
+def lever_subprocess(overrides: list[str], warmup: int, steps: int, result_file: str, compile_blocks=False, **data):
+    """lever_worker in a fresh process (whose peak memory is then its own); data: its data_file and n_rows."""
+    kwargs = dict(overrides=overrides, warmup=warmup, steps=steps, compile_blocks=compile_blocks, **data)
+    return worker_subprocess("lever_worker", result_file, **kwargs)
+
+
+def worker_subprocess(worker: str, result_file: str, **kwargs) -> dict:
+    """bench.<worker>(result_file=result_file, **kwargs) in a fresh process; the JSON it writes there."""
+    call = f"bench.{worker}(result_file={result_file!r}, **{kwargs!r})"
+    code = f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r}); import bench; {call}"
     subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL)
     return json.loads(Path(result_file).read_text())
 
@@ -260,10 +285,389 @@ def bench_lora(warmup: int, steps: int) -> None:
             result = lever_subprocess(overrides, warmup, steps, str(Path(tmp) / "result.json"))
         print(
             f"{name:18s} {4 / result['pairs_per_second']:6.2f} s/step ({result['pairs_per_second']:.3f} pairs/s), "
-            f"RSS while training {result['training_rss_gib']:.2f} GiB (process peak {result['peak_rss_gib']:.2f}), "
+            f"RSS while training {result['training_rss_gib']:.2f} GiB (process peak {result['peak_memory_gib']:.2f}), "
             f"{result['precision']}",
             flush=True,
         )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The GPU campaign: python bench.py --gpu (and --gpu --smoke: tiny sizes on any device, as the test suite runs it)
+
+# A randomly initialised ~1.1B Llama (Llama-3.2-1B's shape with a 32k vocabulary): config only, nothing downloaded.
+CAMPAIGN_MODELS = {
+    "gpu": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    ),
+    "smoke": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=256,
+    ),
+}
+# (max_length, pairs per step, activation checkpointing): at 4096 the padded layout's 8 rows x 4096 tokens would
+# not fit an H100's 80 GB without recomputation, for TRL as for us.
+CAMPAIGN_WORKLOADS = {"gpu": ((1024, 8, False), (4096, 4, True)), "smoke": ((64, 4, False),)}
+CAMPAIGN_LAYOUTS = {
+    "padded (what TRL computes)": ["layout=padded"],
+    "packed, dense mask": ["layout=packed", "packed_attention=dense"],
+    "packed, block mask": ["layout=packed", "packed_attention=block"],
+    # the block mask's row budget: the whole micro-batch in one row (the default) against rows of max_length
+    "packed, block mask, rows of max_length": [
+        "layout=packed",
+        "packed_attention=block",
+        "pack_row_tokens={max_length}",
+    ],
+}
+# Token lengths of the HH harmless-base test pairs under the SmolLM2 tokenizer (medians: prompt 94, chosen 27,
+# rejected 37; log-normal spread ~1.0), scaled from HH's usual max_length of 512 to the workload's.
+HH_MEDIANS, HH_LOG_SPREAD = {"prompt": 94, "chosen": 27, "rejected": 37}, 1.0
+
+
+def hh_like_rows(n: int, max_length: int, seed: int) -> list[dict]:
+    """n pairs of random lowercase text (one token per character under the byte-level tiny tokenizer) whose lengths
+    follow HH's mix scaled to max_length, kept within the trainers' limits (prompt <= max_length / 2, prompt +
+    longer response + EOS <= max_length) so that neither trainer truncates."""
+    import random
+
+    rng = random.Random(seed)
+    scale = max_length / 512
+
+    def text(median: float, limit: int) -> str:
+        length = min(limit, max(1, round(rng.lognormvariate(math.log(median * scale), HH_LOG_SPREAD))))
+        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(length))
+
+    rows = []
+    for _ in range(n):
+        prompt = text(HH_MEDIANS["prompt"], max_length // 2)
+        room = max_length - len(prompt) - 1  # the EOS that ends each response
+        rows.append({name: text(HH_MEDIANS[name], room) for name in ("chosen", "rejected")} | {"prompt": prompt})
+    return rows
+
+
+def campaign_model_dir(directory: Path, sizes: dict) -> Path:
+    """A model directory of a Llama config of these sizes and the tiny byte-level tokenizer (assets/tiny-llama)."""
+    import shutil
+
+    directory.mkdir(parents=True, exist_ok=True)
+    transformers.LlamaConfig(**sizes, tie_word_embeddings=False).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(REPO_ROOT / "assets" / "tiny-llama" / name, directory / name)
+    return directory
+
+
+def trl_worker(
+    result_file: str,
+    model_dir: str,
+    data_file: str,
+    max_length: int,
+    pairs: int,
+    checkpointing: bool,
+    warmup: int,
+    steps: int,
+) -> None:
+    """TRL's DPOTrainer on the same model, data and precision recipe as ours (float32 weights, bfloat16 autocast on
+    a GPU; float32 on a CPU), its reference log-probs precomputed as our cache does, timed per step."""
+    import resource
+
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    from telemetry import ModelFlops, peak_flops
+
+    cuda = torch.cuda.is_available()
+    rows = [json.loads(line) for line in Path(data_file).read_text().splitlines()]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir))
+    times = []
+
+    class StepTimer(transformers.TrainerCallback):
+        def on_step_begin(self, *args, **kwargs):
+            torch.cuda.synchronize() if cuda else None
+            times.append(time.perf_counter())
+
+        def on_step_end(self, *args, **kwargs):
+            torch.cuda.synchronize() if cuda else None
+            times[-1] = time.perf_counter() - times[-1]
+
+    with tempfile.TemporaryDirectory() as output_dir:
+        args = DPOConfig(
+            output_dir=output_dir,
+            per_device_train_batch_size=pairs,
+            max_length=max_length,
+            beta=0.1,
+            learning_rate=1e-6,
+            max_steps=warmup + steps,
+            bf16=cuda,
+            use_cpu=not cuda,
+            precompute_ref_log_probs=True,
+            gradient_checkpointing=checkpointing,
+            report_to=[],
+            save_strategy="no",
+            logging_steps=1,
+            disable_tqdm=True,
+            seed=0,
+        )
+        trainer = DPOTrainer(
+            model=model,
+            args=args,
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tokenizer,
+            callbacks=[StepTimer()],
+        )
+        trainer.train()
+    seconds = sum(times[warmup:])
+    # TRL draws its own batches: per-pair tokens and FLOPs are the data's means
+    examples = [
+        {"prompt": [0] * len(r["prompt"]), "responses": [[0] * (len(r[k]) + 1) for k in ("chosen", "rejected")]}
+        for r in rows
+    ]
+    flops_model = ModelFlops.of(model, list(model.model.layers))
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    pairs_per_second = pairs * steps / seconds
+    peak, _ = peak_flops(
+        torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32, Path(tempfile.gettempdir())
+    )
+    Path(result_file).write_text(
+        json.dumps(
+            {
+                "pairs_per_second": pairs_per_second,
+                "real_tokens_per_second": pairs_per_second
+                * mean([len(e["prompt"]) + sum(map(len, e["responses"])) for e in examples]),
+                "mfu": pairs_per_second * mean([flops_model.example(e, False) for e in examples]) / peak,
+                "peak_memory_gib": (
+                    torch.cuda.max_memory_allocated() / 2**30
+                    if cuda
+                    else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+                ),
+            }
+        )
+    )
+
+
+def bench_gpu(smoke: bool, warmup: int, steps: int) -> None:
+    """The campaign: the cuda-marked tests, then each layout (and TRL's DPOTrainer when importable) on a random ~1B
+    Llama at max_length 1024 and 4096, each configuration in a fresh process; --smoke: tiny sizes, no test run."""
+    import importlib.util
+
+    size = "smoke" if smoke else "gpu"
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} cores)"
+    print(f"device: {device}; torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
+    if not smoke:
+        tests = subprocess.run(
+            [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", str(REPO_ROOT / "tests")],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+        )
+        print(f"cuda tests: {(tests.stdout.strip().splitlines() or ['no output'])[-1]}", flush=True)
+        if tests.returncode:
+            print(tests.stdout[-6000:], flush=True)
+    trl = importlib.util.find_spec("trl") is not None
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = campaign_model_dir(Path(tmp) / "model", CAMPAIGN_MODELS[size])
+        with torch.device("meta"):
+            meta = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir))
+        parameters = sum(p.numel() for p in meta.parameters())
+        print(
+            f"model: random Llama of {parameters / 1e6:,.1f}M parameters {CAMPAIGN_MODELS[size]}; HH-like length mix; "
+            f"{warmup} warm-up + {steps} timed steps",
+            flush=True,
+        )
+        for max_length, pairs, checkpointing in CAMPAIGN_WORKLOADS[size]:
+            data_file = Path(tmp) / f"pairs-{max_length}.jsonl"
+            rows = hh_like_rows(pairs * (warmup + steps), max_length, seed=max_length)
+            data_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+            print(f"\nmax_length {max_length} x {pairs} pairs per step, activation checkpointing {checkpointing}")
+            print(
+                f"{'configuration':40s} {'pairs/s':>8s} {'real tok/s':>11s} {'computed':>9s} {'MFU':>6s} "
+                f"{'peak mem':>9s}  (tokens/s: real = prompt once, computed = padding included)"
+            )
+            overrides = [
+                "model=blank_model",
+                f"model.name_or_path={model_dir}",
+                "model.random_init=true",
+                "model.block_name=LlamaDecoderLayer",
+                f"model.fsdp_policy_mp={'bfloat16' if cuda else 'null'}",
+                f"datasets=[{data_file}]",
+                f"local_dirs=[{tmp}]",
+                "loss.beta=0.1",
+                "lr=1e-6",
+                f"max_length={max_length}",
+                f"max_prompt_length={max_length // 2}",
+                f"batch_size={pairs}",
+                f"eval_batch_size={pairs}",
+                f"activation_checkpointing={str(checkpointing).lower()}",
+                "wandb.enabled=false",
+                "debug=true",
+            ]
+            for name, layout in CAMPAIGN_LAYOUTS.items():
+                if "block" in name and not cuda:
+                    print(f"{name:40s} skipped: FlexAttention has no backward pass on a CPU", flush=True)
+                    continue
+                layout = [setting.format(max_length=max_length) for setting in layout]
+                result = lever_subprocess(
+                    [*overrides, *layout],
+                    warmup,
+                    steps,
+                    str(Path(tmp) / "result.json"),
+                    data_file=str(data_file),
+                    n_rows=None,
+                )
+                print(campaign_row(name, result) + f"  {result['layout']}", flush=True)
+            if trl:
+                kwargs = dict(
+                    model_dir=str(model_dir),
+                    data_file=str(data_file),
+                    max_length=max_length,
+                    pairs=pairs,
+                    checkpointing=checkpointing,
+                    warmup=warmup,
+                    steps=steps,
+                )
+                result = worker_subprocess("trl_worker", str(Path(tmp) / "trl.json"), **kwargs)
+                print(campaign_row("TRL DPOTrainer (padded, precomputed ref)", result), flush=True)
+            else:
+                print("TRL: not importable here (pip install trl to compare)", flush=True)
+
+
+def campaign_row(name: str, result: dict) -> str:
+    computed = result.get("computed_tokens_per_second")
+    return (
+        f"{name:40s} {result['pairs_per_second']:8.3f} {result['real_tokens_per_second']:11.0f} "
+        f"{(f'{computed:9.0f}' if computed else '        -')} {result['mfu']:6.1%} {result['peak_memory_gib']:6.2f} GiB"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention for packed rows: python bench.py --attention
+
+ATTENTION_LENGTHS = (1024, 4096, 16384, 32768)
+
+
+def packed_micro_batch(tokens: int, seed: int = 0):
+    """Tokenized HH-like pairs (lengths of hh_like_rows at max_length 1024) adding up to about `tokens`."""
+    rows, total = [], 0
+    for row in hh_like_rows(10_000, 1024, seed):
+        example = {
+            "prompt": [1] * len(row["prompt"]),
+            "responses": [[2] * (len(row[k]) + 1) for k in ("chosen", "rejected")],
+        }
+        length = len(example["prompt"]) + sum(map(len, example["responses"]))
+        if rows and total + length > tokens:
+            return rows
+        rows.append(example)
+        total += length
+    return rows
+
+
+def bench_attention_bookkeeping() -> None:
+    """Per micro-batch of about T tokens: the memory and CPU build time of the dense mask (rows of the longest
+    segment, and one row of T) and of the block mask (one row of T), and the share of attention scores each path
+    computes. SDPA with an arbitrary mask computes every score; FlexAttention skips the fully masked blocks."""
+    from layouts import dense_mask, pack, segment_lengths
+    from scoring import FLEX_BLOCK, additive_mask, block_mask
+    from telemetry import visible_pairs
+
+    def timed(build):
+        start = time.perf_counter()
+        result = build()
+        return result, time.perf_counter() - start
+
+    print(
+        f"{'T':>6s} {'pairs':>5s}  {'dense rows':>11s} {'mask':>9s} {'build':>7s}  {'dense, 1 row':>12s} "
+        f"{'build':>7s}  {'block mask':>10s} {'build':>7s} {'blocks run':>10s}  {'visible scores':>14s}"
+    )
+    for tokens in (FLEX_BLOCK * 4, FLEX_BLOCK * 8):  # compile the builder, static then dynamic shapes: not timed
+        block_mask(pack(packed_micro_batch(tokens), 0, row_tokens=tokens * 2, multiple=FLEX_BLOCK))
+    for tokens in ATTENTION_LENGTHS:
+        examples = packed_micro_batch(tokens)
+        rows = pack(examples, 0)
+        (_, dense_seconds) = timed(lambda rows=rows: additive_mask(dense_mask(rows), torch.bfloat16))
+        dense_bytes = rows.input_ids.shape[0] * rows.input_ids.shape[1] ** 2 * 3  # bool + bfloat16
+        one_row = pack(examples, 0, row_tokens=sum(segment_lengths(examples)), multiple=FLEX_BLOCK)
+        length = one_row.input_ids.shape[1]
+        _, one_row_seconds = timed(lambda one_row=one_row: additive_mask(dense_mask(one_row), torch.bfloat16))
+        blocks, block_seconds = timed(lambda one_row=one_row: block_mask(one_row))
+        block_bytes = sum(t.numel() * t.element_size() for t in blocks.as_tuple() if torch.is_tensor(t))
+        run = (blocks.kv_num_blocks.sum() + blocks.full_kv_num_blocks.sum()).item() / blocks.kv_num_blocks.shape[
+            -1
+        ] ** 2
+        visible = sum(map(visible_pairs, examples)) / length**2
+        print(
+            f"{length:6d} {len(examples):5d}  {str(tuple(rows.input_ids.shape)):>11s} {dense_bytes / 2**20:7.1f} MiB "
+            f"{dense_seconds:6.2f}s  {length**2 * 3 / 2**20:8.0f} MiB {one_row_seconds:6.2f}s  "
+            f"{block_bytes / 2**10:6.0f} KiB {block_seconds:6.2f}s {run:10.2%}  {visible:14.2%}",
+            flush=True,
+        )
+
+
+def cpu_reference_pass_worker(result_file: str, attention: str, dtype: str, max_length: int) -> None:
+    """Seconds per no-grad forward (a reference-cache pass) of 8 HH pairs on SmolLM2, float32 or bfloat16 autocast,
+    dense mask (rows of the longest segment) or block mask (one row), after a warm-up micro-batch."""
+    from itertools import islice
+
+    from layouts import pack, segment_lengths
+    from models import SMOLLM2_HUB_ID, resolve_model_dir
+    from preference_datasets import parse_rows, read_file_rows, tokenize_pair
+    from scoring import FLEX_BLOCK, sequence_logps
+
+    model_dir = resolve_model_dir(SMOLLM2_HUB_ID, REPO_ROOT / ".cache")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pairs = parse_rows(list(islice(read_file_rows(HH_FILE), 40)), str(HH_FILE), tokenizer)
+    examples = [tokenize_pair(p, tokenizer, max_length, max_length // 2, False) for p in pairs]
+    autocast = getattr(torch, dtype) if dtype != "float32" else None
+    times = []
+    try:
+        for start in range(0, 40, 8):
+            micro = examples[start : start + 8]
+            if attention == "block":
+                batch = pack(micro, 0, row_tokens=sum(segment_lengths(micro)), multiple=FLEX_BLOCK)
+            else:
+                batch = pack(micro, 0)
+            begin = time.perf_counter()
+            with torch.no_grad():
+                sequence_logps(model, batch, autocast, getattr(torch, dtype), True, attention)
+            times.append(time.perf_counter() - begin)
+        result = {"seconds": sum(times[1:]) / len(times[1:])}
+    except Exception as error:  # the CPU FlexAttention kernel does not compile in every case
+        result = {"error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:100]}"}
+    Path(result_file).write_text(json.dumps(result))
+
+
+def bench_attention() -> None:
+    from precision import cpu_name
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    print(
+        f"attention bookkeeping per packed micro-batch (HH-like pairs), on {cpu_name()}, {os.cpu_count()} cores; "
+        "dense masks: bool + bfloat16 additive"
+    )
+    bench_attention_bookkeeping()
+    print(
+        "\nno-grad forward (the reference-cache pass) of 8 HH pairs on SmolLM2-135M-Instruct, max_length 512, on this "
+        "CPU: seconds per micro-batch (mean of 4 after a warm-up), each configuration in a fresh process"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in ("float32", "bfloat16"):
+            for attention in ("dense", "block", "dense", "block"):
+                kwargs = dict(attention=attention, dtype=dtype, max_length=512)
+                result = worker_subprocess("cpu_reference_pass_worker", str(Path(tmp) / "result.json"), **kwargs)
+                outcome = f"{result['seconds']:.2f} s" if "seconds" in result else f"failed: {result['error']}"
+                print(f"{dtype:9s} {attention:6s} mask: {outcome}", flush=True)
 
 
 HEAD_TOKENS, HEAD_HIDDEN = 2048, 576  # scored tokens of a large step; SmolLM2's hidden size
@@ -405,27 +809,115 @@ def bench_fsdp() -> None:
             )
 
 
+REDUCE_BATCH, REDUCE_STEPS = 16, 4  # global sequences of FSDP_LENGTH tokens per step; steps whose gradients count
+
+
+def reduce_batch(step: int) -> torch.Tensor:
+    return torch.randint(0, 8192, (REDUCE_BATCH, FSDP_LENGTH), generator=torch.Generator().manual_seed(100 + step))
+
+
+def reduce_rank(rank: int, world_size: int, port: int, reduce_dtype: str, result_file: str) -> None:
+    """One FSDP2 rank computing in bfloat16 and reducing gradients in reduce_dtype: the full gradient of each of
+    REDUCE_STEPS batches (each rank its share, SGD steps in between), written by rank 0."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    os.environ.update(rank_environment(rank, world_size, port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    model = llama()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, reduce_dtype))
+    for block in model.model.layers:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    gradients = []
+    for step in range(REDUCE_STEPS):
+        ids = reduce_batch(step).chunk(world_size)[rank]
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        gradients.append({name: p.grad.full_tensor().float() for name, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+    if rank == 0:
+        torch.save(gradients, result_file)
+    dist.destroy_process_group()
+
+
+def bench_fsdp_reduce() -> None:
+    """The gradient error of FSDP2's reduction in bfloat16 and in float32, both computing in bfloat16, against one
+    float32 process on the same batches (each step's gradient, after the same SGD updates), on 2 and 4 processes."""
+    reference, model = [], llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(REDUCE_STEPS):
+        ids = reduce_batch(step)
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        reference.append({name: p.grad.clone() for name, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def relative_error(gradients: list[dict]) -> float:
+        """The mean over steps of |g - g_float32| / |g_float32| over all parameters."""
+        errors = []
+        for got, want in zip(gradients, reference):
+            difference = sum(((got[n] - want[n]) ** 2).sum() for n in want).sqrt()
+            errors.append((difference / sum((want[n] ** 2).sum() for n in want).sqrt()).item())
+        return sum(errors) / len(errors)
+
+    print(
+        f"FSDP2 over a 4-layer Llama ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters), bfloat16 "
+        f"compute, gloo on {os.cpu_count()} CPU cores; {REDUCE_STEPS} steps of {REDUCE_BATCH} x {FSDP_LENGTH} tokens; "
+        "gradient error relative to one float32 process"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        for world_size in (2, 4):
+            errors = {}
+            for reduce_dtype in ("bfloat16", "float32"):
+                result_file = str(Path(tmp) / f"{reduce_dtype}.pt")
+                torch.multiprocessing.spawn(
+                    reduce_rank, args=(world_size, free_port(), reduce_dtype, result_file), nprocs=world_size
+                )
+                errors[reduce_dtype] = relative_error(torch.load(result_file, weights_only=True))
+            print(
+                f"{world_size} processes: reduce in bfloat16 {errors['bfloat16']:.3e}, "
+                f"in float32 {errors['float32']:.3e} ({errors['bfloat16'] / errors['float32']:.2f}x)",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=int, default=1024, help="square matmul size")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fsdp", action="store_true", help="only benchmark FSDP1 against FSDP2 (2 processes)")
+    parser.add_argument(
+        "--fsdp-reduce", action="store_true", help="FSDP2's gradient error reducing in bfloat16 vs float32"
+    )
     parser.add_argument("--levers", action="store_true", help="only benchmark the training step's speed levers")
     parser.add_argument(
         "--compile", action="store_true", help="only benchmark torch.compile on the default configuration"
     )
     parser.add_argument("--lora", action="store_true", help="only benchmark LoRA against full fine-tuning")
+    parser.add_argument(
+        "--gpu", action="store_true", help="the GPU campaign: cuda tests, layouts and TRL on a ~1B Llama"
+    )
+    parser.add_argument("--attention", action="store_true", help="dense vs block-mask attention bookkeeping")
+    parser.add_argument("--smoke", action="store_true", help="--gpu at tiny sizes on any device (the test suite's)")
     parser.add_argument("--warmup", type=int, default=2, help="--levers, --compile, --lora: untimed steps")
     parser.add_argument("--steps", type=int, default=6, help="--levers, --compile, --lora: timed steps")
     args = parser.parse_args()
     if args.fsdp:
         return bench_fsdp()
+    if args.fsdp_reduce:
+        return bench_fsdp_reduce()
     if args.levers:
         return bench_levers(args.warmup, args.steps)
     if args.compile:
         return bench_compile(args.warmup, args.steps)
     if args.lora:
         return bench_lora(args.warmup, args.steps)
+    if args.attention:
+        return bench_attention()
+    if args.gpu:
+        return bench_gpu(args.smoke, *((1, 1) if args.smoke else (args.warmup, args.steps)))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     print(f"device: {device}, threads: {torch.get_num_threads()}")
@@ -449,7 +941,7 @@ def main() -> None:
 
         seconds = best_of(step, args.repeats)
         print(f"logps fwd+bwd [{batch}, {length}, {vocab}] bf16 logits, {name:7s} {seconds * 1e3:8.1f} ms")
-    rows = logprobs.chunk_rows(vocab)
+    rows = logprobs.chunk_rows(vocab, device)
     print(
         f"float32 copies of the logits: naive {batch * length * vocab * 4 / 2**20:.0f} MiB (all positions), "
         f"chunked {rows * vocab * 4 / 2**20:.0f} MiB (one chunk of {rows} rows)"

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from adapters import is_adapted, merged_state_dict
+from adapters import is_adapted, is_quantized, merged_state_dict
 from utils import UserError, first_line
 
 if TYPE_CHECKING:  # distributed imports models, which reads archives through this module
@@ -52,13 +52,17 @@ def save(
     with `loop_state` (the training loop's counters), to a temporary directory; then swap it in whole. Every rank
     takes part in gathering the states; rank 0 writes, and a failure to write (a full disk, no permission) is a
     UserError on every rank. policy.pt holds the trainable parameters: all of them, or a LoRA policy's adapters."""
-    # The full states land on rank 0's CPU.
+    # The full states land on rank 0's CPU only (cpu_offload: the other ranks get none), one tensor at a time.
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    policy_state = get_model_state_dict(policy, options=options)
+    quantized = is_quantized(policy)
+    if quantized:  # QLoRA, one process: get_model_state_dict trips on bitsandbytes' 4-bit weights in its older versions
+        policy_state = {name: p.detach().cpu() for name, p in policy.named_parameters() if p.requires_grad}
+    else:
+        policy_state = get_model_state_dict(policy, options=options)
     optimizer_state = get_optimizer_state_dict(policy, optimizer, options=options)
     export_state = policy_state
-    if tokenizer is not None and any(not p.requires_grad for p in policy.parameters()):
-        # the export needs every weight, a LoRA base's frozen ones too
+    if tokenizer is not None and not quantized and any(not p.requires_grad for p in policy.parameters()):
+        # the merged export needs every weight, a LoRA base's frozen ones too
         export_state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     states = dict(zip(FILES, (policy_state, optimizer_state, scheduler.state_dict()))) | {"objective": objective_state}
     marker = {"step": step, "metrics": metrics, "final": tokenizer is not None, "loop": loop_state}
@@ -99,8 +103,15 @@ def sync(directory: Path) -> None:
 
 def export(directory: Path, policy, state: dict, tokenizer) -> None:
     """A from_pretrained directory of the policy (a LoRA policy merged, its adapter in peft's format in adapter/),
-    and the tokenizer."""
-    if is_adapted(policy):
+    and the tokenizer. A QLoRA policy exports its adapter only: merged into its 4-bit base it would be a model of
+    dequantized NF4 weights, not of the original ones; merge the adapter into the original base instead."""
+    if is_quantized(policy):
+        policy.save_pretrained(directory / "adapter", state_dict=state)
+        print(
+            "export: the adapter only (adapter/), not a merged model: the base is 4-bit. Merge it into the original "
+            "base: PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()"
+        )
+    elif is_adapted(policy):
         policy.save_pretrained(directory / "adapter", state_dict=state)
         policy.get_base_model().save_pretrained(directory, state_dict=merged_state_dict(state, policy))
     else:

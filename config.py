@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException
@@ -27,6 +28,7 @@ from layouts import LAYOUTS
 from losses import LOSSES
 from optim import optimizer_class
 from precision import parse_dtype
+from scoring import ATTENTIONS
 from utils import REPO_ROOT, UserError
 
 CONFIG_DIR = REPO_ROOT / "config"
@@ -64,8 +66,17 @@ class ModelConfig:
     random_init: bool = MISSING
     trust_remote_code: bool = MISSING
 
+    fsdp_reduce_dtype: Optional[str] = MISSING
+
     def __post_init__(self):
+        for key in ("policy_dtype", "fsdp_policy_mp"):  # the dtypes gradients flow through
+            if getattr(self, key) == "float16":
+                raise UserError(
+                    f"model.{key}=float16 would train without loss scaling, so small gradients underflow to zero: "
+                    "use bfloat16 (GPUs from Ampere on, CPUs with AVX512-BF16) or float32"
+                )
         parse_dtype(self.policy_dtype, "model.policy_dtype")
+        parse_dtype(self.fsdp_reduce_dtype, "model.fsdp_reduce_dtype")
         for key in ("reference_dtype", "fsdp_policy_mp"):
             parse_dtype(getattr(self, key), f"model.{key}", allow_auto=True)
 
@@ -132,6 +143,8 @@ class Config:
     warmup_steps: int = MISSING
     activation_checkpointing: bool = MISSING
     layout: str = MISSING
+    packed_attention: str = MISSING
+    pack_row_tokens: Optional[int] = field(default=MISSING, metadata={"expected": "a positive integer, or null"})
     scored_logits_only: bool = MISSING
     reference_cache: bool = MISSING
     eval_every: int = MISSING
@@ -193,6 +206,22 @@ class Config:
                 f"layout={self.layout} is not a layout{did_you_mean(self.layout, LAYOUTS)}; "
                 f"expected one of {', '.join(LAYOUTS)}"
             )
+        if self.packed_attention not in ATTENTIONS:
+            raise UserError(
+                f"packed_attention={self.packed_attention} is not an attention path"
+                f"{did_you_mean(self.packed_attention, ATTENTIONS)}; expected one of {', '.join(ATTENTIONS)}"
+            )
+        if self.packed_attention == "block" and not torch.cuda.is_available():
+            raise UserError(
+                "packed_attention=block needs a CUDA GPU: FlexAttention has no backward pass on CPU (torch 2.13), and "
+                "its CPU forward measured no faster than the dense mask; use auto or dense"
+            )
+        expect(
+            self.pack_row_tokens is None or self.pack_row_tokens > 0,
+            "pack_row_tokens",
+            self.pack_row_tokens,
+            "a positive number of tokens, or null",
+        )
         optimizer_class(self.optimizer, self.optimizer_kwargs)
         if self.lora.enabled and self.model.reference_dtype != "auto":
             raise UserError(

@@ -21,24 +21,26 @@ class Evaluator:
 
     @torch.no_grad()
     def evaluate(self, policy: torch.nn.Module) -> dict[str, float]:
-        """Mean of each metric over all eval examples."""
+        """Mean of each metric over all eval examples; the metrics stay on the device until one transfer at the end."""
         policy.eval()
-        values = defaultdict(list)
+        gathered, names = [], []
         batches = tqdm.tqdm(
             self.eval_batches, desc="eval", leave=False, dynamic_ncols=True, disable=not self.topology.is_main
         )
         for batch in batches:
             # The training micro-batch budget: a rank's share goes through in gradient_accumulation_steps parts.
-            micro_batches, n_real = self.topology.micro_batches(
+            micro_batches, _ = self.topology.micro_batches(
                 batch, self.config.eval_batch_size, self.config.gradient_accumulation_steps
             )
-            local_values = defaultdict(list)
+            columns = defaultdict(list)
             for micro_batch in micro_batches:
                 for name, metric in self.batch_metrics(micro_batch, "eval")[1].items():
-                    local_values[name].extend(metric.float().cpu().tolist())
-            for name, v in self.topology.gather({name: v[:n_real] for name, v in local_values.items()}).items():
-                values[name].extend(v)
-        return {name: sum(v) / len(v) for name, v in values.items()}
+                    columns[name].append(metric.detach().float())
+            names = sorted(columns)
+            local = torch.stack([torch.cat(columns[name]) for name in names])
+            gathered.append(self.topology.gather_columns(local, len(batch)))  # without the padding copies
+        values = torch.cat(gathered, dim=1).cpu().tolist()
+        return {name: sum(row) / len(row) for name, row in zip(names, values)}
 
     @torch.no_grad()
     def generate(self, model: torch.nn.Module, examples: list[dict]) -> list[str]:

@@ -1,16 +1,18 @@
 """How tokenized examples become model inputs: the padded layout, and the prompt-shared packed layout.
 
 A tokenized example is {"prompt": ids, "responses": [ids, ...]} (two responses for a preference pair: chosen,
-rejected; one for SFT). Each layout returns a `ModelBatch` whose scored tokens are listed explicitly: the flat
-position whose hidden state predicts the token, the token, and the sequence it belongs to. Sequences are numbered
-response-major (all chosen, then all rejected), so the per-sequence log-probs split with `.chunk(2)`.
+rejected; one for SFT). Each layout returns a `ModelBatch` built on the host from lengths alone, whose scored tokens
+are listed explicitly and grouped by sequence. Sequences are numbered response-major (all chosen, then all
+rejected), so the per-sequence log-probs split with `.chunk(2)`.
 
 padded: one row per (example, response), [prompt | response | pad]; the prompt is computed once per response.
 packed: one segment per example, [prompt | response_1 | response_2], segments packed into rows with no attention
     across them and padding only at the tail of a row. Response tokens attend to the prompt and to earlier tokens
     of their own response; each response's positions restart right after the prompt, so every token sees exactly
     the context and position it has in the padded layout (Wang & Hegde 2024, "Accelerating Direct Preference
-    Optimization with Prefix Sharing").
+    Optimization with Prefix Sharing"). Who may attend to whom is a function of per-token ids (`packed_mask_mod`):
+    evaluated densely it is the [R, 1, T, T] mask SDPA takes; handed to FlexAttention it becomes a block mask that
+    skips fully masked blocks and never holds a [T, T] tensor.
 """
 
 from dataclasses import dataclass
@@ -22,31 +24,39 @@ LAYOUTS = ("packed", "padded")
 
 @dataclass
 class ModelBatch:
-    """Shapes: R rows of T tokens; N scored tokens; S = responses x examples sequences.
+    """Shapes: R rows of T tokens; K kept positions per row; N scored tokens, grouped by sequence (all tokens of
+    sequence 0, then of sequence 1, ...); S = responses x examples sequences. Everything is built on the host;
+    nothing here needs a device round trip to use.
 
     input_ids:        [R, T]
-    attention_mask:   [R, T] 0/1 (padded), or [R, 1, T, T] bool, True where query t may attend key t' (packed)
-    position_ids:     [R, T], or None for 0..T-1 in every row
-    score_positions:  [N] flat index into R * T of the hidden state that predicts each scored token
+    position_ids:     [R, T] (packed), or None: 0..T-1 in every row (padded)
+    attention_mask:   [R, T] 0/1 (padded), or None (packed: the mask follows from segment_ids and branch_ids)
+    segment_ids:      [R, T] the example each token belongs to, -1 for padding (packed), or None
+    branch_ids:       [R, T] 0 for a prompt token, r + 1 for a token of response r (packed), or None
+    keep_positions:   [R, K] positions whose hidden states predict a scored token (a short row repeats its last)
+    score_rows:       [N] index into the R * K kept hidden states of the one that predicts each scored token
+    score_positions:  [N] flat index into R * T of the same hidden state
     score_targets:    [N] the scored token ids
-    score_sequences:  [N] the sequence (0..S-1) each scored token belongs to
+    sequence_lengths: [S] scored tokens of each sequence
     """
 
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
     position_ids: torch.Tensor | None
+    attention_mask: torch.Tensor | None
+    segment_ids: torch.Tensor | None
+    branch_ids: torch.Tensor | None
+    keep_positions: torch.Tensor
+    score_rows: torch.Tensor
     score_positions: torch.Tensor
     score_targets: torch.Tensor
-    score_sequences: torch.Tensor
-    n_sequences: int
+    sequence_lengths: torch.Tensor
 
     def to(self, device: torch.device) -> "ModelBatch":
-        moved = {name: value.to(device) if torch.is_tensor(value) else value for name, value in vars(self).items()}
-        return ModelBatch(**moved)
+        return ModelBatch(**{name: to_device(v, device) if torch.is_tensor(v) else v for name, v in vars(self).items()})
 
-    def tokens_per_sequence(self) -> torch.Tensor:
-        """[S] scored tokens of each sequence."""
-        return torch.bincount(self.score_sequences, minlength=self.n_sequences)
+    @property
+    def n_sequences(self) -> int:
+        return self.sequence_lengths.numel()
 
     @property
     def n_tokens(self) -> int:
@@ -54,8 +64,18 @@ class ModelBatch:
         return self.input_ids.numel()
 
 
-def make_batch(layout: str, examples: list[dict], pad_token_id: int) -> ModelBatch:
-    return (pack if layout == "packed" else pad)(examples, pad_token_id)
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The tensor on `device`; to a GPU through pinned memory, asynchronously: the host goes on preparing the next
+    micro-batch instead of waiting for the GPU to drain its queue (a copy from pageable memory waits)."""
+    if device.type != "cuda" or tensor.device == device:
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def make_batch(
+    layout: str, examples: list[dict], pad_token_id: int, row_tokens: int | None = None, multiple: int = 1
+) -> ModelBatch:
+    return pack(examples, pad_token_id, row_tokens, multiple) if layout == "packed" else pad(examples, pad_token_id)
 
 
 def left_padded_prompts(examples: list[dict], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,12 +100,23 @@ def scored_tokens(prompt_end: int, prompt_length: int, response: list[int], offs
     return [(p, token) for p, token in zip(predictors, response) if p >= 0]
 
 
-def model_batch(
-    input_ids, attention_mask, position_ids, scored: list[tuple[int, int, int]], n_sequences: int
-) -> ModelBatch:
-    """A ModelBatch from (flat predicting position, token, sequence) triples."""
-    positions, targets, sequences = torch.tensor(scored, dtype=torch.long).view(-1, 3).T
-    return ModelBatch(input_ids, attention_mask, position_ids, positions, targets, sequences, n_sequences)
+def scored_fields(scored: list[tuple[int, int, int, int]], n_sequences: int, shape: tuple[int, int]) -> dict:
+    """The scored-token fields of a ModelBatch of `shape` (rows, length) from (sequence, row, position, token)."""
+    scored = sorted(scored, key=lambda s: s[0])  # grouped by sequence (a stable sort keeps each one's token order)
+    n_rows, length = shape
+    kept = [sorted({p for _, row, p, _ in scored if row == r}) or [0] for r in range(n_rows)]
+    width = max(map(len, kept))
+    column = [{p: i for i, p in enumerate(positions)} for positions in kept]
+    lengths = [0] * n_sequences
+    for sequence, _, _, _ in scored:
+        lengths[sequence] += 1
+    return dict(
+        keep_positions=torch.tensor([positions + positions[-1:] * (width - len(positions)) for positions in kept]),
+        score_rows=torch.tensor([row * width + column[row][p] for _, row, p, _ in scored], dtype=torch.long),
+        score_positions=torch.tensor([row * length + p for _, row, p, _ in scored], dtype=torch.long),
+        score_targets=torch.tensor([token for _, _, _, token in scored], dtype=torch.long),
+        sequence_lengths=torch.tensor(lengths, dtype=torch.long),
+    )
 
 
 def pad(examples: list[dict], pad_token_id: int) -> ModelBatch:
@@ -99,11 +130,9 @@ def pad(examples: list[dict], pad_token_id: int) -> ModelBatch:
         tokens = prompt + response
         input_ids[row, : len(tokens)] = torch.tensor(tokens)
         attention_mask[row, : len(tokens)] = 1
-        scored += [
-            (row * length + p, token, row)
-            for p, token in scored_tokens(len(prompt), len(prompt), response, len(prompt))
-        ]
-    return model_batch(input_ids, attention_mask, None, scored, len(sequences))
+        scored += [(row, row, p, token) for p, token in scored_tokens(len(prompt), len(prompt), response, len(prompt))]
+    fields = scored_fields(scored, len(sequences), tuple(input_ids.shape))
+    return ModelBatch(input_ids, None, attention_mask, None, None, **fields)
 
 
 def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:
@@ -122,19 +151,25 @@ def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:
     return rows
 
 
-def pack(examples: list[dict], pad_token_id: int, row_tokens: int | None = None) -> ModelBatch:
-    """Segments [prompt | response_1 | response_2 ...] packed into rows of `row_tokens`, by default the longest
-    segment: each row's attention is dense (T x T), so longer rows trade padding for wasted attention. On SmolLM2
-    and HH pairs at max_length 256 (2-core AVX512-BF16 CPU), budgets of 1x, 1.5x, 2x and 100x the longest
-    segment took 3.9, 4.4, 4.6 and 4.1 s per 4-pair forward + backward (padded: 9.3 s)."""
+def segment_lengths(examples: list[dict]) -> list[int]:
+    return [len(ex["prompt"]) + sum(map(len, ex["responses"])) for ex in examples]
+
+
+def pack(examples: list[dict], pad_token_id: int, row_tokens: int | None = None, multiple: int = 1) -> ModelBatch:
+    """Segments [prompt | response_1 | response_2 ...] packed into rows of `row_tokens` (default: the longest
+    segment), the row length rounded up to a `multiple`. With a dense mask each row's attention costs T x T, so
+    longer rows trade padding for wasted attention: on SmolLM2 and HH pairs at max_length 256 (2-core AVX512-BF16
+    CPU), budgets of 1x, 1.5x, 2x and 100x the longest segment took 3.9, 4.4, 4.6 and 4.1 s per 4-pair forward +
+    backward (padded: 9.3 s). A block mask skips the masked blocks, so there one row holds the whole micro-batch
+    (see scoring.Scorer.row_budget)."""
     n_examples = len(examples)
-    lengths = [len(ex["prompt"]) + sum(map(len, ex["responses"])) for ex in examples]
+    lengths = segment_lengths(examples)
     rows = pack_rows(lengths, row_tokens or max(lengths))
-    length = max(sum(lengths[i] for i in row) for row in rows)
+    length = -(-max(sum(lengths[i] for i in row) for row in rows) // multiple) * multiple
     input_ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), length), dtype=torch.long)
-    segment = torch.full((len(rows), length), -1, dtype=torch.long)  # -1: padding
-    branch = torch.zeros((len(rows), length), dtype=torch.long)  # 0: prompt, r + 1: response r
+    segment_ids = torch.full((len(rows), length), -1, dtype=torch.long)
+    branch_ids = torch.zeros((len(rows), length), dtype=torch.long)
     scored = []
     for row, members in enumerate(rows):
         start = 0
@@ -142,23 +177,41 @@ def pack(examples: list[dict], pad_token_id: int, row_tokens: int | None = None)
             prompt, responses = examples[index]["prompt"], examples[index]["responses"]
             input_ids[row, start : start + len(prompt)] = torch.tensor(prompt, dtype=torch.long)
             position_ids[row, start : start + len(prompt)] = torch.arange(len(prompt))
-            segment[row, start : start + lengths[index]] = index
+            segment_ids[row, start : start + lengths[index]] = index
             offset = start + len(prompt)
             for r, response in enumerate(responses):
                 span = slice(offset, offset + len(response))
                 input_ids[row, span] = torch.tensor(response, dtype=torch.long)
                 position_ids[row, span] = torch.arange(len(prompt), len(prompt) + len(response))
-                branch[row, span] = r + 1
+                branch_ids[row, span] = r + 1
                 tokens = scored_tokens(start + len(prompt), len(prompt), response, offset)
-                scored += [(row * length + p, token, r * n_examples + index) for p, token in tokens]
+                scored += [(r * n_examples + index, row, p, token) for p, token in tokens]
                 offset += len(response)
             start += lengths[index]
-    query, key = (slice(None), slice(None), None), (slice(None), None, slice(None))
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    same_segment = (segment[query] == segment[key]) & (segment[query] >= 0)
-    # A response sees the prompt and itself, never another response.
-    visible_branch = (branch[key] == 0) | (branch[query] == branch[key])
-    allowed = same_segment & visible_branch & causal
-    # Padding attends to itself: a query with no key at all gives NaN in SDPA, which would reach the gradients.
-    allowed |= torch.eye(length, dtype=torch.bool) & (segment < 0)[query]
-    return model_batch(input_ids, allowed[:, None], position_ids, scored, len(examples[0]["responses"]) * n_examples)
+    fields = scored_fields(scored, len(examples[0]["responses"]) * n_examples, tuple(input_ids.shape))
+    return ModelBatch(input_ids, position_ids, None, segment_ids, branch_ids, **fields)
+
+
+def packed_mask_mod(segment_ids: torch.Tensor, branch_ids: torch.Tensor):
+    """FlexAttention's mask_mod(batch, head, query, key) -> whether query may attend to key, for packed rows:
+    the same segment, causal, and a response sees the prompt and its own branch, never another response. A padding
+    query attends to itself only: a query with no key gives NaN in SDPA, which would reach the gradients."""
+
+    def mask_mod(b, h, q, k):
+        real = segment_ids[b, q] >= 0
+        same_segment = segment_ids[b, q] == segment_ids[b, k]
+        visible_branch = (branch_ids[b, k] == 0) | (branch_ids[b, q] == branch_ids[b, k])
+        return (real & same_segment & visible_branch & (k <= q)) | (~real & (q == k))
+
+    return mask_mod
+
+
+def dense_mask(batch: ModelBatch) -> torch.Tensor:
+    """[R, 1, T, T] bool, True where a query may attend a key: packed_mask_mod evaluated at every pair, on the
+    batch's device."""
+    rows, length = batch.input_ids.shape
+    device = batch.input_ids.device
+    b = torch.arange(rows, device=device)[:, None, None]
+    q = torch.arange(length, device=device)[None, :, None]
+    k = torch.arange(length, device=device)[None, None, :]
+    return packed_mask_mod(batch.segment_ids, batch.branch_ids)(b, None, q, k)[:, None]

@@ -37,8 +37,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torc
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup_steps + 1)))
 
 
-def clip_grad_norm(parameters, max_norm: float) -> float:
-    """Scale gradients down to a total L2 norm of at most max_norm; return the norm before clipping.
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """Scale gradients down to a total L2 norm of at most max_norm; return the norm before clipping, a float32
+    scalar on the gradients' device (computed without waiting for the device, as torch's clipping does).
 
     Gradients may be plain tensors, FSDP's sharded DTensors, or tensor parallelism's mix of both (on a 2-D mesh
     as well), which torch.nn.utils.clip_grad_norm_ refuses: each group of gradients with one layout gets one norm,
@@ -51,9 +52,8 @@ def clip_grad_norm(parameters, max_norm: float) -> float:
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group)
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
-    total = torch.stack(squares).sum().sqrt().item()
-    scale = max_norm / (total + 1e-6)  # torch's rule, so clipping matches clip_grad_norm_
-    if scale < 1:
-        for grad in grads:
-            grad.mul_(scale)
+    total = torch.stack(squares).sum().sqrt()
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)  # torch's rule, so clipping matches clip_grad_norm_
+    local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]  # views of each rank's part
+    torch._foreach_mul_(local, scale.to(local[0].device))
     return total

@@ -19,7 +19,27 @@ PANELS = (  # (title, [(metric, label)]): train metrics dotted, eval metrics sol
             ("rewards_eval/rejected", "rejected, eval"),
         ],
     ),
+    (
+        "tokens per second",
+        [
+            ("perf/real_tokens_per_second", "real"),
+            ("perf/computed_tokens_per_second", "computed"),
+            ("perf/scored_tokens_per_second", "scored"),
+        ],
+    ),
+    ("MFU (useful FLOPs / peak)", [("perf/mfu", "train")]),
 )
+
+
+def panel_points(records: list[dict]) -> dict[str, dict[tuple[str, str], list[tuple[int, float]]]]:
+    """{panel title: {(metric, label): [(examples seen, value)]}} of the finite values in the records."""
+    return {
+        title: {
+            (metric, label): [(r["step"], r[metric]) for r in records if metric in r and math.isfinite(r[metric])]
+            for metric, label in series
+        }
+        for title, series in PANELS
+    }
 
 
 def write_plots(run_dir: Path) -> Path:
@@ -31,10 +51,9 @@ def write_plots(run_dir: Path) -> Path:
     import matplotlib.pyplot as plt
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    figure, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
-    for ax, (title, series) in zip(axes.flat, PANELS):
-        for metric, label in series:
-            points = [(r["step"], r[metric]) for r in records if metric in r and math.isfinite(r[metric])]
+    figure, axes = plt.subplots(2, 3, figsize=(15, 7), constrained_layout=True)
+    for ax, (title, series) in zip(axes.flat, panel_points(records).items()):
+        for (metric, label), points in series.items():
             if points:
                 style = "-o" if "eval" in metric else ":"
                 ax.plot(*zip(*points), style, label=label, markersize=3)

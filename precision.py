@@ -1,9 +1,10 @@
 """`auto` precision: bfloat16 compute where the device runs it fast, float32 elsewhere.
 
-CUDA GPUs answer through torch (bf16 support). CPUs differ within one machine kind: with AVX512-BF16 or AMX a
-bfloat16 matmul runs several times faster than float32, without them ~100x slower. No flag tells reliably what
-oneDNN will do, so a micro-probe times both, once per machine (CPU model, core count, torch version), and the
-answer is cached in the run's cache directory.
+CUDA GPUs answer through torch (native bf16 support: emulated bf16, as on a T4 or V100, is slow). CPUs differ within
+one machine kind: with AVX512-BF16 or AMX a bfloat16 matmul runs several times faster than float32, without them
+~100x slower. No flag tells reliably what oneDNN will do, so a micro-probe times both, once per machine (CPU model,
+core count, torch version), and the measured rates are cached in the run's cache directory; they are also the
+CPU's peak in the runs' MFU (telemetry.py).
 """
 
 import json
@@ -53,9 +54,13 @@ def matmul_seconds(dtype: torch.dtype, repeats: int = 5) -> float:
     return best
 
 
-def probe_cpu_bfloat16_speedup() -> float:
-    """How many times faster a bfloat16 matmul runs than a float32 one on this CPU."""
-    return matmul_seconds(torch.float32) / matmul_seconds(torch.bfloat16, repeats=3)
+def probe_cpu_matmul_flops() -> dict[str, float]:
+    """FLOP/s of a PROBE_SIZE square matmul on this CPU, by dtype name (float32, bfloat16)."""
+    flops = 2 * PROBE_SIZE**3
+    return {
+        "float32": flops / matmul_seconds(torch.float32),
+        "bfloat16": flops / matmul_seconds(torch.bfloat16, repeats=3),
+    }
 
 
 def machine_key() -> str:
@@ -63,28 +68,39 @@ def machine_key() -> str:
     return f"{cpu_name()} x{os.cpu_count()} torch {torch.__version__}"
 
 
-def choose_compute_dtype(device: torch.device, cache_dir: Path) -> tuple[torch.dtype | None, str]:
-    """(bfloat16, why) where `device` runs bfloat16 fast, else (None, why): None means float32 compute."""
-    if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return torch.bfloat16, f"{torch.cuda.get_device_name(device)} supports bfloat16"
-        return None, f"{torch.cuda.get_device_name(device)} has no bfloat16 support"
+def cpu_matmul_flops(cache_dir: Path) -> dict[str, float]:
+    """This CPU's matmul FLOP/s by dtype name (probe_cpu_matmul_flops), measured once per machine and cached in
+    cache_dir/precision_probe.json; a damaged or older file is measured again."""
     machine = machine_key()
     cache_file = cache_dir / "precision_probe.json"
     try:
         cached = json.loads(cache_file.read_text())
     except (OSError, ValueError):
         cached = {}
-    speedup = cached.get(machine) if isinstance(cached, dict) else None
-    if not isinstance(speedup, (int, float)):
-        speedup = probe_cpu_bfloat16_speedup()
-        cached = {**(cached if isinstance(cached, dict) else {}), machine: speedup}
-        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(cached, indent=1))
-            tmp.replace(cache_file)
-        except OSError:
-            pass  # the answer stands; it is only measured again next time
+    cached = cached if isinstance(cached, dict) else {}
+    rates = cached.get(machine)
+    if isinstance(rates, dict) and all(isinstance(rates.get(name), (int, float)) for name in ("float32", "bfloat16")):
+        return rates
+    rates = probe_cpu_matmul_flops()
+    tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({**cached, machine: rates}, indent=1))
+        tmp.replace(cache_file)
+    except OSError:
+        pass  # the answer stands; it is only measured again next time
+    return rates
+
+
+def choose_compute_dtype(device: torch.device, cache_dir: Path) -> tuple[torch.dtype | None, str]:
+    """(bfloat16, why) where `device` runs bfloat16 fast, else (None, why): None means float32 compute."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return torch.bfloat16, f"{name} supports bfloat16"
+        return None, f"{name} has no native bfloat16 support (emulated bfloat16 runs slower than float32)"
+    rates = cpu_matmul_flops(cache_dir)
+    speedup = rates["bfloat16"] / rates["float32"]
+    cache_file = cache_dir / "precision_probe.json"
     verdict = f"bfloat16 matmuls run {speedup:.2g}x as fast as float32 on this CPU ({cpu_name()}; {cache_file})"
     return (torch.bfloat16 if speedup >= REQUIRED_SPEEDUP else None), verdict
 

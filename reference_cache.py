@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import tqdm
 
+from layouts import to_device
 from utils import first_line
 
 if TYPE_CHECKING:
@@ -102,8 +103,9 @@ class CachedReference:
         self.entries, self.device = entries, device
 
     def __call__(self, examples: list[dict], batch) -> torch.Tensor:
-        """[R * B] log-probs, ordered like the policy's: [B, R] per pair, transposed."""
-        return torch.tensor([self.entries[ex["key"]] for ex in examples], device=self.device).T.reshape(-1)
+        """[R * B] log-probs, ordered like the policy's: [B, R] per pair, transposed; looked up on the host and
+        sent with the batch (asynchronously to a GPU)."""
+        return to_device(torch.tensor([self.entries[ex["key"]] for ex in examples]).T.reshape(-1), self.device)
 
 
 def fill(
@@ -146,12 +148,11 @@ def fill(
     )
     with torch.no_grad():
         for examples, size in groups:
-            micro, n_real = topology.micro_batches(examples, size, accumulation)
-            # [R * b] per micro-batch -> [b, R]: the responses of each pair
-            logps = [scorer(model, scorer.batch(mb), compute).view(-1, len(mb)).T for mb in micro]
-            keys = [ex["key"] for ex in topology.shard(examples)[0][:n_real]]
-            gathered = topology.gather({"keys": keys, "logps": torch.cat(logps).cpu().tolist()[:n_real]})
-            entries.update(zip(gathered["keys"], gathered["logps"]))
+            micro, _ = topology.micro_batches(examples, size, accumulation)
+            # [R * b] per micro-batch -> [R, b]: each response of each pair, in the rank's order
+            logps = torch.cat([scorer(model, scorer.batch(mb), compute).view(-1, len(mb)) for mb in micro], dim=1)
+            gathered = topology.gather_columns(logps, len(examples)).T.cpu().tolist()  # [n, R], batch order
+            entries.update(zip((ex["key"] for ex in examples), gathered))
             progress.update(len(examples))
     progress.close()
     model.train(mode)

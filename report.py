@@ -126,11 +126,16 @@ def memory_estimate(
     compute_bytes = torch.finfo(compute).bits // 8
 
     micro = config.batch_size // (config.gradient_accumulation_steps * dp)
-    rows = max(
-        make_batch(config.layout, [train[i] for i in indices[start : start + micro]], 0).n_tokens
+    batches = [
+        make_batch(config.layout, [train[i] for i in indices[start : start + micro]], 0)
         for indices in schedule
         for start in range(0, len(indices), micro)
-    )
+    ]
+    rows = max(batch.n_tokens for batch in batches)
+    # packed rows on a CPU take a dense [R, 1, T, T] mask: bool, and the additive one in the compute dtype (on CUDA
+    # the block mask holds a few integers per 128 x 128 block instead)
+    dense_masks = config.layout == "packed" and (config.packed_attention == "dense" or not torch.cuda.is_available())
+    mask = max(b.input_ids.shape[0] * b.input_ids.shape[1] ** 2 for b in batches) * (1 + compute_bytes)
     per_layer = 34 * hidden * compute_bytes / 2
     activations = rows * (
         2 * hidden * compute_bytes * n_layers + per_layer if config.activation_checkpointing else per_layer * n_layers
@@ -159,6 +164,7 @@ def memory_estimate(
         # autocast keeps a compute-dtype copy of each weight it casts, for the whole forward and backward pass
         "autocast weight copies": n_parameters * compute_bytes / tp if autocast_copies else 0,
         f"activations ({rows} token positions)": activations,
+        "attention mask (packed, dense)": mask if dense_masks else 0,
         "full logits": logits,
     }
     header = (

@@ -25,8 +25,10 @@ from omegaconf import DictConfig, OmegaConf
 import checkpoint
 import reference_cache
 from adapters import AdaptersDisabled, is_adapted
-from distributed import Topology, parallelize, set_gradient_sync
+from distributed import Topology, parallelize
 from evaluation import Evaluator
+from layouts import ModelBatch
+from models import find_blocks
 from objective import build_objective
 from optim import build_optimizer, build_scheduler, clip_grad_norm
 from plots import write_plots
@@ -34,6 +36,7 @@ from precision import parse_dtype, resolve_compute_dtype
 from preference_datasets import PreferencePair, prepare_examples
 from report import data_report
 from scoring import Scorer
+from telemetry import ModelFlops, Throughput, peak_flops, real_tokens, scored_tokens
 from utils import Interrupted, UserError, append_jsonl, get_local_dir, truncate_jsonl
 
 LOGS = ("metrics.jsonl", "samples.jsonl", "plots.png")  # what a run writes besides checkpoints
@@ -62,9 +65,6 @@ class Trainer:
         self.objective = build_objective(c.loss)
         autocast = not topology.fsdp  # FSDP's MixedPrecisionPolicy casts the parameters instead
         self.policy_compute = resolve_compute_dtype(c.model.fsdp_policy_mp, topology, self.cache_dir, autocast)
-        self.scorer = Scorer.create(
-            policy, c.layout, c.scored_logits_only, c.max_length, tokenizer.pad_token_id, topology.device, autocast
-        )
         self.train_examples, self.eval_batches, self.schedule = self.tokenize(data)
 
         # The reference computes like the policy (same weights dtype, same compute dtype) unless a dtype is given:
@@ -73,8 +73,18 @@ class Trainer:
         self.reference_compute = self.policy_compute if reference_dtype == "auto" else None
         cached = self.objective.needs_reference and c.reference_cache
         initial_weights = reference_cache.weights_digest(policy) if cached else None  # before sharding: whole
+        self.flops = ModelFlops.of(policy, find_blocks(policy, c.model.block_name))
+        weights_dtype = next(policy.parameters()).dtype
         self.policy = self.place(policy, self.policy_compute, is_policy=True)
+        # The layout, attention and head checks run on the placed model: on its device, once, decided by rank 0.
+        self.scorer = Scorer.create(self.policy, c, tokenizer.pad_token_id, topology, autocast, self.policy_compute)
         self.reference, self.reference_model = self.build_reference(initial_weights, load_reference, reference_dtype)
+        self.peak_flops, source = topology.broadcast(
+            topology.run_on_main(
+                lambda: peak_flops(topology.device, self.policy_compute or weights_dtype, self.cache_dir)
+            )
+        )
+        print(f"MFU is measured against {self.peak_flops / 1e12:.3g} TFLOP/s per device ({source})")
 
         # Built after sharding and before any forward pass: FSDP then hands it the sharded parameters each rank owns.
         knobs = OmegaConf.to_container(c.optimizer_kwargs)
@@ -144,7 +154,8 @@ class Trainer:
         """The model placed on this run's topology; compute_dtype: the dtype it computes in (None: its weights')."""
         c = self.config
         checkpointing = is_policy and c.activation_checkpointing
-        return parallelize(model, self.topology, compute_dtype, c.model.block_name, checkpointing)
+        reduce_dtype = parse_dtype(c.model.fsdp_reduce_dtype, "model.fsdp_reduce_dtype")
+        return parallelize(model, self.topology, compute_dtype, c.model.block_name, checkpointing, reduce_dtype)
 
     def cached_reference_logps(self, weights: str, load: Callable[[], torch.nn.Module], reference_dtype) -> dict:
         """Reference log-probs of every pair that training and eval will use, by pair key (reference_cache.fill).
@@ -180,34 +191,44 @@ class Trainer:
             self.topology,
         )
 
-    def batch_metrics(self, examples: list[dict], split: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Mean loss over the examples, and per-example metrics ([B] tensors) named as in the reference."""
-        batch = self.scorer.batch(examples)  # built once: policy and a live reference share it
+    def batch_metrics(
+        self, examples: list[dict], split: str, batch: ModelBatch | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Mean loss over the examples, and per-example metrics ([B] tensors on the device) named as in the
+        reference; batch: the examples already laid out, else they are laid out here."""
+        batch = batch or self.scorer.batch(examples)  # built once: policy and a live reference share it
         policy_logps = self.scorer(self.policy, batch, self.policy_compute)
         reference_logps = self.reference(examples, batch) if self.reference is not None else None
-        return self.objective(policy_logps, reference_logps, batch.tokens_per_sequence(), split)
+        return self.objective(policy_logps, reference_logps, batch.sequence_lengths, split)
 
     def train_step(self, examples: list[dict]) -> dict[str, list[float]]:
-        """One optimizer step over a global batch, in gradient_accumulation_steps equal micro-batches."""
+        """One optimizer step over a global batch, in gradient_accumulation_steps equal micro-batches. The step
+        waits for the device once, at its end: for its gathered metrics and gradient norm, in one transfer."""
         self.policy.train()
         # Randomness in a step (LoRA's adapter dropout) is drawn from the step's own seed: a resumed run draws what
         # the uninterrupted one did, and tensor-parallel ranks draw alike.
         torch.manual_seed(self.config.seed + self.batch_counter)
         accumulation = self.config.gradient_accumulation_steps
-        metrics = defaultdict(list)
-        micro_batches = self.topology.micro_batches(examples, self.config.batch_size, accumulation)[0]
-        for i, micro_batch in enumerate(micro_batches):
-            set_gradient_sync(self.policy, i == len(micro_batches) - 1)  # reduce once per step, not per micro-batch
-            loss, batch_metrics = self.batch_metrics(micro_batch, "train")
+        columns = defaultdict(list)
+        for micro_batch in self.topology.micro_batches(examples, self.config.batch_size, accumulation)[0]:
+            batch = self.scorer.batch(micro_batch)
+            loss, batch_metrics = self.batch_metrics(micro_batch, "train", batch)
             # Each rank's loss is the mean over its share; averaging gradients over ranks gives the batch mean.
             (loss / accumulation).backward()
             for name, values in batch_metrics.items():
-                metrics[name].extend(values.float().cpu().tolist())
-        metrics = self.topology.gather(metrics)
+                columns[name].append(values.detach().float())
+            # the positions this micro-batch computed, shared out over its examples so that they add up over ranks
+            columns["perf/computed_tokens"].append(
+                torch.full_like(columns[name][-1], batch.n_tokens / len(micro_batch))
+            )
+        names = sorted(columns)
+        gathered = self.topology.gather_columns(torch.stack([torch.cat(columns[n]) for n in names]), len(examples))
         grad_norm = clip_grad_norm(self.policy.parameters(), self.config.max_grad_norm)  # the same on every rank
-        metrics["grad_norm"] = [grad_norm]
+        host = torch.cat([gathered.flatten(), grad_norm.reshape(1).to(gathered)]).cpu().tolist()
+        metrics = {name: host[i * len(examples) : (i + 1) * len(examples)] for i, name in enumerate(names)}
+        metrics["grad_norm"] = [host[-1]]
         metrics["lr"] = [self.scheduler.get_last_lr()[0]]  # the rate this step uses
-        finite = math.isfinite(grad_norm) and all(map(math.isfinite, metrics["loss/train"]))
+        finite = math.isfinite(host[-1]) and all(map(math.isfinite, metrics["loss/train"]))
         metrics["nonfinite_steps"] = [0.0 if finite else 1.0]
         if finite:
             self.objective.observe(metrics)
@@ -244,21 +265,28 @@ class Trainer:
             disable=not self.topology.is_main,
         )
         interval = defaultdict(list)
-        interval_time = interval_tokens = interval_examples = 0
+        interval_speed, run_speed = self.throughput(), self.throughput()
         last_log = start_time = time.time()
         start_examples = self.example_counter
+        live_reference = isinstance(self.reference, reference_cache.LiveReference)
         with StopSignals() as stop, progress:
             for indices in self.schedule[self.batch_counter :]:
                 self.evaluate_and_save_when_due()
                 start = time.time()
                 examples = [self.train_examples[i] for i in indices]
-                for name, values in self.train_step(examples).items():
-                    interval[name].extend(values)
-                interval_time += time.time() - start
-                interval_tokens += sum(
-                    len(ex["prompt"]) * len(ex["responses"]) + sum(map(len, ex["responses"])) for ex in examples
+                step_metrics = self.train_step(examples)
+                amounts = dict(
+                    seconds=time.time() - start,
+                    pairs=len(examples),
+                    computed_tokens=sum(step_metrics.pop("perf/computed_tokens")),
+                    real_tokens=sum(map(real_tokens, examples)),
+                    scored_tokens=sum(map(scored_tokens, examples)),
+                    flops=sum(self.flops.example(ex, live_reference) for ex in examples),
                 )
-                interval_examples += len(examples)
+                interval_speed.add(**amounts)
+                run_speed.add(**amounts)
+                for name, values in step_metrics.items():
+                    interval[name].extend(values)
                 self.example_counter += len(examples)
                 self.batch_counter += 1
                 progress.update()
@@ -268,19 +296,18 @@ class Trainer:
                 # interval also closes where a checkpoint may follow, so the log holds every step up to it.
                 if time.time() - last_log >= c.minimum_log_interval_secs or stopping or self.at_boundary():
                     record = {name: sum(values) / len(values) for name, values in interval.items()}
-                    record.update(
-                        examples_per_second=interval_examples / interval_time,
-                        tokens_per_second=interval_tokens / interval_time,
-                    )
-                    self.log(record)
-                    interval = defaultdict(list)
-                    interval_time = interval_tokens = interval_examples = 0
+                    self.log({**record, **interval_speed.rates()})
+                    interval, interval_speed = defaultdict(list), self.throughput()
                     last_log = time.time()
                 if stopping:
                     self.stop(stop.received)
             final_metrics = self.evaluate()  # a signal from here on lets the run finish: little is left
             self.save(self.run_dir / "LATEST", final_metrics, final=True)
-        self.summarize(final_metrics, start_examples, time.time() - start_time)
+        self.summarize(final_metrics, start_examples, time.time() - start_time, run_speed)
+
+    def throughput(self) -> Throughput:
+        """An empty tally of training steps' time, pairs, tokens and useful FLOPs (telemetry.py)."""
+        return Throughput(self.peak_flops, self.topology.world_size, self.topology.device)
 
     @property
     def save_interval(self) -> int:
@@ -316,7 +343,7 @@ class Trainer:
             signum,
         )
 
-    def summarize(self, final_metrics: dict[str, float], start_examples: int, seconds: float) -> None:
+    def summarize(self, final_metrics: dict[str, float], start_examples: int, seconds: float, speed: Throughput):
         """The run in a few lines: what was trained, how fast, how it ended, and where it is."""
         trained = self.example_counter - start_examples
         where = self.last_checkpoint or "nowhere (debug=true)"
@@ -325,6 +352,7 @@ class Trainer:
             f"done: {trained} examples in {self.batch_counter} steps"
             + (f" (resumed at {start_examples})" if start_examples else "")
             + f", {seconds / 60:.1f} min, {trained / max(seconds, 1e-9):.2f} pairs/s with evals and checkpoints\n"
+            f"training steps: {speed.describe()}\n"
             f"final eval: {evals}\ncheckpoint and from_pretrained export: {where}; metrics: "
             f"{self.run_dir / 'metrics.jsonl'}"
         )

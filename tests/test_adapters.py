@@ -2,12 +2,14 @@
 checkpoints, resume and the merged export hold."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+import checkpoint
 import train
 from adapters import AdaptersDisabled
 from conftest import assert_resume_matches_uninterrupted, build_trainer, read_jsonl, records, run_cli, smollm2_two_steps
@@ -130,3 +132,22 @@ def test_qlora_trains_a_4bit_base_on_cuda(tmp_path):
         evals[0]["loss/eval"] == pytest.approx(math.log(2), abs=1e-6) and evals[-1]["loss/eval"] < evals[0]["loss/eval"]
     )
     assert (run_dir / "LATEST" / "adapter" / "adapter_config.json").exists()
+    # the probes ran on the GPU, where the quantized model lives: the default levers, not their fallbacks
+    assert "packed layout" in result.stdout and "layout: padded" not in result.stdout
+    assert "logits: computed at every position" not in result.stdout
+
+
+def test_a_quantized_base_saves_its_adapters_directly_and_exports_the_adapter_only(make_config, monkeypatch, capsys):
+    # QLoRA needs CUDA and bitsandbytes; its save path (the trainable tensors read directly, no merged export of 4-bit
+    # weights) runs here on a LoRA policy that is taken for a quantized one.
+    whole = make_config(*LORA, "n_examples=8")
+    train.run(whole)
+    monkeypatch.setattr(checkpoint, "is_quantized", lambda model: True)
+    quantized = make_config(*LORA, "n_examples=8", f"local_run_dir={Path(whole.local_run_dir).parent / 'quantized'}")
+    train.run(quantized)
+    expected = torch.load(Path(whole.local_run_dir) / "LATEST" / "policy.pt", weights_only=True)["state"]
+    saved = torch.load(Path(quantized.local_run_dir) / "LATEST" / "policy.pt", weights_only=True)["state"]
+    assert saved.keys() == expected.keys() and all(torch.equal(saved[name], expected[name]) for name in expected)
+    latest = Path(quantized.local_run_dir) / "LATEST"
+    assert (latest / "adapter" / "adapter_config.json").exists() and not (latest / "config.json").exists()
+    assert "export: the adapter only (adapter/), not a merged model: the base is 4-bit" in capsys.readouterr().out

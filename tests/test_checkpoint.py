@@ -154,6 +154,8 @@ def test_a_checkpoint_written_before_the_refactor_resumes_exactly(make_config):
     train.run(config)
     expected = [r for r in read_jsonl(CHECKPOINT_419E2F5 / "metrics.jsonl") if r["step"] > 16]
     assert [r["step"] for r in expected] == [24, 32, 32, 40, 40]
+    for record in expected:  # the timings of then, measured, not computed: perf/* today
+        record.pop("examples_per_second", None), record.pop("tokens_per_second", None)
     resumed = read_jsonl(Path(config.local_run_dir) / "metrics.jsonl")
     # nonfinite_steps came later: none here, and the records are otherwise the old ones
     assert [r.pop("nonfinite_steps") for r in resumed if "loss/train" in r] == [0.0, 0.0, 0.0]

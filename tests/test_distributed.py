@@ -198,25 +198,38 @@ def test_fsdp_sampling_with_uneven_lengths_completes(make_config, tmp_path):
 
 
 def record_micro_batches(trainer, rank: int) -> list[tuple[int, bool]]:
-    """(pairs in the micro-batch, whether any sharded gradient exists yet) for each micro-batch of one step."""
+    """(pairs in the micro-batch, whether every gradient exists, as this rank's shard) before each micro-batch of one
+    step, and after the step's last backward."""
+    from torch.distributed.tensor import DTensor
+
     seen = []
+
+    def record(pairs: int) -> None:
+        grads = [p.grad for p in trainer.policy.parameters()]
+        sharded = all(isinstance(g, DTensor) and g.to_local().numel() < g.numel() for g in grads if g is not None)
+        seen.append((pairs, all(g is not None for g in grads) and sharded))
+
     batch_metrics = trainer.batch_metrics
 
-    def recording(examples, split):
-        seen.append((len(examples), any(p.grad is not None for p in trainer.policy.parameters())))
-        return batch_metrics(examples, split)
+    def recording(examples, split, batch=None):
+        record(len(examples))
+        return batch_metrics(examples, split, batch)
 
     trainer.batch_metrics = recording
+    step = trainer.optimizer.step
+    trainer.optimizer.step = lambda: (record(0), step())[1]
     metrics = trainer.train_step([trainer.train_examples[i] for i in trainer.schedule[0]])
     assert len(metrics["loss/train"]) == 8  # gathered from both ranks
     return seen
 
 
-def test_fsdp_ranks_split_batches_and_reduce_once_per_step(make_config, tmp_path):
-    # 8 pairs, 2 ranks, 4 accumulation steps: each rank runs 4 micro-batches of 1 pair, and sharded gradients
-    # appear only when the last micro-batch's backward reduces them across ranks.
+def test_fsdp_reduces_every_micro_batch_into_sharded_gradients(make_config, tmp_path):
+    # 8 pairs, 2 ranks, 4 accumulation steps: each rank runs 4 micro-batches of 1 pair. Each backward
+    # reduce-scatters at once, so from the second micro-batch on every gradient is this rank's shard (deferring
+    # the reduction to the last micro-batch would hold each whole gradient, unsharded, on every rank meanwhile).
     config = make_config("trainer=FSDPTrainer", "gradient_accumulation_steps=4")
-    assert run_fsdp_ranks(config, record_micro_batches, tmp_path) == [[1, False]] * 4
+    expected = [[1, False]] + [[1, True]] * 3 + [[0, True]]
+    assert run_fsdp_ranks(config, record_micro_batches, tmp_path) == expected
 
 
 def test_mesh_shape_of_each_trainer_name():

@@ -1,7 +1,14 @@
+import pytest
 import torch
+from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from layouts import left_padded_prompts, pack, pack_rows, pad
+from layouts import dense_mask, left_padded_prompts, pack, pack_rows, packed_mask_mod, pad, segment_lengths
 from preference_datasets import PreferencePair, tokenize_pair
+
+
+def token_sequences(batch) -> torch.Tensor:
+    """[N] the sequence each scored token belongs to (tokens are grouped by sequence)."""
+    return torch.repeat_interleave(torch.arange(batch.n_sequences), batch.sequence_lengths)
 
 
 def test_pack_lays_out_prompt_chosen_rejected_with_restarted_positions():
@@ -19,11 +26,12 @@ def test_pack_lays_out_prompt_chosen_rejected_with_restarted_positions():
         [1, 1, 1, 0, 0, 1, 1, 0],
         [1, 1, 1, 0, 0, 1, 1, 1],
     ]
-    assert batch.attention_mask.shape == (1, 1, 8, 8) and batch.attention_mask[0, 0].int().tolist() == allowed
-    # The last prompt token (position 2) predicts both chosen[0] and rejected[0].
+    assert dense_mask(batch).shape == (1, 1, 8, 8) and dense_mask(batch)[0, 0].int().tolist() == allowed
+    # The last prompt token (position 2) predicts both chosen[0] and rejected[0]: kept once for the head.
     assert batch.score_positions.tolist() == [2, 3, 2, 5, 6]
+    assert batch.keep_positions.tolist() == [[2, 3, 5, 6]] and batch.score_rows.tolist() == [0, 1, 0, 2, 3]
     assert batch.score_targets.tolist() == [4, 5, 6, 7, 8]
-    assert batch.score_sequences.tolist() == [0, 0, 1, 1, 1] and batch.n_sequences == 2
+    assert batch.sequence_lengths.tolist() == [2, 3] and batch.n_sequences == 2
 
 
 def test_pack_keeps_segments_apart_and_lets_padding_attend_to_itself():
@@ -36,11 +44,13 @@ def test_pack_keeps_segments_apart_and_lets_padding_attend_to_itself():
     batch = pack(examples, pad_token_id=0)  # segments of 4, 3, 7 and 2 tokens in rows of 7
     assert batch.input_ids.tolist() == [[9] * 7, [1, 2, 3, 4, 5, 6, 7], [8, 9, 0, 0, 0, 0, 0]]
     assert batch.position_ids[1].tolist() == [0, 1, 2, 2, 0, 1, 1]
-    two_segments = batch.attention_mask[1, 0].int()
+    mask = dense_mask(batch)
+    two_segments = mask[1, 0].int()
     assert two_segments[:4, 4:].sum() == 0 and two_segments[4:, :4].sum() == 0
-    assert batch.attention_mask[2, 0].int().tolist()[2:] == [[0] * i + [1] + [0] * (6 - i) for i in range(2, 7)]
-    # Sequences are numbered response-major: chosen of examples 0..3, then rejected of 0..3.
-    assert sorted(zip(batch.score_sequences.tolist(), batch.score_targets.tolist())) == [
+    assert mask[2, 0].int().tolist()[2:] == [[0] * i + [1] + [0] * (6 - i) for i in range(2, 7)]
+    # Sequences are numbered response-major: chosen of examples 0..3, then rejected of 0..3; tokens grouped by them.
+    assert batch.sequence_lengths.tolist() == [1, 1, 2, 0, 1, 1, 2, 0]  # example 3 has no prompt: nothing scored
+    assert list(zip(token_sequences(batch).tolist(), batch.score_targets.tolist())) == [
         (0, 3),
         (1, 6),
         (2, 9),
@@ -64,10 +74,9 @@ def test_pad_scores_the_same_tokens_as_pack():
     padded, packed = pad(examples, pad_token_id=0), pack(examples, pad_token_id=0)
     # With an empty prompt nothing predicts a response's first token: it is not scored, in either layout.
     assert padded.score_targets.tolist() == [4, 5, 10, 6, 7, 8]
-    assert padded.score_sequences.tolist() == [0, 0, 1, 2, 2, 2]
-    assert sorted(zip(packed.score_sequences.tolist(), packed.score_targets.tolist())) == sorted(
-        zip(padded.score_sequences.tolist(), padded.score_targets.tolist())
-    )
+    assert token_sequences(padded).tolist() == [0, 0, 1, 2, 2, 2]
+    assert token_sequences(packed).tolist() == token_sequences(padded).tolist()
+    assert packed.score_targets.tolist() == padded.score_targets.tolist()
     assert padded.position_ids is None and padded.attention_mask.tolist()[2:] == [[1] * 6, [1] + [0] * 5]
     assert torch.equal(padded.input_ids.flatten()[padded.score_positions + 1], padded.score_targets)
 
@@ -84,10 +93,70 @@ def test_masks_and_scored_tokens_come_from_lengths_when_pad_is_eos(tiny_tokenize
     for row, (ex, r) in enumerate([(examples[0], 0), (examples[1], 0), (examples[0], 1), (examples[1], 1)]):
         response = ex["responses"][r]
         assert batch.attention_mask[row].sum() == len(ex["prompt"]) + len(response)  # includes the final EOS
-        assert batch.score_targets[batch.score_sequences == row].tolist() == response
+        assert batch.score_targets[token_sequences(batch) == row].tolist() == response
     for layout in (pack, pad):
         assert (layout(examples, eos).score_targets == eos).sum() == 4  # each response's EOS is scored, padding never
     # prompts are left-padded for generation
     prompt_ids, prompt_mask = left_padded_prompts(examples, eos)
     assert prompt_mask.tolist() == [[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]
     assert prompt_ids[1, -2:].tolist() == examples[1]["prompt"]
+
+
+# Layouts of every kind the scoring tests use: prompts of several lengths, an empty prompt, one-token responses,
+# one response (SFT), many segments per row, rows padded at the tail.
+MASK_EXAMPLES = [
+    {"prompt": [1, 2, 3], "responses": [[4, 5], [6, 7, 8]]},
+    {"prompt": [], "responses": [[9], [10, 11]]},
+    {"prompt": [12], "responses": [[13], [14]]},
+    {"prompt": [15, 16, 17, 18, 19], "responses": [[20, 21, 22, 23], [24]]},
+]
+MASK_LAYOUTS = {
+    "longest segment per row": lambda examples: pack(examples, 0),
+    "one row": lambda examples: pack(examples, 0, row_tokens=10_000),
+    "one segment per row": lambda examples: pack(examples, 0, row_tokens=1),
+    "rows rounded up to 16": lambda examples: pack(examples, 0, multiple=16),
+}
+
+
+def expected_mask(batch) -> torch.Tensor:
+    """[R, T, T] written from the padded layout's meaning: a token sees the tokens before it (by position) in its own
+    padded sequence [prompt | its response], i.e. its example's prompt and its own response; padding sees itself."""
+    rows, length = batch.input_ids.shape
+    mask = torch.zeros(rows, length, length, dtype=torch.bool)
+    for r in range(rows):
+        for q in range(length):
+            for k in range(length):
+                example_q, example_k = batch.segment_ids[r, q].item(), batch.segment_ids[r, k].item()
+                part_q, part_k = batch.branch_ids[r, q].item(), batch.branch_ids[r, k].item()
+                if example_q < 0:
+                    mask[r, q, k] = q == k
+                elif example_q == example_k and part_k in (0, part_q):
+                    mask[r, q, k] = batch.position_ids[r, k] <= batch.position_ids[r, q]
+    return mask
+
+
+@pytest.mark.parametrize("sft", [False, True])
+@pytest.mark.parametrize("layout", list(MASK_LAYOUTS))
+def test_the_mask_mod_is_the_padded_layouts_visibility(layout, sft):
+    examples = [{**ex, "responses": ex["responses"][:1]} if sft else ex for ex in MASK_EXAMPLES]
+    batch = MASK_LAYOUTS[layout](examples)
+    expected = expected_mask(batch)
+    assert torch.equal(dense_mask(batch)[:, 0], expected)
+    # FlexAttention evaluates the same mask_mod: its dense rendering is the same mask, and its block mask covers it
+    rows, length = batch.input_ids.shape
+    mask_mod = packed_mask_mod(batch.segment_ids, batch.branch_ids)
+    assert torch.equal(create_mask(mask_mod, rows, 1, length, length, device="cpu")[:, 0], expected)
+    blocks = create_block_mask(mask_mod, rows, None, length, length, device="cpu", BLOCK_SIZE=4)
+    listed = blocks.to_dense().bool()[:, 0].repeat_interleave(4, 1).repeat_interleave(4, 2)[:, :length, :length]
+    assert not (expected & ~listed).any()  # no visible pair falls in a skipped block
+
+
+def test_a_block_mask_skips_the_blocks_between_segments():
+    # 8 segments of 64 tokens in one row of 512: with 64-token blocks, each query block sees its own segment's
+    # block only (its diagonal), so 8 of 64 blocks are computed; a dense mask computes all 512 x 512 scores.
+    examples = [{"prompt": list(range(1, 33)), "responses": [list(range(16)), list(range(16))]} for _ in range(8)]
+    batch = pack(examples, 0, row_tokens=sum(segment_lengths(examples)))
+    assert batch.input_ids.shape == (1, 512)
+    mask_mod = packed_mask_mod(batch.segment_ids, batch.branch_ids)
+    blocks = create_block_mask(mask_mod, 1, None, 512, 512, device="cpu", BLOCK_SIZE=64)
+    assert blocks.kv_num_blocks.sum() + blocks.full_kv_num_blocks.sum() == 8

@@ -36,7 +36,7 @@ def chunked_sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.
 @pytest.fixture
 def chunk_rows_of(monkeypatch):
     """Chunks of `rows` rows of a `vocab` vocabulary: many chunks even for small test tensors."""
-    return lambda rows, vocab: monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", rows * vocab)
+    return lambda rows, vocab: monkeypatch.setitem(logprobs.CHUNK_ELEMENTS, "cpu", rows * vocab)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -90,9 +90,11 @@ def test_chunked_logps_never_hold_full_float32_logits(chunk_rows_of):
 
 
 def test_chunk_size_is_bounded_in_elements_not_rows():
-    assert logprobs.chunk_rows(2**14) == 1024 and logprobs.chunk_rows(2**17) == 128
-    assert logprobs.chunk_rows(2**17) * 2**17 == logprobs.chunk_rows(2**14) * 2**14 == logprobs.CHUNK_ELEMENTS
-    assert logprobs.chunk_rows(2**30) == 1
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert logprobs.chunk_rows(2**14, cpu) == 1024 and logprobs.chunk_rows(2**17, cpu) == 128
+    assert logprobs.chunk_rows(2**17, cpu) * 2**17 == logprobs.chunk_rows(2**14, cpu) * 2**14 == 2**24  # 64 MiB
+    assert logprobs.chunk_rows(2**30, cpu) == 1
+    assert logprobs.chunk_rows(2**17, cuda) == 2048  # a GPU's chunk: 1 GiB of float32 logits
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -139,3 +141,27 @@ def test_fused_head_never_holds_logits(chunk_rows_of):
     assert max(t.numel() for t in saved) == weight.numel() and all(t.shape != (64, 500) for t in saved)
     total.backward()
     assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
+
+
+def test_fused_head_casts_its_weight_once_per_pass(chunk_rows_of):
+    # Under bfloat16 autocast the [V, H] float32 weight is cast once in the forward and once in the backward,
+    # however many chunks there are (16 here), not once per chunk.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class WeightCasts(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype) and args[0].shape == (500, 8):
+                WeightCasts.count += 1
+            return func(*args, **(kwargs or {}))
+
+    chunk_rows_of(4, 500)
+    hidden = torch.randn(64, 8, requires_grad=True)
+    weight = torch.randn(500, 8, requires_grad=True)
+    with WeightCasts(), torch.autocast("cpu", dtype=torch.bfloat16):
+        token_logps = logprobs.token_logps_from_hidden(hidden, weight, None, torch.arange(64), torch.zeros(64).long())
+    assert WeightCasts.count == 1
+    with WeightCasts():
+        token_logps.sum().backward()
+    assert WeightCasts.count == 2

@@ -84,6 +84,7 @@ def test_memory_estimate_counts_the_real_model(make_config, tiny_tokenizer, over
     micro = 8 // shards  # packed: each example is 5 + (3 + 1) + (6 + 1) = 16 token positions
     hidden, layers = model.config.hidden_size, model.config.num_hidden_layers
     assert parts[f"activations ({16 * micro} token positions)"] == 16 * micro * 34 * hidden * 4 / 2 * layers
+    assert parts["attention mask (packed, dense)"] == micro * 16 * 16 * (1 + 4)  # a row of 16 per pair, float32
 
 
 def test_memory_estimate_of_lora_counts_the_adapters(make_config, tiny_tokenizer):

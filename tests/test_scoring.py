@@ -1,13 +1,16 @@
-"""Every layout and head computes the padded layout's per-sequence log-probs and gradients (float32, 1e-5)."""
+"""Every layout, attention path and head computes the padded layout's per-sequence log-probs and gradients (float32,
+1e-5); the probes that decide them."""
 
 import pytest
 import torch
 import transformers
 
 from conftest import TINY_DIR
-from layouts import pack, pad
+from layouts import pack, pad, segment_lengths
 from preference_datasets import PreferencePair, tokenize_pair
-from scoring import packing_problem, scored_head_problem, sequence_logps
+from scoring import FLEX_BLOCK, block_attention_problem, packing_problem, scored_head_problem, sequence_logps
+
+CPU = torch.device("cpu")
 
 
 def tiny_model(architecture: str, attention: str) -> torch.nn.Module:
@@ -62,10 +65,12 @@ def examples() -> list[dict]:
     return examples
 
 
-def logps_and_gradients(model, batch, scored_head: bool):
+def logps_and_gradients(model, batch, scored_head: bool, autocast=None, dtype=torch.float32, attention="dense"):
     model.zero_grad(set_to_none=True)
-    logps = sequence_logps(model, batch, None, torch.float32, scored_head)
-    weights = torch.linspace(-1, 1, logps.numel())  # any weighting: every sequence's gradient counts separately
+    logps = sequence_logps(model, batch, autocast, dtype, scored_head, attention)
+    weights = torch.linspace(
+        -1, 1, logps.numel(), device=logps.device
+    )  # any weighting: every sequence's gradient counts separately
     (logps * weights).sum().backward()
     return logps.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
@@ -102,17 +107,49 @@ def test_probes_accept_models_that_take_both():
     for architecture in ("llama", "gpt2"):
         for attention in ("sdpa", "eager"):
             model = tiny_model(architecture, attention)
-            assert packing_problem(model, max_length=64) is None and scored_head_problem(model) is None
+            assert packing_problem(model, 64, torch.float32, CPU) is None
+            assert scored_head_problem(model, torch.float32, CPU) is None
+
+
+@pytest.mark.parametrize("scored_head", [True, False])
+@pytest.mark.parametrize("sft", [False, True])
+def test_flex_attention_forward_equals_dense_and_padded_on_cpu(examples, scored_head, sft):
+    # FlexAttention runs forward only on a CPU (no backward in torch 2.13): the no-grad log-probs of the whole
+    # micro-batch in one block-mask row equal the dense-mask and padded ones. GPT-2 declares no FlexAttention
+    # support (its probe says so), so the tiny Llama is the test architecture here.
+    if sft:
+        examples = [{**ex, "responses": ex["responses"][:1]} for ex in examples]
+    model = tiny_model("llama", "sdpa")
+    one_row = pack(examples, 0, row_tokens=sum(segment_lengths(examples)), multiple=FLEX_BLOCK)
+    assert one_row.input_ids.shape[0] == 1 and one_row.input_ids.shape[1] % FLEX_BLOCK == 0
+    with torch.no_grad():
+        padded = sequence_logps(model, pad(examples, 0), None, torch.float32, scored_head=False)
+        dense = sequence_logps(model, pack(examples, 0), None, torch.float32, scored_head)
+        block = sequence_logps(model, one_row, None, torch.float32, scored_head, attention="block")
+    torch.testing.assert_close(block, padded, rtol=0, atol=1e-5)
+    torch.testing.assert_close(block, dense, rtol=0, atol=1e-5)
+    assert model.config._attn_implementation == "sdpa"  # FlexAttention for that forward only
+
+
+def test_block_attention_probe_needs_cuda_and_declared_support():
+    assert block_attention_problem(tiny_model("llama", "sdpa"), torch.float32, CPU) == (
+        "FlexAttention has no backward pass on CPU"
+    )
+    assert block_attention_problem(tiny_model("gpt2", "sdpa"), torch.float32, CPU) == (
+        "GPT2LMHeadModel does not declare FlexAttention support"
+    )
 
 
 def test_packing_probe_rejects_what_cannot_take_a_custom_mask():
     model = tiny_model("llama", "sdpa")
     model.config._attn_implementation = "flash_attention_2"
-    assert "attention implementation 'flash_attention_2' takes no 4-D mask" in packing_problem(model, 64)
+    assert "attention implementation 'flash_attention_2' takes no 4-D mask" in packing_problem(
+        model, 64, torch.float32, CPU
+    )
     model = tiny_model("llama", "sdpa")
     original = model.forward
     model.forward = lambda input_ids, attention_mask=None, position_ids=None, **kwargs: original(input_ids, **kwargs)
-    assert "does not honour a custom 4-D mask and position ids" in packing_problem(model, 64)
+    assert "does not honour a custom 4-D mask and position ids" in packing_problem(model, 64, torch.float32, CPU)
     windowed = transformers.MistralConfig(
         hidden_size=32,
         intermediate_size=64,
@@ -124,9 +161,9 @@ def test_packing_probe_rejects_what_cannot_take_a_custom_mask():
     )
     model = transformers.AutoModelForCausalLM.from_config(windowed)
     assert "sliding window (16 tokens, below max_length=64) is not applied to a custom mask" in packing_problem(
-        model, 64
+        model, 64, torch.float32, CPU
     )
-    assert packing_problem(model, 16) is None  # a window no sequence can exceed changes nothing
+    assert packing_problem(model, 16, torch.float32, CPU) is None  # a window no sequence can exceed changes nothing
 
 
 def test_scored_head_probe_rejects_models_that_change_the_head_output():
@@ -142,29 +179,43 @@ def test_scored_head_probe_rejects_models_that_change_the_head_output():
         final_logit_softcapping=0.5,
     )
     assert "Gemma2ForCausalLM changes its head's output" in scored_head_problem(
-        transformers.AutoModelForCausalLM.from_config(config)
+        transformers.AutoModelForCausalLM.from_config(config), torch.float32, CPU
     )
     model = tiny_model("llama", "sdpa")
     original = model.forward
     model.forward = lambda input_ids, attention_mask=None, position_ids=None, use_cache=None: original(
         input_ids, attention_mask=attention_mask
     )
-    assert scored_head_problem(model) == "LlamaForCausalLM.forward takes no logits_to_keep"
+    assert scored_head_problem(model, torch.float32, CPU) == "LlamaForCausalLM.forward takes no logits_to_keep"
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("architecture", ["llama", "gpt2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layouts_and_heads_equal_padded_on_cuda(examples, architecture, dtype):
-    # float32 without TF32 to 1e-4; bfloat16 autocast within bf16 rounding of the padded run on the same GPU.
+@pytest.mark.parametrize("attention", ["dense", "block"])
+def test_layouts_and_heads_equal_padded_on_cuda(examples, architecture, dtype, attention):
+    # Forward and backward on the GPU, the batch built on the host and sent asynchronously: float32 without TF32 to
+    # 1e-5 (log-probs) and 1e-4 (gradients); bfloat16 autocast within bf16 rounding of the padded run on the GPU.
+    if attention == "block" and architecture == "gpt2":
+        pytest.skip("GPT-2 declares no FlexAttention support")
+    cuda = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        model = tiny_model(architecture, "sdpa").cuda()
+        model = tiny_model(architecture, "sdpa").to(cuda)
         autocast = dtype if dtype == torch.bfloat16 else None
-        expected = sequence_logps(model, pad(examples, 0).to(torch.device("cuda")), autocast, dtype, scored_head=False)
-        for batch in (pack(examples, 0), pad(examples, 0)):
-            logps = sequence_logps(model, batch.to(torch.device("cuda")), autocast, dtype, scored_head=True)
-            tolerance = 1e-4 if dtype == torch.float32 else 0.1
-            torch.testing.assert_close(logps, expected, rtol=0, atol=tolerance)
+        expected, expected_grads = logps_and_gradients(model, pad(examples, 0).to(cuda), False, autocast, dtype)
+        budget = sum(segment_lengths(examples)) if attention == "block" else None
+        packed = pack(examples, 0, row_tokens=budget, multiple=FLEX_BLOCK if attention == "block" else 1)
+        for batch in (packed, pad(examples, 0)):
+            for scored_head in (True, False):
+                options = dict(attention=attention, autocast=autocast, dtype=dtype)
+                logps, grads = logps_and_gradients(model, batch.to(cuda), scored_head, **options)
+                close = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=0.1)
+                torch.testing.assert_close(logps, expected, **close)
+                grad_close = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.1, atol=0.05)
+                for name, grad in expected_grads.items():
+                    torch.testing.assert_close(grads[name], grad, **grad_close, msg=name)
+        if attention == "block":
+            assert block_attention_problem(model, dtype, cuda) is None
     finally:
         torch.backends.cuda.matmul.allow_tf32 = True

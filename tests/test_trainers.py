@@ -78,8 +78,12 @@ def test_run_logs_train_and_eval_with_final_eval(make_config):
         "logps_train/rejected",
         "grad_norm",
         "lr",
-        "examples_per_second",
-        "tokens_per_second",
+        "perf/pairs_per_second",
+        "perf/computed_tokens_per_second",
+        "perf/real_tokens_per_second",
+        "perf/scored_tokens_per_second",
+        "perf/mfu",
+        "perf/peak_rss_gib",
         "counters/examples",
         "counters/updates",
     ):
@@ -182,7 +186,8 @@ def test_automatic_precision_follows_the_probe(make_config, tmp_path, capsys):
         (4.0, "precision: bfloat16 compute (float32 weights under autocast)"),
         (0.01, "precision: float32"),
     ):
-        (tmp_path / "precision_probe.json").write_text(json.dumps({machine_key(): speedup}))
+        rates = {"float32": 1e11, "bfloat16": speedup * 1e11}
+        (tmp_path / "precision_probe.json").write_text(json.dumps({machine_key(): rates}))
         config = make_config(f"local_run_dir={tmp_path / str(speedup)}", "model.fsdp_policy_mp=auto", "n_examples=8")
         train.run(config)
         assert expected in capsys.readouterr().out
@@ -202,8 +207,8 @@ def poison_training_from(step: int):
     """A Trainer.batch_metrics whose training loss is NaN from optimizer step `step` (1-based) on."""
     batch_metrics = Trainer.batch_metrics
 
-    def poisoned(self, examples, split):
-        loss, metrics = batch_metrics(self, examples, split)
+    def poisoned(self, examples, split, batch=None):
+        loss, metrics = batch_metrics(self, examples, split, batch)
         return (
             (loss * float("nan"), metrics) if split == "train" and self.batch_counter + 1 >= step else (loss, metrics)
         )
@@ -251,6 +256,7 @@ def test_the_run_ends_with_a_summary(make_config, capsys):
     out = capsys.readouterr().out
     final = records(run_dir, "eval")[-1]
     assert "done: 16 examples in 2 steps, " in out and " pairs/s with evals and checkpoints" in out
+    assert "training steps: " in out and " real, " in out and "MFU " in out and "peak_rss_gib" in out
     assert f"rewards_eval/accuracies={final['rewards_eval/accuracies']:.4f}" in out.split("final eval: ")[1]
     assert f"loss/eval={final['loss/eval']:.4f}" in out.split("final eval: ")[1]
     assert f"checkpoint and from_pretrained export: {run_dir / 'LATEST'}; metrics: {run_dir / 'metrics.jsonl'}" in out
@@ -275,3 +281,22 @@ def test_auto_resume_of_a_finished_run_changes_nothing(make_config, capsys):
     train.run(make_config("resume_from=auto"))
     assert f"{run_dir / 'LATEST'} ends this run: nothing left to train" in capsys.readouterr().out
     assert (run_dir / "metrics.jsonl").read_text() == log
+
+
+def test_each_record_carries_the_steps_throughput(make_config):
+    # One step per record (minimum_log_interval_secs=0): per pair, the record's real and scored tokens are the step's
+    # examples', its computed tokens the packed rows' positions, and its MFU the useful FLOPs over the peak.
+    from layouts import pack
+    from telemetry import real_tokens, scored_tokens
+
+    config = make_config("n_examples=24")
+    train.run(config)
+    trainer = build_trainer(make_config("n_examples=24", f"local_run_dir={config.local_run_dir}-again"))
+    for record, indices in zip(records(train.Path(config.local_run_dir), "train"), trainer.schedule):
+        examples = [trainer.train_examples[i] for i in indices]
+        pairs = record["perf/pairs_per_second"]
+        assert record["perf/real_tokens_per_second"] / pairs == pytest.approx(sum(map(real_tokens, examples)) / 8)
+        assert record["perf/scored_tokens_per_second"] / pairs == pytest.approx(sum(map(scored_tokens, examples)) / 8)
+        assert record["perf/computed_tokens_per_second"] / pairs == pytest.approx(pack(examples, 0).n_tokens / 8)
+        flops = sum(trainer.flops.example(ex, live_reference=False) for ex in examples) / 8
+        assert record["perf/mfu"] / pairs == pytest.approx(flops / trainer.peak_flops)

@@ -1,0 +1,32 @@
+"""The GPU campaign (bench.py --gpu) in its CPU smoke mode, so that it cannot rot between the rare GPU sessions."""
+
+import math
+import os
+import subprocess
+import sys
+
+from conftest import REPO_ROOT
+
+
+def test_gpu_campaign_smoke_runs_every_configuration(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench.py"), "--gpu", "--smoke"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    rows = {line[:40].strip(): line[40:].split() for line in lines if line.startswith(("padded", "packed", "TRL"))}
+    assert rows["packed, block mask"][0] == "skipped:"  # FlexAttention trains on CUDA only
+    for name in ("padded (what TRL computes)", "packed, dense mask", "TRL DPOTrainer (padded, precomputed ref)"):
+        pairs_per_second, real_tokens_per_second, _, mfu = rows[name][:4]
+        assert float(pairs_per_second) > 0 and float(real_tokens_per_second) > 0, name
+        assert 0 < float(mfu.rstrip("%")) < 100 and math.isfinite(float(pairs_per_second)), name
+    # the same data: the padded layout computes more positions than the packed one for the same real tokens
+    assert float(rows["padded (what TRL computes)"][2]) / float(rows["padded (what TRL computes)"][1]) > float(
+        rows["packed, dense mask"][2]
+    ) / float(rows["packed, dense mask"][1])
+    assert "packed layout (dense attention)" in result.stdout
