@@ -557,46 +557,50 @@ def campaign_row(name: str, result: dict) -> str:
 ATTENTION_LENGTHS = (1024, 4096, 16384, 32768)
 
 
-def packed_micro_batch(tokens: int, seed: int = 0):
-    """Tokenized HH-like pairs (lengths of hh_like_rows at max_length 1024) adding up to about `tokens`."""
-    rows, total = [], 0
+def packed_micro_batch(tokens: int, seed: int = 0) -> list[dict]:
+    """Tokenized HH-like pairs (lengths of hh_like_rows at max_length 1024) filling about `tokens`: each pair that
+    still fits is taken, until less than 64 tokens are left."""
+    examples, room = [], tokens
     for row in hh_like_rows(10_000, 1024, seed):
         example = {
             "prompt": [1] * len(row["prompt"]),
             "responses": [[2] * (len(row[k]) + 1) for k in ("chosen", "rejected")],
         }
         length = len(example["prompt"]) + sum(map(len, example["responses"]))
-        if rows and total + length > tokens:
-            return rows
-        rows.append(example)
-        total += length
-    return rows
+        if length <= room:
+            examples.append(example)
+            room -= length
+        if room < 64:
+            break
+    return examples
 
 
 def bench_attention_bookkeeping() -> None:
     """Per micro-batch of about T tokens: the memory and CPU build time of the dense mask (rows of the longest
-    segment, and one row of T) and of the block mask (one row of T), and the share of attention scores each path
-    computes. SDPA with an arbitrary mask computes every score; FlexAttention skips the fully masked blocks."""
+    segment, and one row of T) and of the block mask (one row of T), and the attention scores each path computes as
+    a share of T^2 (SDPA with an arbitrary mask computes every score of its rows; FlexAttention the 128 x 128 blocks
+    not fully masked), against the scores the data needs (visible query-key pairs)."""
     from layouts import dense_mask, pack, segment_lengths
     from scoring import FLEX_BLOCK, additive_mask, block_mask
     from telemetry import visible_pairs
 
     def timed(build):
+        """The result and seconds of the second of two builds (the first allocates, or compiles for a new shape)."""
+        build()
         start = time.perf_counter()
         result = build()
         return result, time.perf_counter() - start
 
     print(
-        f"{'T':>6s} {'pairs':>5s}  {'dense rows':>11s} {'mask':>9s} {'build':>7s}  {'dense, 1 row':>12s} "
-        f"{'build':>7s}  {'block mask':>10s} {'build':>7s} {'blocks run':>10s}  {'visible scores':>14s}"
+        f"{'T':>6s} {'pairs':>5s}  {'dense rows':>11s} {'mask':>9s} {'build':>7s} {'scores':>7s}  "
+        f"{'dense, 1 row':>12s} {'build':>7s}  {'block mask':>10s} {'build':>7s} {'scores':>7s}  {'needed':>7s}"
     )
-    for tokens in (FLEX_BLOCK * 4, FLEX_BLOCK * 8):  # compile the builder, static then dynamic shapes: not timed
-        block_mask(pack(packed_micro_batch(tokens), 0, row_tokens=tokens * 2, multiple=FLEX_BLOCK))
     for tokens in ATTENTION_LENGTHS:
         examples = packed_micro_batch(tokens)
         rows = pack(examples, 0)
         (_, dense_seconds) = timed(lambda rows=rows: additive_mask(dense_mask(rows), torch.bfloat16))
-        dense_bytes = rows.input_ids.shape[0] * rows.input_ids.shape[1] ** 2 * 3  # bool + bfloat16
+        dense_scores = rows.input_ids.shape[0] * rows.input_ids.shape[1] ** 2
+        dense_bytes = dense_scores * 3  # bool + bfloat16
         one_row = pack(examples, 0, row_tokens=sum(segment_lengths(examples)), multiple=FLEX_BLOCK)
         length = one_row.input_ids.shape[1]
         _, one_row_seconds = timed(lambda one_row=one_row: additive_mask(dense_mask(one_row), torch.bfloat16))
@@ -608,8 +612,8 @@ def bench_attention_bookkeeping() -> None:
         visible = sum(map(visible_pairs, examples)) / length**2
         print(
             f"{length:6d} {len(examples):5d}  {str(tuple(rows.input_ids.shape)):>11s} {dense_bytes / 2**20:7.1f} MiB "
-            f"{dense_seconds:6.2f}s  {length**2 * 3 / 2**20:8.0f} MiB {one_row_seconds:6.2f}s  "
-            f"{block_bytes / 2**10:6.0f} KiB {block_seconds:6.2f}s {run:10.2%}  {visible:14.2%}",
+            f"{dense_seconds:6.2f}s {dense_scores / length**2:7.2%}  {length**2 * 3 / 2**20:8.0f} MiB "
+            f"{one_row_seconds:6.2f}s  {block_bytes / 2**10:6.0f} KiB {block_seconds:6.2f}s {run:7.2%}  {visible:7.2%}",
             flush=True,
         )
 

@@ -211,6 +211,14 @@ class Config:
                 f"packed_attention={self.packed_attention} is not an attention path"
                 f"{did_you_mean(self.packed_attention, ATTENTIONS)}; expected one of {', '.join(ATTENTIONS)}"
             )
+        if self.layout == "padded" and (self.packed_attention != "auto" or self.pack_row_tokens is not None):
+            key, value = (
+                ("pack_row_tokens", self.pack_row_tokens)
+                if self.pack_row_tokens is not None
+                else ("packed_attention", self.packed_attention)
+            )
+            what = "rows" if key == "pack_row_tokens" else "attention"
+            raise UserError(f"{key}={value} sets the {what} of layout=packed, but layout=padded")
         if self.packed_attention == "block" and not torch.cuda.is_available():
             raise UserError(
                 "packed_attention=block needs a CUDA GPU: FlexAttention has no backward pass on CPU (torch 2.13), and "

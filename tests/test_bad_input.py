@@ -104,6 +104,14 @@ ERRORS = [
     ("trainer=FSDPtrainer", "unknown trainer 'FSDPtrainer' (did you mean 'FSDPTrainer'?"),
     ("optimizer=Adamw", "unknown optimizer 'Adamw'"),
     ("layout=pack", "layout=pack is not a layout (did you mean 'packed'?"),
+    ("packed_attention=blok", "packed_attention=blok is not an attention path (did you mean 'block'?"),
+    # settings that would be accepted and ignored, or would train wrongly
+    ("layout=padded pack_row_tokens=512", "pack_row_tokens=512 sets the rows of layout=packed"),
+    ("layout=padded packed_attention=dense", "packed_attention=dense sets the attention of layout=packed"),
+    ("pack_row_tokens=0", "pack_row_tokens=0 must be a positive number of tokens, or null"),
+    ("model.fsdp_policy_mp=float16", "model.fsdp_policy_mp=float16 would train without loss scaling"),
+    ("model.policy_dtype=float16", "model.policy_dtype=float16 would train without loss scaling"),
+    ("model.fsdp_reduce_dtype=fp8", "model.fsdp_reduce_dtype=fp8 is not a dtype"),
     # models, archives, checkpoints, run directories
     ("model.name_or_path={d}/no-model model.random_init=false", "could not load model '{d}/no-model'"),
     ("model.archive={d}/garbage.pt", "model.archive: {d}/garbage.pt is not a readable checkpoint"),

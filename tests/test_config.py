@@ -124,3 +124,12 @@ def test_every_key_of_config_yaml_has_a_type_and_the_schema_no_other(make_config
 
     yaml_keys = [key for key in OmegaConf.load(CONFIG_DIR / "config.yaml") if key != "defaults"]
     assert yaml_keys + ["model", "loss"] == [f.name for f in dataclasses.fields(Config)]
+
+
+def test_block_attention_without_cuda_is_one_line(make_config):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(UserError, match=r"^packed_attention=block needs a CUDA GPU: FlexAttention has no backward"):
+        make_config("packed_attention=block")

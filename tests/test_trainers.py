@@ -160,6 +160,40 @@ def test_default_levers_equal_the_padded_run_step_by_step(make_config, tmp_path,
     assert_same_weights(tmp_path / "padded", tmp_path / "default")
 
 
+@pytest.mark.cuda
+def test_block_mask_training_on_cuda_equals_the_padded_run_step_by_step(make_config, tmp_path, capsys):
+    # On the GPU, as a user runs it: packed_attention=auto picks FlexAttention with a block mask (compiled by
+    # transformers), the batch goes over asynchronously and the step waits once. Float32 without TF32: every
+    # per-step and eval metric and the final weights equal the padded, full-logits, live-reference run's.
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        common = ("n_epochs=2", "+optimizer_kwargs.eps=1e-6")
+        train.run(make_config(f"local_run_dir={tmp_path / 'padded'}", *common, *PADDED_BASELINE))
+        train.run(make_config(f"local_run_dir={tmp_path / 'block'}", *common))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    assert "scoring: packed layout (block attention), scored logits" in capsys.readouterr().out
+    assert_same_metrics(
+        read_jsonl(tmp_path / "padded" / "metrics.jsonl"), read_jsonl(tmp_path / "block" / "metrics.jsonl")
+    )
+    assert_same_weights(tmp_path / "padded", tmp_path / "block")
+    assert read_jsonl(tmp_path / "block" / "metrics.jsonl")[-1]["perf/peak_allocated_gib"] > 0
+
+
+@pytest.mark.cuda
+def test_the_default_cli_run_on_cuda_takes_block_masks_in_bfloat16(tmp_path, pairs_file):
+    # The command line, TF32 and bfloat16 autocast on: the block mask is chosen, step 0 is exactly ln 2 (the cached
+    # reference is the policy's own computation), and the run learns.
+    from conftest import run_cli, tiny_run_overrides
+
+    run_dir = tmp_path / "run"
+    result = run_cli(*tiny_run_overrides(tmp_path, pairs_file), "model.fsdp_policy_mp=bfloat16", "n_epochs=3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "scoring: packed layout (block attention), scored logits" in result.stdout
+    evals = records(run_dir, "eval")
+    assert evals[0]["loss/eval"] == torch.tensor(math.log(2)).item() and evals[-1]["loss/eval"] < evals[0]["loss/eval"]
+
+
 @pytest.mark.parametrize("reference_cache", ["true", "false"])
 def test_bfloat16_compute_starts_at_exactly_ln2(make_config, reference_cache):
     # The reference computes like the policy (autocast over float32 weights), so at step 0 they agree to the bit.
