@@ -7,8 +7,8 @@
    padded float32 path: SmolLM2-135M-Instruct on the first 48 pairs of ../shared's HH harmless-base file, DPO with
    beta 0.1 and AdamW, at max_length 256 x 4 pairs and 512 x 8 pairs per step. Each configuration runs in a fresh
    process (so its peak RSS is its own), configurations alternate, and each prints pairs/s, real tokens/s (prompt
-   counted once per response, as the padded layout computes it, padding excluded) and peak RSS. Then the peak
-   memory of the log-prob computation at a 32k and a 128k vocabulary.
+   counted once), MFU and peak memory. Then the peak memory of the log-prob computation at a 32k and a 128k
+   vocabulary.
 4. `python bench.py --compile`: torch.compile of each transformer block against eager, on the default configuration
    at 256 x 4, first step (compilation) and steady state.
 5. `python bench.py --fsdp`: FSDP1 (`FullyShardedDataParallel`) vs FSDP2 (`fully_shard`) on 2 processes (gloo on
@@ -16,6 +16,12 @@
    difference from one process training on the same batches (decides which FSDP FSDPTrainer uses).
 6. `python bench.py --lora`: LoRA (the preset, rank 16 on every linear layer) against full fine-tuning on the
    default configuration at 256 x 4: seconds per step and peak RSS, alternating, each in a fresh process.
+7. `python bench.py --attention`: the packed layout's attention bookkeeping per micro-batch, dense mask against block
+   mask, at T = 1k, 4k, 16k and 32k; and the CPU's no-grad forward with each.
+8. `python bench.py --fsdp-reduce`: FSDP2's gradient error reducing in bfloat16 against float32, 2 and 4 processes.
+9. `python bench.py --gpu`: the GPU campaign (the cuda tests; padded, packed dense-mask and packed block-mask
+   layouts and TRL's DPOTrainer on a random ~1B Llama at max_length 1024 and 4096: pairs/s, tokens/s, MFU, peak
+   memory); `--gpu --smoke` runs it at tiny sizes on any device, as the test suite does.
 """
 
 import argparse
@@ -105,7 +111,7 @@ def lever_worker(
     from models import find_blocks, load_model, load_tokenizer
     from preference_datasets import parse_rows, read_file_rows
     from reference_cache import LiveReference
-    from telemetry import real_tokens
+    from telemetry import Throughput, step_amounts
     from trainers import Trainer
 
     config = configuration.load(overrides)
@@ -128,7 +134,7 @@ def lever_worker(
     if compile_blocks:
         for block in find_blocks(trainer.policy, config.model.block_name):
             block.compile(dynamic=True)
-    seconds = pairs_seen = real = computed = flops = first_step = 0
+    speed, first_step = Throughput(trainer.peak_flops, 1, trainer.topology.device), 0.0
     live_reference = isinstance(trainer.reference, LiveReference)
     step_rss = [0.0]  # the largest RSS seen while training steps run, sampled every 5 ms
 
@@ -144,23 +150,22 @@ def lever_worker(
         examples = [trainer.train_examples[i] for i in indices]
         start = time.perf_counter()
         metrics = trainer.train_step(examples)  # ends with the step's one transfer from the device: synchronised
-        first_step = first_step or time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        first_step = first_step or seconds
         if step >= warmup:
-            seconds += time.perf_counter() - start
-            pairs_seen += len(examples)
-            real += sum(map(real_tokens, examples))
-            computed += sum(metrics["perf/computed_tokens"])
-            flops += sum(trainer.flops.example(ex, live_reference) for ex in examples)
+            computed = sum(metrics["perf/computed_tokens"])
+            speed.add(**step_amounts(examples, seconds, computed, trainer.flops, live_reference))
     stop.set()
     sampler.join()
     cuda = trainer.topology.device.type == "cuda"
+    rates = speed.rates()
     Path(result_file).write_text(
         json.dumps(
             {
-                "pairs_per_second": pairs_seen / seconds,
-                "real_tokens_per_second": real / seconds,
-                "computed_tokens_per_second": computed / seconds,
-                "mfu": flops / seconds / trainer.peak_flops,
+                "pairs_per_second": rates["perf/pairs_per_second"],
+                "real_tokens_per_second": rates["perf/real_tokens_per_second"],
+                "computed_tokens_per_second": rates["perf/computed_tokens_per_second"],
+                "mfu": rates["perf/mfu"],
                 "peak_memory_gib": (
                     torch.cuda.max_memory_allocated() / 2**30
                     if cuda

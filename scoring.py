@@ -224,6 +224,7 @@ class Scorer:
             elif problem and device.type == "cuda":
                 notes.append(f"packed attention: dense [T, T] mask, not a block mask: {problem}")
             attention = "dense" if problem else "block"
+        attention = attention if layout == "packed" else "dense"  # padded rows take a 2-D mask: no choice to make
         problem = scored_head_problem(model, probe_dtype, device) if scored_head else None
         if problem:
             notes.append(f"logits: computed at every position, not only where a token is scored: {problem}")

@@ -143,6 +143,20 @@ def peak_memory(device: torch.device) -> dict[str, float]:
     return {"perf/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux
 
 
+def step_amounts(
+    examples: list[dict], seconds: float, computed_tokens: float, flops: ModelFlops, live_reference: bool
+) -> dict[str, float]:
+    """What one training step over `examples` adds to a Throughput."""
+    return dict(
+        seconds=seconds,
+        pairs=len(examples),
+        computed_tokens=computed_tokens,
+        real_tokens=sum(map(real_tokens, examples)),
+        scored_tokens=sum(map(scored_tokens, examples)),
+        flops=sum(flops.example(example, live_reference) for example in examples),
+    )
+
+
 class Throughput:
     """Sums of one period (a logging interval, or the run) and their rates."""
 
@@ -175,5 +189,5 @@ class Throughput:
         return (
             f"{r['perf/pairs_per_second']:.3g} pairs/s; tokens/s {r['perf/real_tokens_per_second']:.4g} real, "
             f"{r['perf/computed_tokens_per_second']:.4g} computed, {r['perf/scored_tokens_per_second']:.4g} scored; "
-            f"MFU {r['perf/mfu']:.2%} of {self.peak / 1e12:.3g} TFLOP/s x {self.devices} devices; {memory}"
+            f"MFU {r['perf/mfu']:.2%} of {self.peak / 1e12:.3g} TFLOP/s per device x {self.devices}; {memory}"
         )

@@ -36,7 +36,7 @@ from precision import parse_dtype, resolve_compute_dtype
 from preference_datasets import PreferencePair, prepare_examples
 from report import data_report
 from scoring import Scorer
-from telemetry import ModelFlops, Throughput, peak_flops, real_tokens, scored_tokens
+from telemetry import ModelFlops, Throughput, peak_flops, step_amounts
 from utils import Interrupted, UserError, append_jsonl, get_local_dir, truncate_jsonl
 
 LOGS = ("metrics.jsonl", "samples.jsonl", "plots.png")  # what a run writes besides checkpoints
@@ -275,14 +275,8 @@ class Trainer:
                 start = time.time()
                 examples = [self.train_examples[i] for i in indices]
                 step_metrics = self.train_step(examples)
-                amounts = dict(
-                    seconds=time.time() - start,
-                    pairs=len(examples),
-                    computed_tokens=sum(step_metrics.pop("perf/computed_tokens")),
-                    real_tokens=sum(map(real_tokens, examples)),
-                    scored_tokens=sum(map(scored_tokens, examples)),
-                    flops=sum(self.flops.example(ex, live_reference) for ex in examples),
-                )
+                computed = sum(step_metrics.pop("perf/computed_tokens"))
+                amounts = step_amounts(examples, time.time() - start, computed, self.flops, live_reference)
                 interval_speed.add(**amounts)
                 run_speed.add(**amounts)
                 for name, values in step_metrics.items():
