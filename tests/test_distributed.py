@@ -232,6 +232,32 @@ def test_fsdp_reduces_every_micro_batch_into_sharded_gradients(make_config, tmp_
     assert run_fsdp_ranks(config, record_micro_batches, tmp_path) == expected
 
 
+def test_a_stopped_run_lets_go_of_what_it_held():
+    # A stop or an error leaves through SystemExit, whose context holds the run's frames: they are cleared, so that
+    # run_rank frees the trainer (models, process-group handles) before destroying the process groups.
+    import gc
+    import weakref
+
+    from distributed import reported_errors
+    from utils import Interrupted
+
+    class Trainer:
+        pass
+
+    held = []
+
+    def run():
+        trainer = Trainer()
+        held.append(weakref.ref(trainer))
+        raise Interrupted("stopped", 2)
+
+    with pytest.raises(SystemExit) as exit:
+        with reported_errors():
+            run()
+    gc.collect()
+    assert exit.value.code == 130 and held[0]() is None
+
+
 def test_mesh_shape_of_each_trainer_name():
     assert mesh_shape("BasicTrainer", 1, None) == (1, 1)
     assert mesh_shape("FSDPTrainer", 4, None) == (4, 1)
