@@ -310,15 +310,12 @@ CAMPAIGN_MODELS = {
         vocab_size=32000,
         max_position_embeddings=4096,
     ),
-    "smoke": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=300,
-        max_position_embeddings=256,
-    ),
+}
+# --smoke: the tiny preset's shape (assets/tiny-llama, the tests' model)
+CAMPAIGN_MODELS["smoke"] = {
+    key: value
+    for key, value in json.loads((REPO_ROOT / "assets" / "tiny-llama" / "config.json").read_text()).items()
+    if key in CAMPAIGN_MODELS["gpu"]
 }
 # (max_length, pairs per step, activation checkpointing): at 4096 the padded layout's 8 rows x 4096 tokens would
 # not fit an H100's 80 GB without recomputation, for TRL as for us.

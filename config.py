@@ -219,10 +219,15 @@ class Config:
             )
             what = "rows" if key == "pack_row_tokens" else "attention"
             raise UserError(f"{key}={value} sets the {what} of layout=packed, but layout=padded")
+        if self.model.fsdp_reduce_dtype != "float32" and not TRAINERS[self.trainer].fsdp:
+            raise UserError(
+                f"model.fsdp_reduce_dtype={self.model.fsdp_reduce_dtype} sets how FSDPTrainer reduces gradients; "
+                f"{self.trainer} does not shard them: leave it at float32, or use trainer=FSDPTrainer"
+            )
         if self.packed_attention == "block" and not torch.cuda.is_available():
             raise UserError(
                 "packed_attention=block needs a CUDA GPU: FlexAttention has no backward pass on CPU (torch 2.13), and "
-                "its CPU forward measured no faster than the dense mask; use auto or dense"
+                "its CPU forward measured slower than the dense mask; use auto or dense"
             )
         expect(
             self.pack_row_tokens is None or self.pack_row_tokens > 0,

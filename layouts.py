@@ -30,7 +30,8 @@ class ModelBatch:
 
     input_ids:        [R, T]
     position_ids:     [R, T] (packed), or None: 0..T-1 in every row (padded)
-    attention_mask:   [R, T] 0/1 (padded), or None (packed: the mask follows from segment_ids and branch_ids)
+    attention_mask:   [R, T] 0/1 (padded); packed: None as laid out, the mask following from segment_ids and
+                      branch_ids (set on the device by scoring.Scorer.batch, dense or block)
     segment_ids:      [R, T] the example each token belongs to, -1 for padding (packed), or None
     branch_ids:       [R, T] 0 for a prompt token, r + 1 for a token of response r (packed), or None
     keep_positions:   [R, K] positions whose hidden states predict a scored token (a short row repeats its last)

@@ -48,6 +48,11 @@ def block_mask(batch: ModelBatch):
     return create_block_mask(mask_mod, rows, None, length, length, device=device, _compile=True)
 
 
+def packed_mask(batch: ModelBatch, attention: str):
+    """A packed batch's attention on its device: the [R, 1, T, T] boolean mask ("dense") or a BlockMask ("block")."""
+    return block_mask(batch) if attention == "block" else dense_mask(batch)
+
+
 @contextlib.contextmanager
 def attention_implementation(model: torch.nn.Module, name: str | None):
     """transformers' attention implementation set to `name` for the forwards inside this block (None: unchanged).
@@ -90,18 +95,16 @@ def sequence_logps(
     mask_dtype: the dtype attention computes in, for the additive dense mask of the packed layout.
     scored_head: the head runs only on the hidden states that predict a scored token, fused with the float32
     log-softmax; otherwise the model returns all [R, T, V] logits and the log-softmax is chunked over them.
-    attention: for packed batches, "dense" ([R, 1, T, T] additive mask, SDPA) or "block" (FlexAttention)."""
-    implementation = None
-    if batch.segment_ids is None:
-        mask = batch.attention_mask
-    elif attention == "block":
-        mask, implementation = block_mask(batch), "flex_attention"
-    else:
-        mask = additive_mask(dense_mask(batch), mask_dtype)
+    attention: for a packed batch whose mask is not built yet (see Scorer.batch), "dense" ([R, 1, T, T] additive
+    mask, SDPA) or "block" (FlexAttention)."""
+    mask = batch.attention_mask if batch.attention_mask is not None else packed_mask(batch, attention)
+    flex = not torch.is_tensor(mask)  # a BlockMask
+    if not flex and mask.dim() == 4:
+        mask = additive_mask(mask, mask_dtype)
     inputs = dict(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids, use_cache=False)
     device = batch.input_ids.device
     autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-    with autocast, attention_implementation(model, implementation):
+    with autocast, attention_implementation(model, "flex_attention" if flex else None):
         if scored_head:
             with head_returns_token_logps(model, batch.score_rows, batch.score_targets):
                 token_logps = model(**inputs, logits_to_keep=batch.keep_positions).logits
@@ -249,9 +252,14 @@ class Scorer:
         return sum(segment_lengths(examples))
 
     def batch(self, examples: list[dict]) -> ModelBatch:
-        """The examples in this run's layout, on this rank's device."""
+        """The examples in this run's layout, on this rank's device, a packed batch with its attention mask built
+        (once: the policy and a live reference share it)."""
         multiple = FLEX_BLOCK if self.attention == "block" else 1
-        return make_batch(self.layout, examples, self.pad_token_id, self.row_budget(examples), multiple).to(self.device)
+        batch = make_batch(self.layout, examples, self.pad_token_id, self.row_budget(examples), multiple)
+        batch = batch.to(self.device)
+        if self.layout == "packed":
+            batch.attention_mask = packed_mask(batch, self.attention)
+        return batch
 
     def __call__(self, model: torch.nn.Module, batch: ModelBatch, compute: torch.dtype | None) -> torch.Tensor:
         """[R * B] float32 summed log-probs of each example's responses (all first responses, then all second

@@ -112,6 +112,7 @@ ERRORS = [
     ("model.fsdp_policy_mp=float16", "model.fsdp_policy_mp=float16 would train without loss scaling"),
     ("model.policy_dtype=float16", "model.policy_dtype=float16 would train without loss scaling"),
     ("model.fsdp_reduce_dtype=fp8", "model.fsdp_reduce_dtype=fp8 is not a dtype"),
+    ("model.fsdp_reduce_dtype=bfloat16", "model.fsdp_reduce_dtype=bfloat16 sets how FSDPTrainer reduces gradients"),
     # models, archives, checkpoints, run directories
     ("model.name_or_path={d}/no-model model.random_init=false", "could not load model '{d}/no-model'"),
     ("model.archive={d}/garbage.pt", "model.archive: {d}/garbage.pt is not a readable checkpoint"),

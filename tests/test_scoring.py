@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from conftest import TINY_DIR
-from layouts import pack, pad, segment_lengths
+from layouts import dense_mask, pack, pad, segment_lengths
 from preference_datasets import PreferencePair, tokenize_pair
 from scoring import FLEX_BLOCK, block_attention_problem, packing_problem, scored_head_problem, sequence_logps
 
@@ -219,3 +219,14 @@ def test_layouts_and_heads_equal_padded_on_cuda(examples, architecture, dtype, a
             assert block_attention_problem(model, dtype, cuda) is None
     finally:
         torch.backends.cuda.matmul.allow_tf32 = True
+
+
+def test_a_packed_batch_builds_its_mask_once_for_policy_and_live_reference(make_config, monkeypatch):
+    import scoring
+    from conftest import build_trainer
+
+    trainer = build_trainer(make_config("reference_cache=false", "gradient_accumulation_steps=2"))
+    built = []
+    monkeypatch.setattr(scoring, "dense_mask", lambda batch: built.append(batch) or dense_mask(batch))
+    trainer.train_step([trainer.train_examples[i] for i in trainer.schedule[0]])
+    assert len(built) == 2  # one per micro-batch, though the policy and the live reference both score each
