@@ -40,7 +40,7 @@ import torch.distributed as dist
 import transformers
 
 import logprobs
-from distributed import free_port, rank_environment
+from distributed import free_port, leave_process_group, rank_environment
 from logprobs import token_logps_from_hidden, token_logps_from_logits
 from utils import REPO_ROOT
 
@@ -106,11 +106,11 @@ def lever_worker(
     from itertools import islice
 
     import config as configuration
-    from adapters import apply_lora
+    from build import build
     from distributed import Topology
-    from models import find_blocks, load_model, load_tokenizer
+    from models import load_tokenizer
+    from placement import find_blocks
     from preference_datasets import parse_rows, read_file_rows
-    from reference_cache import LiveReference
     from telemetry import Throughput, step_amounts
     from trainers import Trainer
 
@@ -120,22 +120,13 @@ def lever_worker(
     pairs = parse_rows(list(islice(read_file_rows(Path(data_file)), n_rows)), data_file, tokenizer)
     data = {"train": pairs, "test": pairs[:1]}  # the eval pair plays no part in the timings
     start = time.perf_counter()
-    policy = load_model(config.model, torch.float32, cache_dir, config.seed)
-    trainer = Trainer(
-        config,
-        Topology.create(config.trainer),
-        apply_lora(policy, config.lora) if config.lora.enabled else policy,
-        lambda: load_model(config.model, torch.float32, cache_dir, config.seed),
-        tokenizer,
-        data,
-        cache_dir / "run",
-    )
+    trainer = Trainer(build(config, Topology.create(config.trainer), data), cache_dir / "run")
     setup_seconds = time.perf_counter() - start
     if compile_blocks:
         for block in find_blocks(trainer.policy, config.model.block_name):
             block.compile(dynamic=True)
     speed, first_step = Throughput(trainer.peak_flops, 1, trainer.topology.device), 0.0
-    live_reference = isinstance(trainer.reference, LiveReference)
+    live_reference = trainer.live_reference
     step_rss = [0.0]  # the largest RSS seen while training steps run, sampled every 5 ms
 
     def sample_rss(stop: threading.Event) -> None:
@@ -146,8 +137,8 @@ def lever_worker(
     stop = threading.Event()
     sampler = threading.Thread(target=sample_rss, args=(stop,), daemon=True)
     sampler.start()
-    for step, indices in enumerate(trainer.schedule[: warmup + steps]):
-        examples = [trainer.train_examples[i] for i in indices]
+    for step, indices in enumerate(trainer.data.schedule[: warmup + steps]):
+        examples = [trainer.data.train_examples[i] for i in indices]
         start = time.perf_counter()
         metrics = trainer.train_step(examples)  # ends with the step's one transfer from the device: synchronised
         seconds = time.perf_counter() - start
@@ -172,7 +163,7 @@ def lever_worker(
                     else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
                 ),
                 "training_rss_gib": step_rss[0],
-                "precision": "bfloat16" if trainer.policy_compute == torch.bfloat16 else "float32",
+                "precision": "bfloat16" if trainer.precision.policy_compute == torch.bfloat16 else "float32",
                 "layout": trainer.scorer.describe(),
                 "setup_seconds": setup_seconds,
                 "first_step_seconds": first_step,
@@ -784,7 +775,8 @@ def fsdp_rank(rank: int, world_size: int, port: int, variant: str, result_file: 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     if rank == 0:
         torch.save({"seconds": seconds, "state": {name: value.cpu() for name, value in state.items()}}, result_file)
-    dist.destroy_process_group()
+    del model, state
+    leave_process_group()
 
 
 def bench_fsdp() -> None:
@@ -845,7 +837,8 @@ def reduce_rank(rank: int, world_size: int, port: int, reduce_dtype: str, result
         optimizer.zero_grad()
     if rank == 0:
         torch.save(gradients, result_file)
-    dist.destroy_process_group()
+    del model, optimizer
+    leave_process_group()
 
 
 def bench_fsdp_reduce() -> None:

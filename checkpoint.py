@@ -13,7 +13,6 @@ import pickle
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -25,46 +24,72 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from adapters import is_adapted, is_quantized, merged_state_dict
+from distributed import Topology
 from utils import UserError, first_line
 
-if TYPE_CHECKING:  # distributed imports models, which reads archives through this module
-    from distributed import Topology
-
-FILES = ("policy", "optimizer", "scheduler")
+FILES = ("policy", "optimizer", "scheduler")  # the reference format's files; any other part's file is optional
 MARKER = "checkpoint.json"  # written last: a directory without it was not written by save()
 STEP_DIR = re.compile(r"step-(\d+)")
+
+
+class ModelWeights:
+    """A checkpoint part: the model's trainable weights (a LoRA policy's: its adapters), full and keyed by name
+    whatever the sharding. Collective: every rank takes part; rank 0 gets the whole state, on its CPU."""
+
+    collective = True
+
+    def __init__(self, model):
+        self.model = model
+
+    def state_dict(self) -> dict:
+        if is_quantized(self.model):  # QLoRA, one process: get_model_state_dict trips on bitsandbytes' 4-bit weights
+            return {name: p.detach().cpu() for name, p in self.model.named_parameters() if p.requires_grad}
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        return get_model_state_dict(self.model, options=options)
+
+    def load_state_dict(self, state: dict, broadcast: bool) -> None:
+        """state: the whole state on rank 0 ({} elsewhere; broadcast from rank 0 when `broadcast`)."""
+        # strict=False: a LoRA checkpoint holds the adapters only (check_fit made sure it holds every trainable one)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=False)
+        set_model_state_dict(self.model, state, options=options)
+
+
+class OptimizerState(ModelWeights):
+    """A checkpoint part: the optimizer's state, full and keyed by parameter name like the weights."""
+
+    def __init__(self, model, optimizer):
+        super().__init__(model)
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=options)
+
+    def load_state_dict(self, state: dict, broadcast: bool) -> None:
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=False)
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=options)
 
 
 def save(
     output_dir: Path,
     step: int,
     metrics: dict[str, float],
-    policy,
-    optimizer,
-    scheduler,
-    topology: "Topology",
-    objective_state: dict,
+    parts: dict,
+    topology: Topology,
     loop_state: dict,
     tokenizer=None,
 ) -> None:
-    """Write the three files, objective.pt for an objective with running state (bco_pair's reward mean), and,
-    given the tokenizer, a from_pretrained-ready copy of policy and tokenizer (the run's end), then checkpoint.json
-    with `loop_state` (the training loop's counters), to a temporary directory; then swap it in whole. Every rank
-    takes part in gathering the states; rank 0 writes, and a failure to write (a full disk, no permission) is a
-    UserError on every rank. policy.pt holds the trainable parameters: all of them, or a LoRA policy's adapters."""
-    # The full states land on rank 0's CPU only (cpu_offload: the other ranks get none), one tensor at a time.
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    quantized = is_quantized(policy)
-    if quantized:  # QLoRA, one process: get_model_state_dict trips on bitsandbytes' 4-bit weights in its older versions
-        policy_state = {name: p.detach().cpu() for name, p in policy.named_parameters() if p.requires_grad}
-    else:
-        policy_state = get_model_state_dict(policy, options=options)
-    optimizer_state = get_optimizer_state_dict(policy, optimizer, options=options)
-    export_state = policy_state
-    if tokenizer is not None and not quantized and any(not p.requires_grad for p in policy.parameters()):
+    """Write each part's state to <name>.pt (parts: name -> an object with state_dict(); "policy" a ModelWeights, as
+    the reference format has it; a part with an empty state writes no file), and, given the tokenizer, a
+    from_pretrained-ready copy of policy and tokenizer (the run's end), then checkpoint.json with `loop_state` (the
+    training loop's counters), to a temporary directory; then swap it in whole. Every rank takes part in gathering the
+    states; rank 0 writes, and a failure to write (a full disk, no permission) is a UserError on every rank."""
+    states = {name: part.state_dict() for name, part in parts.items()}
+    policy = parts["policy"].model
+    export_state = states["policy"]
+    if tokenizer is not None and not is_quantized(policy) and any(not p.requires_grad for p in policy.parameters()):
         # the merged export needs every weight, a LoRA base's frozen ones too
         export_state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    states = dict(zip(FILES, (policy_state, optimizer_state, scheduler.state_dict()))) | {"objective": objective_state}
     marker = {"step": step, "metrics": metrics, "final": tokenizer is not None, "loop": loop_state}
 
     def write():
@@ -119,27 +144,36 @@ def export(directory: Path, policy, state: dict, tokenizer) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def load(
-    checkpoint_dir: Path, policy, optimizer, scheduler, batch_size: int, topology: "Topology"
-) -> tuple[int, dict, dict]:
-    """Load weights, optimizer and schedule state into the (placed) policy, its optimizer and scheduler; return
-    the examples seen, the objective's state ({} where the checkpoint has none) and checkpoint.json ({} in
-    checkpoints older than it). Rank 0 reads and checks the files; the states reach the other ranks by broadcast."""
+def load(checkpoint_dir: Path, parts: dict, batch_size: int, topology: Topology) -> tuple[int, dict]:
+    """Load each part's state (as save() wrote them) into the placed parts; return the examples seen and
+    checkpoint.json ({} in checkpoints older than it). Rank 0 reads and checks the files; collective parts (weights,
+    optimizer) are broadcast by torch's state-dict loaders, the others' states as objects. A part without a file
+    keeps its state: an optional one (not one of FILES) that had none to save."""
     setting = f"resume_from={checkpoint_dir}"
-    states = topology.run_on_main(lambda: read(checkpoint_dir, policy, optimizer, batch_size, setting))
     main = topology.is_main
-    step, scheduler_state, objective_state, marker = topology.broadcast(
-        (states["policy"]["step_idx"], states["scheduler"]["state"], states["objective"], states["marker"])
+    policy, optimizer = parts["policy"].model, parts["optimizer"].optimizer
+    states = topology.run_on_main(lambda: read(checkpoint_dir, list(parts), policy, optimizer, batch_size, setting))
+    step, marker, small = topology.broadcast(
+        (
+            states["policy"]["step_idx"],
+            states["marker"],
+            {name: states.get(name) for name, part in parts.items() if not collective(part)},
+        )
         if main
         else None
     )
-    # strict=False: a LoRA checkpoint holds the adapters only (read() checked that it holds every trainable one)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=topology.world_size > 1, strict=False)
-    set_model_state_dict(policy, states["policy"]["state"] if main else {}, options=options)
-    set_optimizer_state_dict(policy, optimizer, states["optimizer"]["state"] if main else {}, options=options)
-    load_state(scheduler, scheduler_state, setting, checkpoint_dir / "scheduler.pt")
+    for name, part in parts.items():
+        if collective(part):
+            part.load_state_dict(states[name]["state"] if main else {}, broadcast=topology.world_size > 1)
+        elif small[name] is not None:
+            load_state(part, small[name]["state"], setting, checkpoint_dir / f"{name}.pt")
     print(f"resumed from {checkpoint_dir} at {step} examples")
-    return step, objective_state, marker
+    return step, marker
+
+
+def collective(part) -> bool:
+    """Whether every rank takes part in the part's state_dict() and load_state_dict() (ModelWeights)."""
+    return getattr(part, "collective", False)
 
 
 def preflight(checkpoint_dir: Path, policy, batch_size: int) -> None:
@@ -150,11 +184,13 @@ def preflight(checkpoint_dir: Path, policy, batch_size: int) -> None:
     check_fit(checkpoint_dir, read_states(checkpoint_dir, setting, mmap=True), policy, batch_size, setting)
 
 
-def read(checkpoint_dir: Path, policy, optimizer, batch_size: int, setting: str) -> dict[str, dict]:
-    """The three files, checked to fit this run, so that loading them cannot fail half-way through a broadcast."""
+def read(checkpoint_dir: Path, names: list[str], policy, optimizer, batch_size: int, setting: str) -> dict[str, dict]:
+    """The parts' files (FILES required, the others where present), checked to fit this run, so that loading them
+    cannot fail half-way through a broadcast; and checkpoint.json as "marker"."""
     states = read_states(checkpoint_dir, setting)
-    objective_file = checkpoint_dir / "objective.pt"
-    states["objective"] = read_file(objective_file, setting)["state"] if objective_file.exists() else {}
+    for name in set(names) - set(FILES):
+        if (checkpoint_dir / f"{name}.pt").exists():
+            states[name] = read_file(checkpoint_dir / f"{name}.pt", setting)
     states["marker"] = describe(checkpoint_dir) or {}
     check_fit(checkpoint_dir, states, policy, batch_size, setting)
     if len(states["optimizer"]["state"].get("param_groups", [])) != len(optimizer.param_groups):

@@ -1,5 +1,5 @@
-"""Everything about processes: who this process is (`Topology`), how the processes are started (`launch`), and
-parallelism as functions that place a model on the device mesh (`apply_tensor_parallel`, `apply_fsdp`).
+"""Everything about processes: who this process is (`Topology`) and how the processes are started (`launch`);
+placement.py puts models on the topology's device mesh.
 
 The mesh is 2-D, data parallel x tensor parallel ("dp", "tp"), laid out row-major, so that the ranks of one tp
 group are neighbours (on one node under torchrun). The ranks of a tp group split every attention and MLP
@@ -22,12 +22,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor.parallel import parallelize_module
 
-from models import checkpoint_blocks, find_blocks, tensor_parallel_plan
 from utils import Interrupted, UserError, first_line
 
 
@@ -207,60 +203,6 @@ class Topology:
 
 
 # -------------------------------------------------------------------------------------------------------------
-# Parallelism: functions that take a model and the mesh and return it placed
-
-
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, trainer: str) -> nn.Module:
-    """Split the base model's attention and MLP projections over the tp ranks (the model's own tp plan);
-    each split weight goes to the device as its shard, never whole."""
-    plan = tensor_parallel_plan(model, tp_mesh.size(), dist.get_world_size(), trainer)
-    parallelize_module(model.base_model, tp_mesh, plan)
-    return model
-
-
-def apply_fsdp(
-    model: nn.Module,
-    dp_mesh: DeviceMesh,
-    block_name: str | None,
-    compute_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
-):
-    """Shard each transformer block, then the root, over the dp ranks (FSDP2's `fully_shard`). Parameters are
-    gathered in compute_dtype (None: the weights' dtype); gradients are reduce-scattered in reduce_dtype (None: the
-    compute dtype) and accumulated into the sharded float32 gradients; buffers, e.g. Llama's rotary frequencies,
-    keep their dtype."""
-    mixed_precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype or compute_dtype)
-    for block in find_blocks(model, block_name):
-        fully_shard(block, mesh=dp_mesh, mp_policy=mixed_precision)
-    # The root (embeddings, final norm, head) reshards after each forward too, unlike FSDP2's default: evals,
-    # sampling and the reference run forwards without a backward, which would leave it gathered.
-    return fully_shard(model, mesh=dp_mesh, mp_policy=mixed_precision, reshard_after_forward=True)
-
-
-def parallelize(
-    model: nn.Module,
-    topology: Topology,
-    compute_dtype: torch.dtype | None,
-    block_name: str | None,
-    activation_checkpointing: bool,
-    reduce_dtype: torch.dtype | None = None,
-) -> nn.Module:
-    """The model placed on this topology: tensor parallel first (FSDP then shards the tp shards), activation
-    checkpointing per block, then FSDP, or else moved whole to the device.
-
-    With gradient accumulation FSDP reduce-scatters after every micro-batch (FSDP2's default, kept): skipping the
-    reduction until the last micro-batch would hold every block's whole unsharded gradient on every rank meanwhile
-    (for a 7B model, 14 GB in bfloat16, 28 GB in float32), for one reduction's worth of communication saved."""
-    if topology.tp_size > 1:
-        apply_tensor_parallel(model, topology.mesh["tp"], topology.trainer)
-    if activation_checkpointing:
-        checkpoint_blocks(model, block_name)
-    if topology.fsdp:
-        return apply_fsdp(model, topology.mesh["dp"], block_name, compute_dtype, reduce_dtype)
-    return model.to(topology.device)
-
-
-# -------------------------------------------------------------------------------------------------------------
 # Launching: in this process, as one rank under torchrun, or as `nproc` workers spawned here
 
 
@@ -361,8 +303,15 @@ def run_rank(run: Callable, config, timeout_secs: float) -> None:
             run(config)
             dist.barrier()  # leave together: rank 0 may still be writing the last checkpoint
     finally:
-        gc.collect()  # what a failed run held, cycles included, goes before its process groups (report_and_exit)
-        dist.destroy_process_group()
+        leave_process_group()
+
+
+def leave_process_group() -> None:
+    """Destroy the process groups after what still holds them: a Trainer, a sharded model or a failed run's frames
+    (report_and_exit) often sit in reference cycles, and left to the interpreter's teardown they outlive the groups
+    and abort the rank at exit now and then ("terminate called without an active exception")."""
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def spawned_worker(local_rank: int, nproc: int, port: int, run: Callable, config, timeout_secs: float) -> None:

@@ -8,10 +8,8 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.utils.checkpoint
 import transformers
 from omegaconf import DictConfig
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from checkpoint import load_state, read_file
 from utils import UserError
@@ -100,67 +98,6 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-
-
-def find_blocks(model: torch.nn.Module, block_name: str | None) -> list[torch.nn.Module]:
-    """The model's transformer blocks: modules of class `block_name`, or, when it is null, of the classes the
-    model declares in `_no_split_modules`. They are the unit of activation checkpointing and FSDP sharding."""
-    known = list(getattr(model, "_no_split_modules", None) or [])
-    names = [block_name] if block_name else known
-    if not names:
-        raise UserError(
-            f"model.block_name is null and {type(model).__name__} declares no _no_split_modules: "
-            "set model.block_name to its transformer block class"
-        )
-    blocks = [module for module in model.modules() if type(module).__name__ in names]
-    if not blocks:
-        raise UserError(
-            f"model.block_name={block_name} matches no module of {type(model).__name__}"
-            + (f"; its blocks: {', '.join(known)}" if known else "")
-        )
-    return blocks
-
-
-def checkpoint_blocks(model: torch.nn.Module, block_name: str | None) -> int:
-    """Recompute each block's activations in the backward pass (non-reentrant checkpointing).
-
-    The block's forward is wrapped in place, so parameter names and state dicts are unchanged. Returns the
-    number of blocks wrapped."""
-    blocks = find_blocks(model, block_name)
-    for block in blocks:
-        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
-    return len(blocks)
-
-
-TENSOR_PARALLEL_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-
-
-def tensor_parallel_plan(
-    model: torch.nn.Module, tp_size: int, world_size: int, trainer: str
-) -> dict[str, ParallelStyle]:
-    """A `parallelize_module` plan for the base model, from the column/row split that transformers declares
-    for the architecture (`config.base_model_tp_plan`: Megatron-LM's split of attention and MLP projections,
-    Shoeybi et al. 2019). Embeddings, norms and the LM head stay whole on every rank."""
-    name = type(model).__name__
-    plan = getattr(model.config, "base_model_tp_plan", None)
-    if not plan:
-        raise UserError(
-            f"{name} has no tensor-parallel plan (its config has no base_model_tp_plan); use trainer=FSDPTrainer"
-        )
-    unsupported = sorted(set(plan.values()) - set(TENSOR_PARALLEL_STYLES))
-    if unsupported:
-        raise UserError(
-            f"{name}'s tensor-parallel plan uses {', '.join(unsupported)}; TensorParallelTrainer implements "
-            f"{', '.join(TENSOR_PARALLEL_STYLES)}; use trainer=FSDPTrainer"
-        )
-    for key in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(model.config, key, None)
-        if heads is not None and heads % tp_size:
-            over = f"the world size {tp_size}" if tp_size == world_size else f"tensor_parallel_size={tp_size}"
-            raise UserError(
-                f"{trainer} splits attention heads over ranks, but {name} has {key}={heads}, not a multiple of {over}"
-            )
-    return {pattern: TENSOR_PARALLEL_STYLES[style]() for pattern, style in plan.items()}
 
 
 def load_archive(model: torch.nn.Module, archive: str) -> None:

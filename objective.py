@@ -42,6 +42,16 @@ class PreferenceObjective:
         metrics[f"loss/{split}"] = output.losses.detach()
         return output.losses.mean(), metrics
 
+    def state_dict(self) -> dict:
+        """The running state, for checkpoints (checkpoint.py: a stateful part)."""
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict) -> None:
+        unknown = state.keys() - self.state.keys()
+        if unknown:
+            raise KeyError(f"unexpected objective state {sorted(unknown)[0]!r}")
+        self.state.update(state)
+
     def observe(self, metrics: dict[str, list[float]]) -> None:
         """Fold one training step's gathered rewards into the running reward mean."""
         step = metrics.get("rewards_train/chosen", []) + metrics.get("rewards_train/rejected", [])
@@ -67,6 +77,13 @@ class SFTObjective:
     def __call__(self, policy_logps, reference_logps, n_tokens, split: str):
         losses = -policy_logps
         return losses.mean(), {f"logps_{split}/chosen": policy_logps.detach(), f"loss/{split}": losses.detach()}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise KeyError(f"unexpected objective state {sorted(state)[0]!r}")
 
     def observe(self, metrics: dict[str, list[float]]) -> None:
         pass

@@ -2,16 +2,18 @@
 
 CUDA GPUs answer through torch (native bf16 support: emulated bf16, as on a T4 or V100, is slow). CPUs differ within
 one machine kind: with AVX512-BF16 or AMX a bfloat16 matmul runs several times faster than float32, without them
-~100x slower. No flag tells reliably what oneDNN will do, so a micro-probe times both, once per machine (CPU model,
-core count, torch version), and the measured rates are cached in the run's cache directory; they are also the
-CPU's peak in the runs' MFU (telemetry.py).
+~100x slower. No flag tells reliably what oneDNN will do, so a micro-probe times both, once per machine, and the
+measured rates are cached in the run's cache directory, keyed by everything they depend on (machine_key); they are
+also the CPU's peak in the runs' MFU (telemetry.py).
 """
 
 import json
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -63,9 +65,44 @@ def probe_cpu_matmul_flops() -> dict[str, float]:
     }
 
 
+# The CPU flags that decide how fast a bfloat16 matmul can run: native bf16 dot products (AVX512-BF16, AMX) or
+# their absence, where oneDNN converts to float32 (AVX512F, AVX2).
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512f", "avx2")
+
+
+def cpu_flags() -> list[str]:
+    """The BF16_FLAGS this CPU reports (Linux); empty where /proc/cpuinfo is absent."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+    return [flag for flag in BF16_FLAGS if flag in flags]
+
+
 def machine_key() -> str:
-    """What the probe's answer depends on: the CPU, how many cores, and torch's kernels."""
-    return f"{cpu_name()} x{os.cpu_count()} torch {torch.__version__}"
+    """Everything the probe's answer depends on: the CPU and its bf16-relevant flags, the kernels torch dispatches
+    to (its CPU capability, which ATEN_CPU_CAPABILITY lowers) and oneDNN's ISA limit (ONEDNN_MAX_CPU_ISA), the
+    threads a matmul uses, and torch's version. CPUs of one model name differ in these flags (AVX2-only and
+    AVX512-BF16 machines of one cloud kind report the same name), and a cache directory may be shared by a
+    cluster's nodes."""
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "unlimited"
+    flags = " ".join(cpu_flags()) or "no flags read"
+    return (
+        f"{cpu_name()} [{flags}] capability {torch.backends.cpu.get_cpu_capability()} oneDNN {onednn} "
+        f"threads {torch.get_num_threads()} torch {torch.__version__}"
+    )
+
+
+def device_key(device: torch.device) -> str:
+    """The kernels a device computes with, for caches of computed numbers (the reference's log-probs): a GPU's name
+    and CUDA version, or the CPU's machine_key. Another kernel set rounds differently."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} CUDA {torch.version.cuda} torch {torch.__version__}"
+    return machine_key()
 
 
 def cpu_matmul_flops(cache_dir: Path) -> dict[str, float]:
@@ -105,13 +142,9 @@ def choose_compute_dtype(device: torch.device, cache_dir: Path) -> tuple[torch.d
     return (torch.bfloat16 if speedup >= REQUIRED_SPEEDUP else None), verdict
 
 
-def resolve_compute_dtype(setting: str | None, topology, cache_dir: Path, autocast: bool) -> torch.dtype | None:
-    """The policy's compute dtype (None: its weights' dtype) for model.fsdp_policy_mp=`setting`; `auto` takes
-    bfloat16 where this device runs it fast, decided on rank 0 for all ranks (they must compute alike). One line
-    says what was chosen and why."""
-    dtype = parse_dtype(setting, "model.fsdp_policy_mp", allow_auto=True)
-    if dtype != "auto":
-        return dtype
+def auto_compute_dtype(topology, cache_dir: Path, autocast: bool) -> torch.dtype | None:
+    """`auto`'s compute dtype on this topology: bfloat16 where its device runs it fast, else None (float32); decided
+    on rank 0 for all ranks (they must compute alike). One line says what was chosen and why."""
     dtype, why = topology.run_on_main(lambda: choose_compute_dtype(topology.device, cache_dir)) or (None, None)
     dtype, why = topology.broadcast((dtype, why))
     how = "float32 weights under autocast" if autocast else "FSDP mixed precision over float32 shards"
@@ -119,3 +152,38 @@ def resolve_compute_dtype(setting: str | None, topology, cache_dir: Path, autoca
         f"precision: {f'bfloat16 compute ({how})' if dtype else 'float32'}, because {why} (model.fsdp_policy_mp=auto)"
     )
     return dtype
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Every dtype of a run, decided once from the model config (decide_precision). A compute dtype of None means
+    the weights' own."""
+
+    policy_weights: torch.dtype
+    policy_compute: torch.dtype | None
+    reference_weights: torch.dtype
+    reference_compute: torch.dtype | None
+    reference_like_policy: bool  # model.reference_dtype=auto: loaded and computed exactly like the policy
+    autocast: bool  # the compute dtype is applied by torch.autocast (else by FSDP's mixed precision)
+
+
+def decide_precision(model, autocast: bool, auto_compute: Callable[[], torch.dtype | None]) -> Precision:
+    """The run's dtypes from the typed model config (config.ModelConfig). auto_compute() answers
+    model.fsdp_policy_mp=auto (auto_compute_dtype; called only then).
+
+    model.reference_dtype: `auto`, the reference is the initial policy: its weights' dtype and its compute dtype, so
+    that at step 0 they agree to the last bit; a dtype, the reference is loaded in it and computes in it; null, the
+    reference is loaded in the policy's weights dtype and computes in it, without the policy's mixed precision."""
+    weights = parse_dtype(model.policy_dtype, "model.policy_dtype")
+    compute = parse_dtype(model.fsdp_policy_mp, "model.fsdp_policy_mp", allow_auto=True)
+    compute = auto_compute() if compute == "auto" else compute
+    reference = parse_dtype(model.reference_dtype, "model.reference_dtype", allow_auto=True)
+    like_policy = reference == "auto"
+    return Precision(
+        policy_weights=weights,
+        policy_compute=compute,
+        reference_weights=weights if like_policy or reference is None else reference,
+        reference_compute=compute if like_policy else None,
+        reference_like_policy=like_policy,
+        autocast=autocast,
+    )

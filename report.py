@@ -1,24 +1,16 @@
-"""What a run will do, told before it does it: the data report every run prints before training, and
-`dry_run=true`, which adds the resolved config, the number of steps and an estimate of peak memory per process, and
-exits before any weights are loaded."""
+"""What a run will do, told before it does it: the data report every run prints before training, and the estimate
+of peak memory per process that `dry_run=true` prints (build.dry_run)."""
 
 import statistics
-from pathlib import Path
 
 import torch
-import transformers
 from omegaconf import DictConfig, OmegaConf
 
-import checkpoint
-from adapters import apply_lora
 from distributed import TRAINERS, mesh_shape
 from layouts import make_batch
-from models import find_blocks, load_tokenizer, resolve_model_dir
-from objective import build_objective
 from optim import build_optimizer
-from precision import choose_compute_dtype, parse_dtype
-from preference_datasets import load_datasets, prepare_examples
-from utils import get_local_dir
+from placement import find_blocks
+from precision import Precision
 
 GIB = 2**30
 SHOWN_TOKENS = 24  # of a long segment, the decoded example shows this many tokens at each end
@@ -57,53 +49,14 @@ def decoded_tokens(ids: list[int], tokenizer) -> str:
     return "|".join(pieces)
 
 
-def dry_run(config: DictConfig, world_size: int) -> None:
-    """Config, tokenizer and data checked and reported, with the steps and a memory estimate; no weights loaded,
-    nothing written but the caches."""
-    print(OmegaConf.to_yaml(config))
-    cache_dir = get_local_dir(config.local_dirs)
-    tokenizer = load_tokenizer(config.model, cache_dir)
-    data = load_datasets(config.datasets, tokenizer, config.seed, config.n_eval_examples, cache_dir)
-    objective = build_objective(config.loss)
-    train, evals, schedule = prepare_examples(data, objective, tokenizer, config)
-    print(data_report(train, evals, tokenizer, config.max_length, config.max_prompt_length))
-    print(
-        f"steps: {len(schedule)} optimizer steps of {config.batch_size} examples ({len(schedule) * config.batch_size} "
-        f"examples), an eval every {config.eval_every} examples on {len(evals)}"
-    )
-    policy = meta_policy(config, cache_dir)
-    resume = checkpoint.newest(Path(config.local_run_dir)) if config.resume_from == "auto" else config.resume_from
-    if resume is not None:  # the checks a run makes before anything else
-        checkpoint.preflight(Path(resume), policy, config.batch_size)
-        print(f"resume: {resume} fits this run")
-    header, parts = memory_estimate(config, world_size, policy, train, schedule, objective.needs_reference, cache_dir)
-    print(f"memory estimate per process: {sum(parts.values()) / GIB:.2f} GiB ({header})")
-    for name, value in parts.items():
-        if value:
-            print(f"  {name:40} {value / GIB:8.3f} GiB")
-    print("dry run: no weights were loaded and nothing was trained")
-
-
-def meta_policy(config: DictConfig, cache_dir: Path) -> torch.nn.Module:
-    """The policy as the run would build it (with its LoRA adapters), on the meta device: shapes, no weights."""
-    model_config = transformers.AutoConfig.from_pretrained(
-        resolve_model_dir(config.model.name_or_path, cache_dir), trust_remote_code=config.model.trust_remote_code
-    )
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(
-            model_config, dtype=parse_dtype(config.model.policy_dtype, "model.policy_dtype")
-        )
-        return apply_lora(model, config.lora) if config.lora.enabled else model
-
-
 def memory_estimate(
     config: DictConfig,
     world_size: int,
     policy: torch.nn.Module,
     train: list[dict],
     schedule: list[list[int]],
-    needs_reference: bool,
-    cache_dir: Path,
+    precision: Precision,
+    live_reference: bool,
 ) -> tuple[str, dict[str, float]]:
     """(what it assumes, {part: bytes}): peak memory of one process, from the policy's shapes (meta_policy) and the
     run's largest micro-batch. Activations follow Korthikanti et al. 2022 ("Reducing
@@ -112,7 +65,7 @@ def memory_estimate(
     each layer's input and one layer's activations. Not counted: the framework itself (CUDA context, Python and
     torch: ~0.5-1 GiB)."""
     model_config = policy.config
-    weights_dtype = parse_dtype(config.model.policy_dtype, "model.policy_dtype")
+    weights_dtype = precision.policy_weights
     n_parameters = sum(p.numel() for p in policy.parameters())
     n_trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     blocks = find_blocks(policy, config.model.block_name)
@@ -122,7 +75,7 @@ def memory_estimate(
     dp, tp = mesh_shape(config.trainer, world_size, config.tensor_parallel_size)
     shards = dp * tp if parallelism.fsdp else tp  # tensor parallelism splits the blocks only: an upper bound below
     element = torch.finfo(weights_dtype).bits // 8
-    compute = compute_dtype(config, parallelism.fsdp, cache_dir) or weights_dtype
+    compute = precision.policy_compute or weights_dtype
     compute_bytes = torch.finfo(compute).bits // 8
 
     micro = config.batch_size // (config.gradient_accumulation_steps * dp)
@@ -142,14 +95,7 @@ def memory_estimate(
     )
     vocab = model_config.vocab_size
     logits = 0 if config.scored_logits_only else rows * vocab * (compute_bytes + 2 * 4)  # + float32 log-softmax
-    live_reference = (
-        needs_reference and not config.lora.enabled and (not config.reference_cache or config.sample_during_eval)
-    )
-    reference_bytes = (
-        element
-        if config.model.reference_dtype in (None, "auto")
-        else (torch.finfo(parse_dtype(config.model.reference_dtype, "model.reference_dtype")).bits // 8)
-    )
+    reference_bytes = torch.finfo(precision.reference_weights).bits // 8
     autocast_copies = not parallelism.fsdp and compute != weights_dtype
     parts = {
         "policy weights": n_parameters * element / shards,
@@ -172,14 +118,6 @@ def memory_estimate(
         f"{compute} compute; {config.trainer} dp {dp} x tp {tp}; {config.layout} layout"
     )
     return header, parts
-
-
-def compute_dtype(config: DictConfig, fsdp: bool, cache_dir: Path) -> torch.dtype | None:
-    setting = parse_dtype(config.model.fsdp_policy_mp, "model.fsdp_policy_mp", allow_auto=True)
-    if setting != "auto":
-        return setting
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return choose_compute_dtype(device, cache_dir)[0]
 
 
 def optimizer_states(config: DictConfig) -> int:

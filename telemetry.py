@@ -61,7 +61,7 @@ class ModelFlops:
 
     @classmethod
     def of(cls, model: torch.nn.Module, blocks: list[torch.nn.Module]) -> "ModelFlops":
-        """From the model before placement (whole tensors) and its transformer blocks (models.find_blocks)."""
+        """From the model before placement (whole tensors) and its transformer blocks (placement.find_blocks)."""
         config = model.config
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads

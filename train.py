@@ -9,6 +9,7 @@ import torch
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
 
+import contextlib
 import netrc
 import os
 import secrets
@@ -19,39 +20,40 @@ from omegaconf import DictConfig, OmegaConf
 
 import checkpoint
 import config as configuration
-from adapters import apply_lora, quantization_config
+from build import build, dry_run
 from distributed import Topology, launch, planned_world_size, process_rank, reported_errors
-from models import load_model, load_tokenizer
-from precision import parse_dtype
-from preference_datasets import load_datasets
-from report import dry_run
+from run_lock import RunLock
 from trainers import LOGS, Trainer
-from utils import UserError, get_local_dir, get_local_run_dir, set_seed
+from utils import UserError, get_local_run_dir, set_seed
 
 
-def prepare_run_dir(config: DictConfig) -> Path:
+def prepare_run_dir(config: DictConfig, hold: contextlib.ExitStack | None = None) -> Path:
     """The run directory, created, with this run's config.yaml; resume_from=auto resolved to the newest complete
-    checkpoint there, or to null: a fresh start, which clears the logs of an attempt that never reached one."""
+    checkpoint there, or to null: a fresh start, which clears the logs of an attempt that never reached one.
+    First of all the directory is locked (run_lock: one run per directory; another run's directory is refused in
+    one line): on `hold` until it closes (run: the whole run), else for this call only."""
     run_dir = (
         Path(config.local_run_dir) if config.local_run_dir else get_local_run_dir(config.exp_name, config.local_dirs)
     )
-    if config.resume_from == "auto":
-        resume = checkpoint.newest(run_dir)
-        print("resume_from=auto: " + (f"continuing from {resume}" if resume else f"no checkpoint in {run_dir} yet"))
-        for log in LOGS if resume is None else ():
-            (run_dir / log).unlink(missing_ok=True)
-        config.resume_from = str(resume) if resume else None
-    elif (run_dir / "metrics.jsonl").exists() and config.resume_from is None:
-        raise UserError(
-            f"{run_dir} already holds a run; choose another local_run_dir, or continue it with resume_from=auto "
-            f"local_run_dir={run_dir}"
-        )
-    config.local_run_dir = str(run_dir)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(config, run_dir / "config.yaml", resolve=True)
-    except OSError as error:
-        raise UserError(f"local_run_dir={run_dir} cannot be written ({error.strerror}: {error.filename})") from None
+    with contextlib.ExitStack() as this_call:
+        (this_call if hold is None else hold).enter_context(RunLock(run_dir))
+        if config.resume_from == "auto":
+            resume = checkpoint.newest(run_dir)
+            print("resume_from=auto: " + (f"continuing from {resume}" if resume else f"no checkpoint in {run_dir} yet"))
+            for log in LOGS if resume is None else ():
+                (run_dir / log).unlink(missing_ok=True)
+            config.resume_from = str(resume) if resume else None
+        elif (run_dir / "metrics.jsonl").exists() and config.resume_from is None:
+            raise UserError(
+                f"{run_dir} already holds a run; choose another local_run_dir, or continue it with resume_from=auto "
+                f"local_run_dir={run_dir}"
+            )
+        config.local_run_dir = str(run_dir)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            OmegaConf.save(config, run_dir / "config.yaml", resolve=True)
+        except OSError as error:
+            raise UserError(f"local_run_dir={run_dir} cannot be written ({error.strerror}: {error.filename})") from None
     return run_dir
 
 
@@ -98,39 +100,29 @@ def has_wandb_login() -> bool:
 
 
 def build_trainer(config: DictConfig, topology: Topology, run_dir: Path, wandb_run=None) -> Trainer:
-    """Tokenizer, data and policy (local rank 0 first: it fills the caches), and the Trainer over them."""
-    cache_dir = get_local_dir(config.local_dirs)
-    with topology.main_first():
-        tokenizer = load_tokenizer(config.model, cache_dir)
-        data = load_datasets(config.datasets, tokenizer, config.seed, config.n_eval_examples, cache_dir)
-        policy_dtype = parse_dtype(config.model.policy_dtype, "model.policy_dtype")
-        policy = load_model(config.model, policy_dtype, cache_dir, config.seed, quantization_config(config.lora))
-    if config.lora.enabled:  # after model.archive: the adapters go on the SFT weights
-        policy = apply_lora(policy, config.lora)
-    # auto: the reference is loaded like the policy, and computes like it (see Trainer).
-    reference_dtype = parse_dtype(config.model.reference_dtype, "model.reference_dtype", allow_auto=True)
-    reference_dtype = policy_dtype if reference_dtype == "auto" else reference_dtype
-
-    def load_reference():  # not called with LoRA: the reference is the policy's base (adapters.AdaptersDisabled)
-        return load_model(config.model, reference_dtype, cache_dir, config.seed)
-
-    return Trainer(config, topology, policy, load_reference, tokenizer, data, run_dir, wandb_run)
+    """The run's parts (build.py) and the Trainer over them."""
+    return Trainer(build(config, topology), run_dir, wandb_run)
 
 
 def run(config: DictConfig) -> None:
     """One rank's whole run (the only rank, for BasicTrainer), on a checked config (config.load)."""
     topology = Topology.create(config.trainer, config.tensor_parallel_size)
     set_seed(config.seed)
-    run_dir, config.resume_from = topology.broadcast(
-        topology.run_on_main(lambda: (str(prepare_run_dir(config)), config.resume_from))
-    )
-    run_dir = Path(run_dir)
-    config.local_run_dir = str(run_dir)
-    print(f"run directory: {run_dir}; {topology.describe()}")
-    wandb_run = init_wandb(config, run_dir) if config.wandb.enabled and not config.debug and topology.is_main else None
-    build_trainer(config, topology, run_dir, wandb_run).train()
-    if wandb_run is not None:
-        wandb_run.finish()
+    with contextlib.ExitStack() as lock:  # rank 0 holds the run directory's lock until the run ends, however it ends
+        run_dir, config.resume_from = topology.broadcast(
+            topology.run_on_main(lambda: (str(prepare_run_dir(config, lock)), config.resume_from))
+        )
+        run_dir = Path(run_dir)
+        config.local_run_dir = str(run_dir)
+        print(f"run directory: {run_dir}; {topology.describe()}")
+        wandb_run = (
+            init_wandb(config, run_dir) if config.wandb.enabled and not config.debug and topology.is_main else None
+        )
+        trainer = build_trainer(config, topology, run_dir, wandb_run)
+        trainer.train()
+        trainer.finish()
+        if wandb_run is not None:
+            wandb_run.finish()
 
 
 def main(args: list[str]) -> None:

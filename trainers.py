@@ -1,10 +1,10 @@
 """The training loop: optimizer steps over the batch schedule, evals and checkpoints at their cadence, logging.
 
 One Trainer serves every `trainer=` name: what differs between BasicTrainer, FSDPTrainer and TensorParallelTrainer
-is how models are placed and which ranks share a batch, which the Topology (distributed.py) decides. The rest is
-composed: the objective (objective.py), the scorer that turns examples into log-probs (scoring.py), the reference
-(reference_cache.py), the optimizer (optim.py), evaluation and sampling (evaluation.py) and checkpoints
-(checkpoint.py)."""
+is how models are placed and which ranks share a batch, which the Topology (distributed.py) decides. The Trainer
+runs parts built for it (build.py): the objective on a micro-batch (build.BatchLoss over the scorer, scoring.py, and
+the reference, reference_cache.py), the optimizer (optim.py), evaluation and sampling (evaluation.py); checkpoints
+are checkpoint.py's, of the parts named in `checkpoint_parts`."""
 
 import torch
 
@@ -16,190 +16,70 @@ import signal
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import tqdm
-from omegaconf import DictConfig, OmegaConf
 
 import checkpoint
 import reference_cache
-from adapters import AdaptersDisabled, is_adapted
-from distributed import Topology, parallelize
-from evaluation import Evaluator
-from layouts import ModelBatch
-from models import find_blocks
-from objective import build_objective
-from optim import build_optimizer, build_scheduler, clip_grad_norm
+from build import Data, RunParts
+from optim import clip_grad_norm
 from plots import write_plots
-from precision import parse_dtype, resolve_compute_dtype
-from preference_datasets import PreferencePair, prepare_examples
-from report import data_report
-from scoring import Scorer
-from telemetry import ModelFlops, Throughput, peak_flops, step_amounts
-from utils import Interrupted, UserError, append_jsonl, get_local_dir, truncate_jsonl
+from telemetry import Throughput, step_amounts
+from utils import Interrupted, UserError, append_jsonl, truncate_jsonl
 
 LOGS = ("metrics.jsonl", "samples.jsonl", "plots.png")  # what a run writes besides checkpoints
 
 
 class Trainer:
-    """Trains the policy against a frozen reference on this process's share of the topology."""
+    """Trains the policy against a frozen reference on this process's share of the topology: the parts come built
+    (build.py); train() runs a round of optimizer steps over a schedule and may run again on new data, with the
+    counters going on; finish() ends the run with a final eval, checkpoint and summary."""
 
-    def __init__(
-        self,
-        config: DictConfig,
-        topology: Topology,
-        policy: torch.nn.Module,
-        load_reference: Callable[[], torch.nn.Module],
-        tokenizer,
-        data: dict[str, list[PreferencePair]],
-        run_dir: Path,
-        wandb_run=None,
-    ):
-        """load_reference: loads the frozen reference; called only if the run needs one."""
-        c = self.config = config
-        self.topology, self.tokenizer, self.run_dir, self.wandb_run = topology, tokenizer, run_dir, wandb_run
-        if c.resume_from is not None:  # fail now rather than after tokenizing and the reference pass
-            topology.run_on_main(lambda: checkpoint.preflight(Path(c.resume_from), policy, c.batch_size))
-        self.cache_dir = get_local_dir(c.local_dirs)
-        self.objective = build_objective(c.loss)
-        autocast = not topology.fsdp  # FSDP's MixedPrecisionPolicy casts the parameters instead
-        self.policy_compute = resolve_compute_dtype(c.model.fsdp_policy_mp, topology, self.cache_dir, autocast)
-        self.train_examples, self.eval_batches, self.schedule = self.tokenize(data)
-
-        # The reference computes like the policy (same weights dtype, same compute dtype) unless a dtype is given:
-        # at step 0, policy == reference then holds to the last bit, so rewards are 0 and the loss ln 2.
-        reference_dtype = parse_dtype(c.model.reference_dtype, "model.reference_dtype", allow_auto=True)
-        self.reference_compute = self.policy_compute if reference_dtype == "auto" else None
-        cached = self.objective.needs_reference and c.reference_cache
-        initial_weights = reference_cache.weights_digest(policy) if cached else None  # before sharding: whole
-        self.flops = ModelFlops.of(policy, find_blocks(policy, c.model.block_name))
-        weights_dtype = next(policy.parameters()).dtype
-        self.policy = self.place(policy, self.policy_compute, is_policy=True)
-        # The layout, attention and head checks run on the placed model: on its device, once, decided by rank 0.
-        self.scorer = Scorer.create(self.policy, c, tokenizer.pad_token_id, topology, autocast, self.policy_compute)
-        self.reference, self.reference_model = self.build_reference(initial_weights, load_reference, reference_dtype)
-        self.peak_flops, source = topology.broadcast(
-            topology.run_on_main(
-                lambda: peak_flops(topology.device, self.policy_compute or weights_dtype, self.cache_dir)
-            )
+    def __init__(self, parts: RunParts, run_dir: Path, wandb_run=None):
+        self.config, self.topology, self.run_dir = parts.config, parts.topology, run_dir
+        self.tokenizer, self.objective, self.data = parts.tokenizer, parts.objective, parts.data
+        self.policy, self.reference_model = parts.policy, parts.reference_model
+        self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
+        self.scorer, self.batch_loss, self.evaluator = parts.scorer, parts.batch_loss, parts.evaluator
+        self.flops, self.peak_flops, self.precision = parts.flops, parts.peak_flops, parts.precision
+        self.live_reference = isinstance(parts.reference, reference_cache.LiveReference)
+        self.log = RunLog(run_dir, wandb_run, self.topology.is_main, self.throughput)
+        self.cadence = Cadence(
+            self.config.eval_every, self.config.save_every or self.config.eval_every, self.config.do_first_eval
         )
-        print(f"MFU is measured against {self.peak_flops / 1e12:.3g} TFLOP/s per device ({source})")
-
-        # Built after sharding and before any forward pass: FSDP then hands it the sharded parameters each rank owns.
-        knobs = OmegaConf.to_container(c.optimizer_kwargs)
-        trainable = [p for p in self.policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
-        self.optimizer = build_optimizer(c.optimizer, trainable, c.lr, knobs)
-        self.scheduler = build_scheduler(self.optimizer, c.warmup_steps)
-        self.evaluator = Evaluator(c, topology, tokenizer, self.eval_batches, self.batch_metrics)
+        # What a checkpoint holds, by file name: a new stateful part is one entry here.
+        self.checkpoint_parts = {
+            "policy": checkpoint.ModelWeights(self.policy),
+            "optimizer": checkpoint.OptimizerState(self.policy, self.optimizer),
+            "scheduler": self.scheduler,
+            "objective": self.objective,
+        }
         self.example_counter = self.batch_counter = self.nonfinite_in_a_row = 0
+        self.round_start = 0  # the step the current round's schedule starts at
         self.last_eval_at = self.last_saved_at = self.last_checkpoint = None
         self.finished = False  # resumed from the checkpoint that ends this run
-        if c.resume_from is not None:
-            self.resume(Path(c.resume_from))
+        self.start_examples, self.start_time, self.speed = 0, time.time(), self.throughput()
+        if self.config.resume_from is not None:
+            self.resume(Path(self.config.resume_from))
 
     def resume(self, checkpoint_dir: Path) -> None:
-        """Continue where a checkpoint left off: weights, optimizer, scheduler and the objective's state, the data
-        position and the loop's counters, and the logs cut back to it (later steps are redone and logged again).
-        Every random draw (dropout, sampling) is seeded by (seed, step): there is no random state to restore."""
+        """Continue where a checkpoint left off: every checkpoint part (weights, optimizer, scheduler, the
+        objective's state), the data position and the loop's counters, and the logs cut back to it (later steps are
+        redone and logged again). Every random draw (dropout, sampling) is seeded by (seed, step): there is no random
+        state to restore."""
         c = self.config
-        step, objective_state, marker = checkpoint.load(
-            checkpoint_dir, self.policy, self.optimizer, self.scheduler, c.batch_size, self.topology
-        )
-        self.objective.state.update(objective_state)
+        step, marker = checkpoint.load(checkpoint_dir, self.checkpoint_parts, c.batch_size, self.topology)
         loop = marker.get("loop", {})
         self.example_counter, self.batch_counter = step, step // c.batch_size
+        self.start_examples = step
         self.last_eval_at = loop.get("last_eval_at", step)  # older checkpoints were all written right after an eval
         self.nonfinite_in_a_row = loop.get("nonfinite_in_a_row", 0)
         self.last_saved_at, self.last_checkpoint = step, checkpoint_dir
-        self.finished = marker.get("final", False) and self.batch_counter >= len(self.schedule)
-        if self.topology.is_main:  # at the checkpoint's own step, the eval only if it came before the checkpoint
-            evaluated = self.last_eval_at == step
-            kept = lambda r: r["step"] < step or r["step"] == step and (evaluated or "loss/eval" not in r)  # noqa: E731
-            truncate_jsonl(self.run_dir / "metrics.jsonl", kept)
-            truncate_jsonl(
-                self.run_dir / "samples.jsonl", lambda r: r["step"] < step or evaluated and r["step"] == step
-            )
-
-    def tokenize(self, data: dict[str, list[PreferencePair]]) -> tuple[list[dict], list[list[dict]], list[list[int]]]:
-        """Token ids of every example, once per run: (training examples, eval batches, the training schedule); the
-        data report says what they are."""
-        c = self.config
-        train_examples, eval_examples, schedule = prepare_examples(data, self.objective, self.tokenizer, c)
-        if self.topology.is_main:
-            print(data_report(train_examples, eval_examples, self.tokenizer, c.max_length, c.max_prompt_length))
-        print(f"{len(schedule)} steps of {c.batch_size} examples")
-        size = c.eval_batch_size
-        return train_examples, [eval_examples[i : i + size] for i in range(0, len(eval_examples), size)], schedule
-
-    def build_reference(self, initial_weights: str | None, load: Callable[[], torch.nn.Module], reference_dtype):
-        """(the reference's log-probs: cached, live or None for a loss without one; the reference model, kept only
-        to score live or to sample from)."""
-        c = self.config
-        if not self.objective.needs_reference:
-            return None, None
-        model = reference = None
-        if c.reference_cache:
-            entries = self.cached_reference_logps(initial_weights, load, reference_dtype)
-            reference = reference_cache.CachedReference(entries, self.topology.device)
-        if is_adapted(self.policy):  # LoRA: the base model, the policy with its adapters disabled
-            model = AdaptersDisabled(self.policy)
-        elif not c.reference_cache or c.sample_during_eval:
-            model = self.place(load().requires_grad_(False), self.reference_compute)
-        if not c.reference_cache:
-            reference = reference_cache.LiveReference(model, self.scorer, self.reference_compute)
-        return reference, model
-
-    def place(self, model: torch.nn.Module, compute_dtype: torch.dtype | None, is_policy: bool = False):
-        """The model placed on this run's topology; compute_dtype: the dtype it computes in (None: its weights')."""
-        c = self.config
-        checkpointing = is_policy and c.activation_checkpointing
-        reduce_dtype = parse_dtype(c.model.fsdp_reduce_dtype, "model.fsdp_reduce_dtype")
-        return parallelize(model, self.topology, compute_dtype, c.model.block_name, checkpointing, reduce_dtype)
-
-    def cached_reference_logps(self, weights: str, load: Callable[[], torch.nn.Module], reference_dtype) -> dict:
-        """Reference log-probs of every pair that training and eval will use, by pair key (reference_cache.fill).
-        With model.reference_dtype=auto the initial policy itself computes them, through its own precision path
-        and on the same micro-batches as the first epoch's steps and the evals, so that at step 0 policy and
-        reference agree to the last bit; no reference is loaded."""
-        c = self.config
-        weights_dtype = c.model.policy_dtype if reference_dtype == "auto" else c.model.reference_dtype
-        micro = [size // c.gradient_accumulation_steps for size in (c.batch_size, c.eval_batch_size)]
-        how = "autocast" if self.scorer.autocast else "FSDP"
-        computation = (
-            f"{weights_dtype} weights, {self.reference_compute or 'no'} {how} compute, {self.scorer.describe()}, "
-            f"{self.topology.describe()}, micro-batches of {micro[0]} and {micro[1]}, seed {c.seed}"
-        )
-        path = reference_cache.cache_path(self.cache_dir, weights, computation)
-        first_use = [self.train_examples[i] for i in dict.fromkeys(i for indices in self.schedule for i in indices)]
-
-        def model_and_compute():
-            if reference_dtype == "auto":
-                return self.policy, self.policy_compute
-            return self.place(load().requires_grad_(False), self.reference_compute), self.reference_compute
-
-        return reference_cache.fill(
-            path,
-            weights,
-            computation,
-            first_use,
-            self.eval_batches,
-            (c.batch_size, c.eval_batch_size),
-            c.gradient_accumulation_steps,
-            model_and_compute,
-            self.scorer,
-            self.topology,
-        )
-
-    def batch_metrics(
-        self, examples: list[dict], split: str, batch: ModelBatch | None = None
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Mean loss over the examples, and per-example metrics ([B] tensors on the device) named as in the
-        reference; batch: the examples already laid out, else they are laid out here."""
-        batch = batch or self.scorer.batch(examples)  # built once: policy and a live reference share it
-        policy_logps = self.scorer(self.policy, batch, self.policy_compute)
-        reference_logps = self.reference(examples, batch) if self.reference is not None else None
-        return self.objective(policy_logps, reference_logps, batch.sequence_lengths, split)
+        self.finished = marker.get("final", False) and self.batch_counter >= len(self.data.schedule)
+        self.log.truncate(step, evaluated=self.last_eval_at == step)
 
     def train_step(self, examples: list[dict]) -> dict[str, list[float]]:
         """One optimizer step over a global batch, in gradient_accumulation_steps equal micro-batches. The step
@@ -212,7 +92,7 @@ class Trainer:
         columns = defaultdict(list)
         for micro_batch in self.topology.micro_batches(examples, self.config.batch_size, accumulation)[0]:
             batch = self.scorer.batch(micro_batch)
-            loss, batch_metrics = self.batch_metrics(micro_batch, "train", batch)
+            loss, batch_metrics = self.batch_loss(micro_batch, "train", batch)
             # Each rank's loss is the mean over its share; averaging gradients over ranks gives the batch mean.
             (loss / accumulation).backward()
             for name, values in batch_metrics.items():
@@ -237,11 +117,7 @@ class Trainer:
             self.nonfinite_in_a_row = 0
         else:  # the update would spoil the weights: skip it, and stop if it keeps happening
             self.nonfinite_in_a_row += 1
-            self.stop_if_diverged()
         self.optimizer.zero_grad(set_to_none=True)
-        return metrics
-
-    def stop_if_diverged(self) -> None:
         allowed = self.config.max_nonfinite_steps
         if self.nonfinite_in_a_row >= allowed:
             raise UserError(
@@ -250,79 +126,73 @@ class Trainer:
                 f"The last checkpoint is {self.last_checkpoint or 'none (none was written yet)'}; lower lr or check "
                 "the data"
             )
+        return metrics
 
-    def train(self) -> None:
-        c = self.config
+    def train(self, data: Data | None = None) -> None:
+        """A round: the optimizer steps of the schedule (data: a new round's examples and schedule; None: the run's,
+        from where a resume left off), with evals and checkpoints at their cadence. A signal stops it after the
+        current step, with a checkpoint."""
+        if data is not None:
+            self.data, self.round_start = data, self.batch_counter
+            self.evaluator.eval_batches = data.eval_batches
         if self.finished:
             print(f"{self.last_checkpoint} ends this run: nothing left to train")
             return
-        progress = tqdm.tqdm(
-            total=len(self.schedule),
-            initial=self.batch_counter,
-            desc="train",
-            unit="step",
-            dynamic_ncols=True,
-            disable=not self.topology.is_main,
-        )
-        interval = defaultdict(list)
-        interval_speed, run_speed = self.throughput(), self.throughput()
-        last_log = start_time = time.time()
-        start_examples = self.example_counter
-        live_reference = isinstance(self.reference, reference_cache.LiveReference)
+        c, schedule = self.config, self.data.schedule
+        done, disable = self.batch_counter - self.round_start, not self.topology.is_main
+        progress = tqdm.tqdm(total=len(schedule), initial=done, desc="train", unit="step", disable=disable)
+        last_log = time.time()
         with StopSignals() as stop, progress:
-            for indices in self.schedule[self.batch_counter :]:
+            for indices in schedule[done:]:
                 self.evaluate_and_save_when_due()
                 start = time.time()
-                examples = [self.train_examples[i] for i in indices]
+                examples = [self.data.train_examples[i] for i in indices]
                 step_metrics = self.train_step(examples)
                 computed = sum(step_metrics.pop("perf/computed_tokens"))
-                amounts = step_amounts(examples, time.time() - start, computed, self.flops, live_reference)
-                interval_speed.add(**amounts)
-                run_speed.add(**amounts)
-                for name, values in step_metrics.items():
-                    interval[name].extend(values)
+                amounts = step_amounts(examples, time.time() - start, computed, self.flops, self.live_reference)
+                self.speed.add(**amounts)
                 self.example_counter += len(examples)
                 self.batch_counter += 1
                 progress.update()
-                progress.set_postfix(loss=f"{sum(interval['loss/train']) / len(interval['loss/train']):.4f}")
+                progress.set_postfix(loss=f"{self.log.add_step(step_metrics, amounts):.4f}")
                 stopping = self.topology.any(stop.received is not None)
                 # Metrics of every step count: they are averaged over the interval, not sampled at its end. The
                 # interval also closes where a checkpoint may follow, so the log holds every step up to it.
-                if time.time() - last_log >= c.minimum_log_interval_secs or stopping or self.at_boundary():
-                    record = {name: sum(values) / len(values) for name, values in interval.items()}
-                    self.log({**record, **interval_speed.rates()})
-                    interval, interval_speed = defaultdict(list), self.throughput()
+                round_end = self.batch_counter == self.round_start + len(schedule)
+                boundary = self.cadence.boundary(self.example_counter) or round_end
+                if time.time() - last_log >= c.minimum_log_interval_secs or stopping or boundary:
+                    self.log.close_interval(*self.counters())
                     last_log = time.time()
                 if stopping:
                     self.stop(stop.received)
-            final_metrics = self.evaluate()  # a signal from here on lets the run finish: little is left
-            self.save(self.run_dir / "LATEST", final_metrics, final=True)
-        self.summarize(final_metrics, start_examples, time.time() - start_time, run_speed)
+
+    def finish(self) -> None:
+        """The run's end: a final eval, the final checkpoint (LATEST, with the from_pretrained export) and the
+        summary; a signal from here on lets it finish: little is left."""
+        if self.finished:
+            return
+        final_metrics = self.evaluate()
+        self.save(self.run_dir / "LATEST", final_metrics, final=True)
+        where = self.last_checkpoint or "nowhere (debug=true)"
+        trained = self.example_counter - self.start_examples
+        self.log.summary(
+            final_metrics, trained, self.start_examples, self.batch_counter, self.start_time, self.speed, where
+        )
+
+    def counters(self) -> tuple[int, int]:
+        """(examples seen, optimizer steps taken): the log's step and counters."""
+        return self.example_counter, self.batch_counter
 
     def throughput(self) -> Throughput:
         """An empty tally of training steps' time, pairs, tokens and useful FLOPs (telemetry.py)."""
         return Throughput(self.peak_flops, self.topology.world_size, self.topology.device)
 
-    @property
-    def save_interval(self) -> int:
-        """Examples between step-N checkpoints: save_every, or eval_every by default."""
-        return self.config.save_every or self.config.eval_every
-
-    def at_boundary(self) -> bool:
-        """Whether an eval or a checkpoint may fall here, or training ends here."""
-        n = self.example_counter
-        return (
-            n % self.config.eval_every == 0 or n % self.save_interval == 0 or self.batch_counter == len(self.schedule)
-        )
-
     def evaluate_and_save_when_due(self) -> None:
-        """Evaluate every eval_every examples; checkpoint every save_every (default: at each eval). A point done
-        before a resume is not done again."""
-        c, n = self.config, self.example_counter
-        metrics = {}
-        if n % c.eval_every == 0 and (n > 0 or c.do_first_eval) and self.last_eval_at != n:
+        """An eval and a checkpoint where the cadence puts them; a point done before a resume is not done again."""
+        n, metrics = self.example_counter, {}
+        if self.cadence.eval_due(n) and self.last_eval_at != n:
             metrics = self.evaluate()
-        if n > 0 and n % self.save_interval == 0 and self.last_saved_at != n:
+        if self.cadence.save_due(n) and self.last_saved_at != n:
             self.save(self.run_dir / f"step-{n}", metrics)
 
     def stop(self, signum: int) -> None:
@@ -337,29 +207,17 @@ class Trainer:
             signum,
         )
 
-    def summarize(self, final_metrics: dict[str, float], start_examples: int, seconds: float, speed: Throughput):
-        """The run in a few lines: what was trained, how fast, how it ended, and where it is."""
-        trained = self.example_counter - start_examples
-        where = self.last_checkpoint or "nowhere (debug=true)"
-        evals = ", ".join(f"{name}={value:.4f}" for name, value in final_metrics.items())
-        print(
-            f"done: {trained} examples in {self.batch_counter} steps"
-            + (f" (resumed at {start_examples})" if start_examples else "")
-            + f", {seconds / 60:.1f} min, {trained / max(seconds, 1e-9):.2f} pairs/s with evals and checkpoints\n"
-            f"training steps: {speed.describe()}\n"
-            f"final eval: {evals}\ncheckpoint and from_pretrained export: {where}; metrics: "
-            f"{self.run_dir / 'metrics.jsonl'}"
-        )
-
     def evaluate(self) -> dict[str, float]:
         """Evaluate (and sample), log it and redraw the plots; the eval metrics."""
         metrics = self.evaluator.evaluate(self.policy)
-        self.log(metrics)
+        self.log.metrics(metrics, *self.counters())
         if self.config.plots and self.topology.is_main:
             write_plots(self.run_dir)
         print(f"eval at {self.example_counter} examples: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
         if self.config.sample_during_eval:
-            self.log_samples(self.evaluator.sample(self.policy, self.reference_model, self.example_counter))
+            self.log.samples(
+                self.evaluator.sample(self.policy, self.reference_model, self.example_counter), *self.counters()
+            )
         self.last_eval_at = self.example_counter
         return metrics
 
@@ -372,18 +230,9 @@ class Trainer:
             return
         loop = {"last_eval_at": self.last_eval_at, "nonfinite_in_a_row": self.nonfinite_in_a_row}
         try:
-            checkpoint.save(
-                output_dir,
-                self.example_counter,
-                metrics,
-                self.policy,
-                self.optimizer,
-                self.scheduler,
-                self.topology,
-                self.objective.state,
-                loop,
-                self.tokenizer if final else None,
-            )
+            tokenizer = self.tokenizer if final else None  # the run's end: a from_pretrained export too
+            parts, step = self.checkpoint_parts, self.example_counter
+            checkpoint.save(output_dir, step, metrics, parts, self.topology, loop, tokenizer)
         except UserError as error:
             last = self.last_checkpoint or "none yet"
             raise UserError(f"{error}; the last complete checkpoint, {last}, is intact") from None
@@ -391,16 +240,57 @@ class Trainer:
         if c.keep_last is not None and not final:
             self.topology.run_on_main(lambda: checkpoint.prune(self.run_dir, c.keep_last))
 
-    def log(self, metrics: dict[str, float]) -> None:
-        if not self.topology.is_main:
-            return
-        metrics = {**metrics, "counters/examples": self.example_counter, "counters/updates": self.batch_counter}
-        append_jsonl(self.run_dir / "metrics.jsonl", {"step": self.example_counter, **metrics})
-        if self.wandb_run is not None:
-            self.wandb_run.log(metrics, step=self.example_counter)
 
-    def log_samples(self, samples: list[dict]) -> None:
-        if not self.topology.is_main:
+@dataclass(frozen=True)
+class Cadence:
+    """When evals and step-N checkpoints fall, by examples seen: an eval every eval_every (and at 0 with
+    do_first_eval), a checkpoint every save_every (save_every=null: at each eval)."""
+
+    eval_every: int
+    save_every: int
+    first_eval: bool
+
+    def eval_due(self, examples: int) -> bool:
+        return examples % self.eval_every == 0 and (examples > 0 or self.first_eval)
+
+    def save_due(self, examples: int) -> bool:
+        return examples > 0 and examples % self.save_every == 0
+
+    def boundary(self, examples: int) -> bool:
+        """Whether an eval or a checkpoint may fall here: a log interval closes here."""
+        return examples % self.eval_every == 0 or examples % self.save_every == 0
+
+
+class RunLog:
+    """What a run writes besides checkpoints: metrics.jsonl, samples.jsonl and wandb (rank 0 only), by example
+    count. Training metrics of every step count: they are averaged over a log interval, not sampled at its end."""
+
+    def __init__(self, run_dir: Path, wandb_run, is_main: bool, throughput: Callable[[], Throughput]):
+        self.run_dir, self.wandb_run, self.is_main, self.throughput = run_dir, wandb_run, is_main, throughput
+        self.interval, self.interval_speed = defaultdict(list), throughput()
+
+    def add_step(self, step_metrics: dict[str, list[float]], amounts: dict[str, float]) -> float:
+        """Add a training step to the interval; the interval's mean training loss so far."""
+        self.interval_speed.add(**amounts)
+        for name, values in step_metrics.items():
+            self.interval[name].extend(values)
+        return sum(self.interval["loss/train"]) / len(self.interval["loss/train"])
+
+    def close_interval(self, examples: int, updates: int) -> None:
+        record = {name: sum(values) / len(values) for name, values in self.interval.items()}
+        self.metrics({**record, **self.interval_speed.rates()}, examples, updates)
+        self.interval, self.interval_speed = defaultdict(list), self.throughput()
+
+    def metrics(self, metrics: dict[str, float], examples: int, updates: int) -> None:
+        if not self.is_main:
+            return
+        metrics = {**metrics, "counters/examples": examples, "counters/updates": updates}
+        append_jsonl(self.run_dir / "metrics.jsonl", {"step": examples, **metrics})
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=examples)
+
+    def samples(self, samples: list[dict], examples: int, updates: int) -> None:
+        if not self.is_main:
             return
         for sample in samples:
             append_jsonl(self.run_dir / "samples.jsonl", sample)
@@ -409,7 +299,31 @@ class Trainer:
 
             columns = ["step", "prompt", "policy", "reference"]
             table = wandb.Table(columns=columns, data=[[s[k] for k in columns] for s in samples])
-            self.wandb_run.log({"samples": table}, step=self.example_counter)
+            self.wandb_run.log({"samples": table}, step=examples)
+
+    def summary(
+        self, final_metrics, trained: int, resumed_at: int, steps: int, start_time: float, speed, where
+    ) -> None:
+        """The run in a few lines: what was trained, how fast, how it ended, and where it is."""
+        seconds = time.time() - start_time
+        evals = ", ".join(f"{name}={value:.4f}" for name, value in final_metrics.items())
+        print(
+            f"done: {trained} examples in {steps} steps"
+            + (f" (resumed at {resumed_at})" if resumed_at else "")
+            + f", {seconds / 60:.1f} min, {trained / max(seconds, 1e-9):.2f} pairs/s with evals and checkpoints\n"
+            f"training steps: {speed.describe()}\n"
+            f"final eval: {evals}\ncheckpoint and from_pretrained export: {where}; metrics: "
+            f"{self.run_dir / 'metrics.jsonl'}"
+        )
+
+    def truncate(self, step: int, evaluated: bool) -> None:
+        """Cut the logs back to a checkpoint at `step`: its own step's eval stays only if it came before the
+        checkpoint (evaluated)."""
+        if not self.is_main:
+            return
+        kept = lambda r: r["step"] < step or r["step"] == step and (evaluated or "loss/eval" not in r)  # noqa: E731
+        truncate_jsonl(self.run_dir / "metrics.jsonl", kept)
+        truncate_jsonl(self.run_dir / "samples.jsonl", lambda r: r["step"] < step or evaluated and r["step"] == step)
 
 
 class StopSignals:

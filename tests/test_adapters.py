@@ -31,8 +31,8 @@ def test_only_adapters_train_and_the_base_is_untouched(make_config):
     reference_weights = {id(p) for p in trainer.reference_model.parameters()}
     assert reference_weights == {id(p) for p in trainer.policy.parameters()}
     losses = [
-        trainer.train_step([trainer.train_examples[i] for i in indices])["loss/train"]
-        for indices in trainer.schedule[:3]
+        trainer.train_step([trainer.data.train_examples[i] for i in indices])["loss/train"]
+        for indices in trainer.data.schedule[:3]
     ]
     assert losses[0] == [torch.tensor(math.log(2)).item()] * 8 and sum(losses[2]) < sum(losses[0])
     for name, parameter in trainer.policy.named_parameters():
@@ -43,11 +43,11 @@ def test_only_adapters_train_and_the_base_is_untouched(make_config):
 def test_adapters_disabled_is_the_original_model(make_config, tmp_path):
     trainer = build_trainer(make_config(*LORA, "reference_cache=false"))
     assert isinstance(trainer.reference_model, AdaptersDisabled)  # the live reference: no second model
-    for indices in trainer.schedule[:2]:
-        trainer.train_step([trainer.train_examples[i] for i in indices])
+    for indices in trainer.data.schedule[:2]:
+        trainer.train_step([trainer.data.train_examples[i] for i in indices])
     config = trainer.config
     original = load_model(config.model, torch.float32, tmp_path, config.seed)
-    batch = trainer.scorer.batch(trainer.train_examples[:8])
+    batch = trainer.scorer.batch(trainer.data.train_examples[:8])
     with torch.no_grad():
         adapted = trainer.scorer(trainer.policy, batch, None)
         disabled = trainer.scorer(trainer.reference_model, batch, None)

@@ -165,3 +165,37 @@ def test_a_checkpoint_written_before_the_refactor_resumes_exactly(make_config):
     assert weights.keys() == expected_weights.keys()
     for name, value in expected_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+class Tally:
+    """A stateful part a later feature might add (a data sampler's position, a KL controller): state_dict() and
+    load_state_dict() are all a checkpoint asks of it."""
+
+    def __init__(self, count: int = 0):
+        self.count = count
+
+    def state_dict(self) -> dict:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count = state["count"]
+
+
+def test_a_new_stateful_part_is_one_entry_and_resumes(make_config, tmp_path):
+    trainer = build_trainer(make_config())
+    trainer.checkpoint_parts["tally"] = Tally(7)
+    trainer.train()
+    trainer.finish()
+    step_16 = trainer.run_dir / "step-16"
+    assert torch.load(step_16 / "tally.pt", weights_only=True)["state"] == {"count": 7}
+    assert sorted(p.name for p in step_16.glob("*.pt")) == ["optimizer.pt", "policy.pt", "scheduler.pt", "tally.pt"]
+    resumed = build_trainer(make_config(f"local_run_dir={tmp_path / 'resumed'}", f"resume_from={step_16}"))
+    tally = resumed.checkpoint_parts["tally"] = Tally()
+    resumed.resume(step_16)
+    assert tally.count == 7
+    # A checkpoint without the part's file (written before it existed) leaves the part as it was built.
+    fresh = Tally(3)
+    resumed.checkpoint_parts["tally"] = fresh
+    (step_16 / "tally.pt").unlink()
+    resumed.resume(step_16)
+    assert fresh.count == 3

@@ -22,7 +22,7 @@ from conftest import (
     tiny_run_overrides,
     write_jsonl,
 )
-from distributed import Topology, free_port, init_process_group, mesh_shape, rank_environment
+from distributed import Topology, free_port, init_process_group, leave_process_group, mesh_shape, rank_environment
 
 
 def launch(run_dir, pairs_file, *overrides: str, launcher: str = "spawn", nproc: int = 2):
@@ -163,7 +163,7 @@ def fsdp_rank(local_rank: int, port: int, config, check, out_file: Path) -> None
             out_file.write_text(json.dumps(result))
         torch.distributed.barrier()
     finally:
-        torch.distributed.destroy_process_group()
+        leave_process_group()
 
 
 def run_fsdp_ranks(config, check, tmp_path):
@@ -187,7 +187,7 @@ def test_fsdp_sampling_with_uneven_lengths_completes(make_config, tmp_path):
         make_config("sample_during_eval=true", "n_eval_model_samples=4", "generation.do_sample=false"),
         run_dir=tmp_path / "run",
     )
-    examples = [ex for batch in single.eval_batches for ex in batch][:4]
+    examples = [ex for batch in single.data.eval_batches for ex in batch][:4]
     single.config.generation.max_new_tokens = 8
     long = single.evaluator.generate(single.policy, examples)
     single.config.generation.max_new_tokens = 1
@@ -209,16 +209,16 @@ def record_micro_batches(trainer, rank: int) -> list[tuple[int, bool]]:
         sharded = all(isinstance(g, DTensor) and g.to_local().numel() < g.numel() for g in grads if g is not None)
         seen.append((pairs, all(g is not None for g in grads) and sharded))
 
-    batch_metrics = trainer.batch_metrics
+    batch_loss = trainer.batch_loss
 
     def recording(examples, split, batch=None):
         record(len(examples))
-        return batch_metrics(examples, split, batch)
+        return batch_loss(examples, split, batch)
 
-    trainer.batch_metrics = recording
+    trainer.batch_loss = recording
     step = trainer.optimizer.step
     trainer.optimizer.step = lambda: (record(0), step())[1]
-    metrics = trainer.train_step([trainer.train_examples[i] for i in trainer.schedule[0]])
+    metrics = trainer.train_step([trainer.data.train_examples[i] for i in trainer.data.schedule[0]])
     assert len(metrics["loss/train"]) == 8  # gathered from both ranks
     return seen
 

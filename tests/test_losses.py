@@ -19,6 +19,7 @@ from losses import (
     RatioLoss,
     SimPOConfig,
     SmoothedConfig,
+    compute,
 )
 from objective import PreferenceObjective
 
@@ -228,3 +229,48 @@ def test_a_weighted_term_keeps_its_own_nll_weight():
     output = LOSSES["weighted"].function(stats(), mpo, {})
     assert output.losses.item() == pytest.approx(plain + 0.8 * 0.5 * 0.5, abs=1e-6)
     assert output.terms["loss_dpo"].item() == pytest.approx(softplus(-0.2) + 0.25, abs=1e-6)
+
+
+def batch(*pairs) -> PairStats:
+    """PairStats of several pairs (pc, pr, rc, rr), one scored token each: length plays no part in DPO."""
+    columns = [torch.tensor(column) for column in zip(*pairs)]
+    return PairStats(*columns, torch.ones(len(pairs)), torch.ones(len(pairs)))
+
+
+def test_dpo_reproduces_torchtune():
+    # torchtune's tests/torchtune/rlhf/loss/test_dpo_loss.py (test_dpo_loss), beta 0.1, no label smoothing:
+    # pc = [-0.5, -10, -1], pr = [-0.1, -30, -21], rc = [-0.5, -10.1, -0.1], rr = [-0.1, -20.1, -0.1].
+    # c = pc - rc = [0, 0.1, -0.9], r = pr - rr = [0, -9.9, -20.9], h = [0, 10, 20], beta h = [0, 1, 2];
+    # -log sigma(beta h) = [ln 2, ln(1 + 1/e), ln(1 + 1/e^2)] = [0.693147, 0.313262, 0.126928].
+    s = batch((-0.5, -0.1, -0.5, -0.1), (-10.0, -30.0, -10.1, -20.1), (-1.0, -21.0, -0.1, -0.1))
+    output = compute(dpo_config(0.1), s, {})
+    assert output.losses.tolist() == pytest.approx([0.693147, 0.313262, 0.126928], abs=1e-5)
+    # beta c and beta r: the rewards torchtune's KTO test in the same file lists for these inputs
+    assert output.chosen_rewards.tolist() == pytest.approx([0.0, 0.01, -0.09], abs=1e-6)
+    assert output.rejected_rewards.tolist() == pytest.approx([0.0, -0.99, -2.09], abs=1e-6)
+
+
+# (pc, pr, rc, rr), all multiples of 1/8 so that float32 holds them and their margins exactly
+SWEEP_PAIRS = [
+    (-1.0, -3.0, -2.0, -2.0),  # h = 2
+    (-12.5, -9.75, -11.0, -14.25),  # c = -1.5, r = 4.5: h = -6, the policy has moved towards rejected
+    (-4.25, -4.25, -4.25, -4.25),  # h = 0: policy equals reference
+    (-7.125, -8.0, -7.0, -8.0),  # h = -0.125
+    (-20.0, -45.5, -22.5, -30.0),  # c = 2.5, r = -15.5: h = 18
+]
+
+
+def cdpo(beta: float, eps: float, h: float) -> float:
+    """Sigmoid DPO with label smoothing (cDPO, Mitchell 2023), in plain floats:
+    -(1 - eps) log sigma(beta h) - eps log sigma(-beta h)."""
+    return -(1 - eps) * math.log(sigmoid(beta * h)) - eps * math.log(sigmoid(-beta * h))
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.2, 0.3])
+@pytest.mark.parametrize("beta", [0.01, 0.1, 0.5, 1.0])
+def test_dpo_sweep_matches_the_cdpo_formula(beta, eps):
+    output = compute(dpo_config(beta, eps), batch(*SWEEP_PAIRS), {})
+    margins = [(pc - rc) - (pr - rr) for pc, pr, rc, rr in SWEEP_PAIRS]
+    assert output.losses.tolist() == pytest.approx([cdpo(beta, eps, h) for h in margins], rel=1e-6, abs=1e-6)
+    assert output.chosen_rewards.tolist() == pytest.approx([beta * (pc - rc) for pc, _, rc, _ in SWEEP_PAIRS])
+    assert output.rejected_rewards.tolist() == pytest.approx([beta * (pr - rr) for _, pr, _, rr in SWEEP_PAIRS])

@@ -5,7 +5,7 @@ import torch
 
 import precision
 from precision import choose_compute_dtype, machine_key, parse_dtype
-from utils import UserError
+from utils import REPO_ROOT, UserError
 
 
 def probe_returning(speedup: float, calls: list):
@@ -66,3 +66,37 @@ def test_cuda_choice_follows_bfloat16_support():
     dtype, why = choose_compute_dtype(torch.device("cuda", 0), precision.Path("/nonexistent"))
     native = torch.cuda.is_bf16_supported(including_emulation=False)  # a T4's or V100's emulated bf16 is slow
     assert (dtype == torch.bfloat16) == native and torch.cuda.get_device_name(0) in why
+
+
+AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}  # an AVX512 CPU made to act AVX2-only
+
+
+def auto_choice_in_a_fresh_process(cache_dir, env_extra: dict) -> str:
+    """What `auto` picks in a new process with env_extra set, through the probe cache in cache_dir."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pathlib, torch, precision; "
+        "print(precision.choose_compute_dtype(torch.device('cpu'), pathlib.Path(sys.argv[1]))[0])"
+    )
+    env = {**{k: v for k, v in os.environ.items() if k not in AVX2_ONLY}, **env_extra}
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(cache_dir)], capture_output=True, text=True, env=env, cwd=REPO_ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_a_cache_written_with_bf16_kernels_is_not_read_where_they_are_limited_away(tmp_path):
+    # The same CPU, the same cache directory: first with its own kernels, then with oneDNN and ATen limited to AVX2
+    # (as on the AVX2-only machines of the same name). The second run probes again and its answer is its own.
+    native = auto_choice_in_a_fresh_process(tmp_path, {})
+    emulated = auto_choice_in_a_fresh_process(tmp_path, AVX2_ONLY)
+    entries = json.loads((tmp_path / "precision_probe.json").read_text())
+    assert len(entries) == 2, entries  # two keys: one per kernel set
+    avx2 = next(rates for key, rates in entries.items() if "capability AVX2" in key and "oneDNN AVX2" in key)
+    assert avx2["bfloat16"] < avx2["float32"] and emulated == "None"  # bf16 emulated through float32: slower
+    if "avx512_bf16" in precision.cpu_flags() or "amx_bf16" in precision.cpu_flags():
+        assert native == "torch.bfloat16"  # native bf16 dot products: several times float32

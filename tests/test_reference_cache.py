@@ -1,11 +1,11 @@
 import torch
 
+import precision
 import reference_cache
+from build import build
 from conftest import build_trainer
 from distributed import Topology
-from models import load_model
 from preference_datasets import get_dataset
-from trainers import Trainer
 
 
 def test_entries_round_trip_and_a_foreign_file_is_refused(tmp_path):
@@ -42,33 +42,36 @@ def test_weights_digest_sees_any_change():
     assert reference_cache.weights_digest(model.to(torch.bfloat16)) != reference_cache.weights_digest(model.float())
 
 
-def test_cached_reference_equals_live_reference_and_is_reused(make_config, tmp_path, capsys):
+def test_cached_reference_equals_live_reference_and_is_reused(make_config, tmp_path, capsys, monkeypatch):
     live = build_trainer(make_config(f"local_run_dir={tmp_path / 'live'}", "reference_cache=false"))
     cached = build_trainer(make_config(f"local_run_dir={tmp_path / 'cached'}"))
     assert live.reference_model is not None and cached.reference_model is None  # the cache needs no reference model
-    examples = live.train_examples + [ex for batch in live.eval_batches for ex in batch]
+    examples = live.data.train_examples + [ex for batch in live.data.eval_batches for ex in batch]
     with torch.no_grad():
         expected = live.scorer(live.reference_model, live.scorer.batch(examples), None).view(2, -1).T
-    computed = torch.tensor([cached.reference.entries[ex["key"]] for ex in examples])
+    computed = torch.tensor([cached.batch_loss.reference.entries[ex["key"]] for ex in examples])
     torch.testing.assert_close(computed, expected, rtol=0, atol=1e-6)
     assert "computing 35 of 35 pairs" in capsys.readouterr().out
 
-    def no_reference():
-        raise AssertionError("the reference was loaded although the cache holds every pair")
-
+    # Built again on the same pairs (given, not loaded): every pair comes from the file, no forward pass.
     config = make_config(f"local_run_dir={tmp_path / 'again'}")
-    tokenizer, policy = cached.tokenizer, load_model(config.model, torch.float32, tmp_path, config.seed)
-    data = get_dataset(config.datasets[0], tokenizer, config.seed, config.n_eval_examples, tmp_path)
-    again = Trainer(config, Topology(), policy, no_reference, tokenizer, data, tmp_path / "again")
+    pairs = get_dataset(config.datasets[0], cached.tokenizer, config.seed, config.n_eval_examples, tmp_path)
+    again = build(config, Topology(), pairs)
     assert "reference log-probs: all 35 pairs from" in capsys.readouterr().out
-    assert again.reference.entries == cached.reference.entries
+    assert again.reference.entries == cached.batch_loss.reference.entries
 
     # A damaged file is recomputed, with a line that says why; another precision is another file.
     [path] = (tmp_path / "reference_logps").glob("*.pt")
     path.write_bytes(path.read_bytes()[:100])
     rebuilt = build_trainer(make_config(f"local_run_dir={tmp_path / 'rebuilt'}"))
     assert f"reference log-probs: recomputing, since {path} is unreadable" in capsys.readouterr().out
-    assert rebuilt.reference.entries == cached.reference.entries
+    assert rebuilt.batch_loss.reference.entries == cached.batch_loss.reference.entries
     build_trainer(make_config(f"local_run_dir={tmp_path / 'bf16'}", "model.fsdp_policy_mp=bfloat16"))
     assert "computing 35 of 35 pairs" in capsys.readouterr().out
     assert len(list((tmp_path / "reference_logps").glob("*.pt"))) == 2
+    # Another CPU sharing the cache directory (here: the same one, its bf16 flags hidden) rounds with other kernels:
+    # it computes its own numbers, into a file of its own.
+    monkeypatch.setattr(precision, "cpu_flags", lambda: ["avx2"])
+    build_trainer(make_config(f"local_run_dir={tmp_path / 'other-cpu'}"))
+    assert "computing 35 of 35 pairs" in capsys.readouterr().out
+    assert len(list((tmp_path / "reference_logps").glob("*.pt"))) == 3

@@ -1,14 +1,20 @@
-"""The data report and the dry run (report.py): lengths and truncation counted by hand, the decoded example, and a
-dry run that loads no weights, writes no run and estimates memory from the model's shapes."""
+"""The data report and memory estimate (report.py) and the dry run (build.dry_run): lengths and truncation counted
+by hand, the decoded example, and a dry run that loads no weights, writes no run and estimates memory from the
+model's shapes."""
 
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
+from omegaconf import OmegaConf
 
+import build
 import report
 import train
 from conftest import TINY_DIR, tiny_run_overrides
+from distributed import Topology
+from precision import decide_precision
 from preference_datasets import PreferencePair, tokenize_examples
 
 
@@ -34,12 +40,32 @@ def test_data_report_gives_length_percentiles_truncation_and_the_tokens(tiny_tok
     assert lines[8] == f"    chosen      2 tokens: c|{eos}"
 
 
+def precision_of(config):
+    """The run's dtypes as build() decides them, with `auto` compute answered float32."""
+    return decide_precision(OmegaConf.to_object(config.model), autocast=True, auto_compute=lambda: None)
+
+
+@pytest.mark.parametrize("reference_dtype, weights", [("null", torch.float32), ("bfloat16", torch.bfloat16)])
+def test_the_estimate_and_the_run_read_reference_dtype_alike(make_config, tiny_tokenizer, reference_dtype, weights):
+    # model.reference_dtype has one meaning: null loads the reference in the policy's dtype (float32 here), computing
+    # in it; a dtype loads it in that dtype. The dry run's estimate counts the bytes the run's reference holds.
+    config = make_config("reference_cache=false", f"model.reference_dtype={reference_dtype}")
+    parts = build.build(config, Topology())
+    held = sum(p.numel() * p.element_size() for p in parts.reference_model.parameters())
+    assert next(parts.reference_model.parameters()).dtype == weights and parts.precision.reference_compute is None
+    examples = tokenize_examples([PreferencePair("q", "a", "b", "", "keep_start")] * 8, tiny_tokenizer, 512, 256, False)
+    policy = build.meta_policy(config, parts.precision, Path(config.local_dirs[0]))
+    live = build.live_reference_model(config, needs_reference=True)
+    _, estimate = report.memory_estimate(config, 1, policy, examples, [list(range(8))], parts.precision, live)
+    assert estimate["reference weights"] == held
+
+
 def test_dry_run_reports_and_exits_without_weights_or_a_run(tmp_path, pairs_file, monkeypatch, capsys):
     def no_weights(*args, **kwargs):
         raise AssertionError("a dry run loaded weights")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
-    monkeypatch.setattr(train, "load_model", no_weights)
+    monkeypatch.setattr(build, "load_model", no_weights)
     train.main([*tiny_run_overrides(tmp_path, pairs_file), "dry_run=true", "trainer=FSDPTrainer", "nproc=2"])
     out = capsys.readouterr().out
     assert "loss:\n  name: dpo" in out  # the resolved config
@@ -74,8 +100,9 @@ def test_memory_estimate_counts_the_real_model(make_config, tiny_tokenizer, over
     examples = tokenize_examples(
         [PreferencePair("q" * 5, "a" * 3, "b" * 6, "", "keep_start")] * 8, tiny_tokenizer, 512, 256, False
     )
-    policy = report.meta_policy(config, Path(config.local_dirs[0]))
-    _, parts = report.memory_estimate(config, shards, policy, examples, [list(range(8))], True, config.local_dirs[0])
+    precision = precision_of(config)
+    policy = build.meta_policy(config, precision, Path(config.local_dirs[0]))
+    _, parts = report.memory_estimate(config, shards, policy, examples, [list(range(8))], precision, False)
     assert parts["policy weights"] == n_parameters * 4 / shards  # float32
     assert parts["gradients"] == n_parameters * 4 / shards
     assert parts[f"{config.optimizer} state"] == optimizer_states * n_parameters * 4 / shards
@@ -94,7 +121,8 @@ def test_memory_estimate_of_lora_counts_the_adapters(make_config, tiny_tokenizer
     lora_model = apply_lora(tiny_model(), config.lora)
     trainable = sum(p.numel() for p in lora_model.parameters() if p.requires_grad)
     examples = tokenize_examples([PreferencePair("q", "a", "b", "", "keep_start")] * 8, tiny_tokenizer, 512, 256, False)
-    policy = report.meta_policy(config, Path(config.local_dirs[0]))
-    header, parts = report.memory_estimate(config, 1, policy, examples, [list(range(8))], True, config.local_dirs[0])
+    precision = precision_of(config)
+    policy = build.meta_policy(config, precision, Path(config.local_dirs[0]))
+    header, parts = report.memory_estimate(config, 1, policy, examples, [list(range(8))], precision, False)
     assert parts["gradients"] == trainable * 4
     assert f"{trainable / 1e6:.2f}M trainable" in header

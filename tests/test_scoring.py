@@ -228,5 +228,5 @@ def test_a_packed_batch_builds_its_mask_once_for_policy_and_live_reference(make_
     trainer = build_trainer(make_config("reference_cache=false", "gradient_accumulation_steps=2"))
     built = []
     monkeypatch.setattr(scoring, "dense_mask", lambda batch: built.append(batch) or dense_mask(batch))
-    trainer.train_step([trainer.train_examples[i] for i in trainer.schedule[0]])
+    trainer.train_step([trainer.data.train_examples[i] for i in trainer.data.schedule[0]])
     assert len(built) == 2  # one per micro-batch, though the policy and the live reference both score each

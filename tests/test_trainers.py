@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 import train
+from build import Data
 from conftest import (
     PADDED_BASELINE,
     assert_resume_matches_uninterrupted,
@@ -26,7 +27,7 @@ from utils import UserError
 
 def test_first_step_loss_is_ln2_with_zero_rewards(make_config):
     trainer = build_trainer(make_config())
-    examples = [trainer.train_examples[i] for i in trainer.schedule[0]]
+    examples = [trainer.data.train_examples[i] for i in trainer.data.schedule[0]]
     metrics = trainer.train_step(examples)
     assert metrics["loss/train"] == pytest.approx([math.log(2)] * 8, abs=1e-6)
     assert max(map(abs, metrics["rewards_train/chosen"] + metrics["rewards_train/rejected"])) < 1e-6
@@ -37,7 +38,8 @@ def test_first_step_loss_is_ln2_with_zero_rewards(make_config):
 def test_warmup_is_linear_in_optimizer_steps(make_config):
     trainer = build_trainer(make_config("warmup_steps=3"))
     rates = [
-        trainer.train_step([trainer.train_examples[i] for i in indices])["lr"][0] for indices in trainer.schedule[:5]
+        trainer.train_step([trainer.data.train_examples[i] for i in indices])["lr"][0]
+        for indices in trainer.data.schedule[:5]
     ]
     assert rates == pytest.approx([c * trainer.config.lr for c in (1 / 4, 2 / 4, 3 / 4, 1, 1)])
 
@@ -50,9 +52,9 @@ def test_gradient_accumulation_matches_full_batch(make_config):
         make_config(*base, "gradient_accumulation_steps=4", "local_run_dir=" + str(full.run_dir) + "_ga")
     )
     for step in range(2):
-        indices = full.schedule[step]
-        full_metrics = full.train_step([full.train_examples[i] for i in indices])
-        accumulated_metrics = accumulated.train_step([accumulated.train_examples[i] for i in indices])
+        indices = full.data.schedule[step]
+        full_metrics = full.train_step([full.data.train_examples[i] for i in indices])
+        accumulated_metrics = accumulated.train_step([accumulated.data.train_examples[i] for i in indices])
         assert accumulated_metrics["loss/train"] == pytest.approx(full_metrics["loss/train"], abs=1e-6)
         assert accumulated_metrics["grad_norm"] == pytest.approx(full_metrics["grad_norm"], rel=1e-5)
     for (name, a), b in zip(full.policy.named_parameters(), accumulated.policy.parameters()):
@@ -122,7 +124,7 @@ def test_activation_checkpointing_recomputes_blocks_and_gives_same_step(make_con
     checkpointed.policy.model.layers[0].mlp.register_forward_pre_hook(
         lambda *_: calls.__setitem__("checkpointed", calls["checkpointed"] + 1)
     )
-    examples = [plain.train_examples[i] for i in plain.schedule[0]]
+    examples = [plain.data.train_examples[i] for i in plain.data.schedule[0]]
     plain_metrics, checkpointed_metrics = plain.train_step(examples), checkpointed.train_step(examples)
     assert calls == {"plain": 1, "checkpointed": 2}  # the block's forward runs again in the backward pass
     assert checkpointed_metrics["loss/train"] == pytest.approx(plain_metrics["loss/train"], abs=1e-7)
@@ -138,7 +140,7 @@ def test_mixed_precision_autocast_runs_in_bfloat16(make_config):
     trainer.policy.model.layers[0].mlp.down_proj.register_forward_hook(
         lambda module, inputs, output: seen.append(output.dtype)
     )
-    metrics = trainer.train_step([trainer.train_examples[i] for i in trainer.schedule[0]])
+    metrics = trainer.train_step([trainer.data.train_examples[i] for i in trainer.data.schedule[0]])
     assert seen == [torch.bfloat16] and all(p.dtype == torch.float32 for p in trainer.policy.parameters())
     assert metrics["loss/train"][0] == pytest.approx(math.log(2), abs=0.05)
 
@@ -232,31 +234,40 @@ def test_automatic_precision_follows_the_probe(make_config, tmp_path, capsys):
         trainer.policy.model.layers[0].mlp.down_proj.register_forward_hook(
             lambda module, inputs, output, seen=seen: seen.append(output.dtype)
         )
-        trainer.train_step([trainer.train_examples[i] for i in trainer.schedule[0]])
+        trainer.train_step([trainer.data.train_examples[i] for i in trainer.data.schedule[0]])
         assert seen == [torch.bfloat16 if speedup > 1 else torch.float32]
         assert records(train.Path(config.local_run_dir), "eval")[0]["loss/eval"] == torch.tensor(math.log(2)).item()
 
 
 def poison_training_from(step: int):
-    """A Trainer.batch_metrics whose training loss is NaN from optimizer step `step` (1-based) on."""
-    batch_metrics = Trainer.batch_metrics
+    """A Trainer.train_step whose training loss is NaN from optimizer step `step` (1-based) on."""
+    train_step = Trainer.train_step
 
-    def poisoned(self, examples, split, batch=None):
-        loss, metrics = batch_metrics(self, examples, split, batch)
-        return (
-            (loss * float("nan"), metrics) if split == "train" and self.batch_counter + 1 >= step else (loss, metrics)
-        )
+    def poisoned(self, examples):
+        if self.batch_counter + 1 < step:
+            return train_step(self, examples)
+        batch_loss = self.batch_loss
+
+        def nan_loss(examples, split, batch=None):
+            loss, metrics = batch_loss(examples, split, batch)
+            return loss * float("nan"), metrics
+
+        self.batch_loss = nan_loss
+        try:
+            return train_step(self, examples)
+        finally:
+            self.batch_loss = batch_loss
 
     return poisoned
 
 
 def test_a_nonfinite_step_is_skipped_and_counted(make_config, monkeypatch):
     trainer = build_trainer(make_config())
-    steps = [[trainer.train_examples[i] for i in indices] for indices in trainer.schedule[:3]]
+    steps = [[trainer.data.train_examples[i] for i in indices] for indices in trainer.data.schedule[:3]]
     assert trainer.train_step(steps[0])["nonfinite_steps"] == [0.0]
     trainer.batch_counter = 1
     before = {name: p.detach().clone() for name, p in trainer.policy.named_parameters()}
-    monkeypatch.setattr(Trainer, "batch_metrics", poison_training_from(2))
+    monkeypatch.setattr(Trainer, "train_step", poison_training_from(2))
     metrics = trainer.train_step(steps[1])
     assert metrics["nonfinite_steps"] == [1.0] and math.isnan(metrics["grad_norm"][0])
     for name, parameter in trainer.policy.named_parameters():  # no update: the weights, optimizer and schedule
@@ -269,7 +280,7 @@ def test_a_nonfinite_step_is_skipped_and_counted(make_config, monkeypatch):
 
 def test_nonfinite_steps_in_a_row_stop_the_run_and_keep_the_last_checkpoint(make_config, monkeypatch):
     # Steps 3 on are poisoned; with max_nonfinite_steps=2 the run stops after step 4, the step-16 checkpoint intact.
-    monkeypatch.setattr(Trainer, "batch_metrics", poison_training_from(3))
+    monkeypatch.setattr(Trainer, "train_step", poison_training_from(3))
     config = make_config("max_nonfinite_steps=2", "eval_every=16", "minimum_log_interval_secs=0")
     run_dir = train.Path(config.local_run_dir)
     message = (
@@ -326,11 +337,30 @@ def test_each_record_carries_the_steps_throughput(make_config):
     config = make_config("n_examples=24")
     train.run(config)
     trainer = build_trainer(make_config("n_examples=24", f"local_run_dir={config.local_run_dir}-again"))
-    for record, indices in zip(records(train.Path(config.local_run_dir), "train"), trainer.schedule):
-        examples = [trainer.train_examples[i] for i in indices]
+    for record, indices in zip(records(train.Path(config.local_run_dir), "train"), trainer.data.schedule):
+        examples = [trainer.data.train_examples[i] for i in indices]
         pairs = record["perf/pairs_per_second"]
         assert record["perf/real_tokens_per_second"] / pairs == pytest.approx(sum(map(real_tokens, examples)) / 8)
         assert record["perf/scored_tokens_per_second"] / pairs == pytest.approx(sum(map(scored_tokens, examples)) / 8)
         assert record["perf/computed_tokens_per_second"] / pairs == pytest.approx(pack(examples, 0).n_tokens / 8)
         flops = sum(trainer.flops.example(ex, live_reference=False) for ex in examples) / 8
         assert record["perf/mfu"] / pairs == pytest.approx(flops / trainer.peak_flops)
+
+
+def test_training_in_two_rounds_equals_one_round(make_config, tmp_path):
+    # A round trains on a given schedule and may run again (iterative DPO gives each round new data): the schedule
+    # cut in two rounds of 3 and 2 steps trains, evaluates, checkpoints and logs exactly as one round of 5.
+    whole = build_trainer(make_config(f"local_run_dir={tmp_path / 'whole'}"))
+    whole.train()
+    whole.finish()
+    rounds = build_trainer(make_config(f"local_run_dir={tmp_path / 'rounds'}"))
+    data = rounds.data
+    for schedule in (data.schedule[:3], data.schedule[3:]):
+        rounds.train(Data(data.train_examples, data.eval_batches, schedule))
+    rounds.finish()
+    assert len(data.schedule) == 5 and rounds.batch_counter == 5
+    assert_same_metrics(
+        read_jsonl(tmp_path / "whole" / "metrics.jsonl"), read_jsonl(tmp_path / "rounds" / "metrics.jsonl")
+    )
+    assert sorted(p.name for p in (tmp_path / "rounds").glob("step-*")) == ["step-16", "step-32"]
+    assert_same_weights(tmp_path / "whole", tmp_path / "rounds")

@@ -1,0 +1,251 @@
+"""Building a run: every part the training loop needs, made once from the checked config, in one place. train.py,
+the dry run (report.py: the same assembly up to the weights), bench.py and the tests build through here; the
+Trainer (trainers.py) runs what it is given.
+
+The order matters where noted: local rank 0 loads first (it fills the caches the others then read); the reference's
+log-probs come from the policy's initial weights, before any step; the optimizer is built after FSDP has sharded the
+policy (it then holds the shards each rank owns)."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from omegaconf import DictConfig, OmegaConf
+
+import checkpoint
+import reference_cache
+from adapters import AdaptersDisabled, apply_lora, is_adapted, quantization_config
+from distributed import TRAINERS, Topology
+from evaluation import Evaluator
+from layouts import ModelBatch
+from models import load_model, load_tokenizer, resolve_model_dir
+from objective import build_objective
+from optim import build_optimizer, build_scheduler
+from placement import find_blocks, parallelize
+from precision import Precision, auto_compute_dtype, choose_compute_dtype, decide_precision, device_key, parse_dtype
+from preference_datasets import PreferencePair, load_datasets, prepare_examples
+from report import GIB, data_report, memory_estimate
+from scoring import Scorer
+from telemetry import ModelFlops, peak_flops
+from utils import get_local_dir
+
+
+@dataclass
+class Data:
+    """The run's tokenized examples and the order it trains on them."""
+
+    train_examples: list[dict]
+    eval_batches: list[list[dict]]
+    schedule: list[list[int]]  # per optimizer step, the indices of its training examples
+
+
+@dataclass
+class BatchLoss:
+    """The objective on a micro-batch: the policy's log-probs (scored as the Scorer decided), the reference's, and the
+    loss. Returns (mean loss, {name: [B] per-example metric on the device}), metrics named as in the DPO reference."""
+
+    objective: object
+    scorer: Scorer
+    policy: torch.nn.Module
+    policy_compute: torch.dtype | None
+    reference: object | None  # reference_cache.LiveReference or CachedReference; None for a loss without one
+
+    def __call__(self, examples: list[dict], split: str, batch: ModelBatch | None = None):
+        """batch: the examples already laid out, else they are laid out here (once: policy and a live reference
+        share it)."""
+        batch = batch or self.scorer.batch(examples)
+        policy_logps = self.scorer(self.policy, batch, self.policy_compute)
+        reference_logps = self.reference(examples, batch) if self.reference is not None else None
+        return self.objective(policy_logps, reference_logps, batch.sequence_lengths, split)
+
+
+@dataclass
+class RunParts:
+    """What the Trainer runs: ready, placed and decided."""
+
+    config: DictConfig
+    topology: Topology
+    tokenizer: object
+    objective: object
+    precision: Precision
+    data: Data
+    policy: torch.nn.Module  # placed on the topology
+    scorer: Scorer
+    reference: object | None
+    reference_model: torch.nn.Module | None  # kept to score live or to sample from
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    batch_loss: BatchLoss
+    evaluator: Evaluator
+    flops: ModelFlops
+    peak_flops: float
+
+
+def tokenize(config: DictConfig, tokenizer, objective, pairs: dict[str, list[PreferencePair]], report: bool) -> Data:
+    """Token ids of every example, once per run, and the training schedule; report: print the data report."""
+    train_examples, eval_examples, schedule = prepare_examples(pairs, objective, tokenizer, config)
+    if report:
+        print(data_report(train_examples, eval_examples, tokenizer, config.max_length, config.max_prompt_length))
+    size = config.eval_batch_size
+    eval_batches = [eval_examples[i : i + size] for i in range(0, len(eval_examples), size)]
+    return Data(train_examples, eval_batches, schedule)
+
+
+def live_reference_model(config: DictConfig, needs_reference: bool) -> bool:
+    """Whether the run loads a reference model of its own: to score live (reference_cache=false) or to sample from,
+    unless LoRA's base serves (the policy with its adapters disabled)."""
+    return needs_reference and not config.lora.enabled and (not config.reference_cache or config.sample_during_eval)
+
+
+def build(config: DictConfig, topology: Topology, pairs: dict[str, list[PreferencePair]] | None = None) -> RunParts:
+    """Every part of the run on this rank; pairs: the data ({"train": ..., "test": ...}) instead of config.datasets."""
+    cache_dir = get_local_dir(config.local_dirs)
+    objective = build_objective(config.loss)
+    autocast = not topology.fsdp  # FSDP's MixedPrecisionPolicy casts the parameters instead
+    precision = decide_precision(
+        OmegaConf.to_object(config.model), autocast, lambda: auto_compute_dtype(topology, cache_dir, autocast)
+    )
+    with topology.main_first():
+        tokenizer = load_tokenizer(config.model, cache_dir)
+        if pairs is None:
+            pairs = load_datasets(config.datasets, tokenizer, config.seed, config.n_eval_examples, cache_dir)
+        policy = load_model(
+            config.model, precision.policy_weights, cache_dir, config.seed, quantization_config(config.lora)
+        )
+    if config.lora.enabled:  # after model.archive: the adapters go on the SFT weights
+        policy = apply_lora(policy, config.lora)
+    if config.resume_from is not None:  # fail now rather than after tokenizing and the reference pass
+        topology.run_on_main(lambda: checkpoint.preflight(Path(config.resume_from), policy, config.batch_size))
+    data = tokenize(config, tokenizer, objective, pairs, topology.is_main)
+    print(f"{len(data.schedule)} steps of {config.batch_size} examples")
+
+    cached = objective.needs_reference and config.reference_cache
+    initial_weights = reference_cache.weights_digest(policy) if cached else None  # before sharding: whole
+    flops = ModelFlops.of(policy, find_blocks(policy, config.model.block_name))
+    weights_dtype = next(policy.parameters()).dtype
+    policy = place(policy, config, topology, precision.policy_compute, is_policy=True)
+    # The layout, attention and head checks run on the placed model: on its device, once, decided by rank 0.
+    scorer = Scorer.create(policy, config, tokenizer.pad_token_id, topology, autocast, precision.policy_compute)
+
+    def load_reference() -> torch.nn.Module:  # placed, frozen; never with LoRA (AdaptersDisabled serves)
+        model = load_model(config.model, precision.reference_weights, cache_dir, config.seed)
+        return place(model.requires_grad_(False), config, topology, precision.reference_compute)
+
+    reference = reference_model = None
+    if objective.needs_reference and config.reference_cache:
+        computation = reference_computation(config, precision, scorer, topology)
+        path = reference_cache.cache_path(cache_dir, initial_weights, computation)
+        # the initial policy itself computes them where the reference computes like it: no reference is loaded
+        like_policy = lambda: (policy, precision.policy_compute)  # noqa: E731
+        compute_with = (
+            like_policy if precision.reference_like_policy else lambda: (load_reference(), precision.reference_compute)
+        )
+        entries = fill_reference_cache(config, topology, data, scorer, path, initial_weights, computation, compute_with)
+        reference = reference_cache.CachedReference(entries, topology.device)
+    if objective.needs_reference and is_adapted(policy):  # LoRA: the base model, the policy with adapters disabled
+        reference_model = AdaptersDisabled(policy)
+    elif live_reference_model(config, objective.needs_reference):
+        reference_model = load_reference()
+    if objective.needs_reference and not config.reference_cache:
+        reference = reference_cache.LiveReference(reference_model, scorer, precision.reference_compute)
+
+    peak, source = topology.broadcast(
+        topology.run_on_main(lambda: peak_flops(topology.device, precision.policy_compute or weights_dtype, cache_dir))
+    )
+    print(f"MFU is measured against {peak / 1e12:.3g} TFLOP/s per device ({source})")
+    # After sharding and before any forward pass: FSDP then hands the optimizer the shards each rank owns.
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
+    optimizer = build_optimizer(config.optimizer, trainable, config.lr, OmegaConf.to_container(config.optimizer_kwargs))
+    scheduler = build_scheduler(optimizer, config.warmup_steps)
+    batch_loss = BatchLoss(objective, scorer, policy, precision.policy_compute, reference)
+    evaluator = Evaluator(config, topology, tokenizer, data.eval_batches, batch_loss)
+    return RunParts(
+        config, topology, tokenizer, objective, precision, data, policy, scorer, reference, reference_model,
+        optimizer, scheduler, batch_loss, evaluator, flops, peak,
+    )  # fmt: skip
+
+
+def place(model: torch.nn.Module, config: DictConfig, topology: Topology, compute, is_policy: bool = False):
+    """The model placed on the run's topology; compute: the dtype it computes in (None: its weights')."""
+    checkpointing = is_policy and config.activation_checkpointing
+    reduce_dtype = parse_dtype(config.model.fsdp_reduce_dtype, "model.fsdp_reduce_dtype")
+    return parallelize(model, topology, compute, config.model.block_name, checkpointing, reduce_dtype)
+
+
+def reference_computation(config: DictConfig, precision: Precision, scorer: Scorer, topology: Topology) -> str:
+    """Everything that changes the rounding of the reference's log-probs (the cache file's second key), the device's
+    kernels included: a cache directory shared by machines of other CPUs or GPUs keeps one file for each."""
+    micro = [size // config.gradient_accumulation_steps for size in (config.batch_size, config.eval_batch_size)]
+    compute = precision.policy_compute if precision.reference_like_policy else precision.reference_compute
+    how = "autocast" if scorer.autocast else "FSDP"
+    weights = str(precision.reference_weights).removeprefix("torch.")
+    return (
+        f"{weights} weights, {compute or 'no'} {how} compute, {scorer.describe()}, {topology.describe()}, "
+        f"micro-batches of {micro[0]} and {micro[1]}, seed {config.seed}, on {device_key(topology.device)}"
+    )
+
+
+def fill_reference_cache(config, topology, data: Data, scorer, path, weights, computation, compute_with) -> dict:
+    """Reference log-probs of every pair that training and eval use, by pair key (reference_cache.fill), computed on
+    the same micro-batches as the first epoch's steps and the evals, so that at step 0 a reference computing like the
+    policy agrees with it to the last bit. compute_with() gives (model, compute dtype), called only if any is
+    missing."""
+    first_use = [data.train_examples[i] for i in dict.fromkeys(i for indices in data.schedule for i in indices)]
+    return reference_cache.fill(
+        path,
+        weights,
+        computation,
+        first_use,
+        data.eval_batches,
+        (config.batch_size, config.eval_batch_size),
+        config.gradient_accumulation_steps,
+        compute_with,
+        scorer,
+        topology,
+    )
+
+
+def dry_run(config: DictConfig, world_size: int) -> None:
+    """The run's assembly up to its weights: config, tokenizer, data and precision checked and reported, the steps
+    and an estimate of peak memory per process; no weights loaded, nothing written but the caches."""
+    print(OmegaConf.to_yaml(config))
+    cache_dir = get_local_dir(config.local_dirs)
+    objective = build_objective(config.loss)
+    autocast = not TRAINERS[config.trainer].fsdp
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision = decide_precision(
+        OmegaConf.to_object(config.model), autocast, lambda: choose_compute_dtype(device, cache_dir)[0]
+    )
+    tokenizer = load_tokenizer(config.model, cache_dir)
+    pairs = load_datasets(config.datasets, tokenizer, config.seed, config.n_eval_examples, cache_dir)
+    data = tokenize(config, tokenizer, objective, pairs, report=True)
+    n_evals = sum(map(len, data.eval_batches))
+    print(
+        f"steps: {len(data.schedule)} optimizer steps of {config.batch_size} examples "
+        f"({len(data.schedule) * config.batch_size} examples), an eval every {config.eval_every} examples on {n_evals}"
+    )
+    policy = meta_policy(config, precision, cache_dir)
+    resume = checkpoint.newest(Path(config.local_run_dir)) if config.resume_from == "auto" else config.resume_from
+    if resume is not None:  # the checks a run makes before anything else
+        checkpoint.preflight(Path(resume), policy, config.batch_size)
+        print(f"resume: {resume} fits this run")
+    live_reference = live_reference_model(config, objective.needs_reference)
+    header, parts = memory_estimate(
+        config, world_size, policy, data.train_examples, data.schedule, precision, live_reference
+    )
+    print(f"memory estimate per process: {sum(parts.values()) / GIB:.2f} GiB ({header})")
+    for name, value in parts.items():
+        if value:
+            print(f"  {name:40} {value / GIB:8.3f} GiB")
+    print("dry run: no weights were loaded and nothing was trained")
+
+
+def meta_policy(config: DictConfig, precision: Precision, cache_dir: Path) -> torch.nn.Module:
+    """The policy as the run builds it (with its LoRA adapters), on the meta device: shapes, no weights."""
+    model_config = transformers.AutoConfig.from_pretrained(
+        resolve_model_dir(config.model.name_or_path, cache_dir), trust_remote_code=config.model.trust_remote_code
+    )
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=precision.policy_weights)
+        return apply_lora(model, config.lora) if config.lora.enabled else model

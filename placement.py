@@ -1,0 +1,123 @@
+"""Placing a model on the topology: parallelism as functions that take a model and the mesh and return it placed
+(torchtitan's arrangement). The transformer blocks are the unit of everything here: tensor parallelism splits their
+projections by the model's own plan, activation checkpointing recomputes them, FSDP shards them."""
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from distributed import Topology
+from utils import UserError
+
+
+def find_blocks(model: torch.nn.Module, block_name: str | None) -> list[torch.nn.Module]:
+    """The model's transformer blocks: modules of class `block_name`, or, when it is null, of the classes the
+    model declares in `_no_split_modules`. They are the unit of activation checkpointing and FSDP sharding."""
+    known = list(getattr(model, "_no_split_modules", None) or [])
+    names = [block_name] if block_name else known
+    if not names:
+        raise UserError(
+            f"model.block_name is null and {type(model).__name__} declares no _no_split_modules: "
+            "set model.block_name to its transformer block class"
+        )
+    blocks = [module for module in model.modules() if type(module).__name__ in names]
+    if not blocks:
+        raise UserError(
+            f"model.block_name={block_name} matches no module of {type(model).__name__}"
+            + (f"; its blocks: {', '.join(known)}" if known else "")
+        )
+    return blocks
+
+
+def checkpoint_blocks(model: torch.nn.Module, block_name: str | None) -> None:
+    """Recompute each block's activations in the backward pass (non-reentrant checkpointing). The block's forward
+    is wrapped in place, so parameter names and state dicts are unchanged."""
+    for block in find_blocks(model, block_name):
+        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
+
+
+TENSOR_PARALLEL_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+def tensor_parallel_plan(
+    model: torch.nn.Module, tp_size: int, world_size: int, trainer: str
+) -> dict[str, ParallelStyle]:
+    """A `parallelize_module` plan for the base model, from the column/row split that transformers declares
+    for the architecture (`config.base_model_tp_plan`: Megatron-LM's split of attention and MLP projections,
+    Shoeybi et al. 2019). Embeddings, norms and the LM head stay whole on every rank."""
+    name = type(model).__name__
+    plan = getattr(model.config, "base_model_tp_plan", None)
+    if not plan:
+        raise UserError(
+            f"{name} has no tensor-parallel plan (its config has no base_model_tp_plan); use trainer=FSDPTrainer"
+        )
+    unsupported = sorted(set(plan.values()) - set(TENSOR_PARALLEL_STYLES))
+    if unsupported:
+        raise UserError(
+            f"{name}'s tensor-parallel plan uses {', '.join(unsupported)}; TensorParallelTrainer implements "
+            f"{', '.join(TENSOR_PARALLEL_STYLES)}; use trainer=FSDPTrainer"
+        )
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(model.config, key, None)
+        if heads is not None and heads % tp_size:
+            over = f"the world size {tp_size}" if tp_size == world_size else f"tensor_parallel_size={tp_size}"
+            raise UserError(
+                f"{trainer} splits attention heads over ranks, but {name} has {key}={heads}, not a multiple of {over}"
+            )
+    return {pattern: TENSOR_PARALLEL_STYLES[style]() for pattern, style in plan.items()}
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, trainer: str) -> nn.Module:
+    """Split the base model's attention and MLP projections over the tp ranks (the model's own tp plan);
+    each split weight goes to the device as its shard, never whole."""
+    plan = tensor_parallel_plan(model, tp_mesh.size(), dist.get_world_size(), trainer)
+    parallelize_module(model.base_model, tp_mesh, plan)
+    return model
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    block_name: str | None,
+    compute_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+):
+    """Shard each transformer block, then the root, over the dp ranks (FSDP2's `fully_shard`). Parameters are
+    gathered in compute_dtype (None: the weights' dtype); gradients are reduce-scattered in reduce_dtype (None: the
+    compute dtype) and accumulated into the sharded float32 gradients; buffers, e.g. Llama's rotary frequencies,
+    keep their dtype."""
+    mixed_precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype or compute_dtype)
+    for block in find_blocks(model, block_name):
+        fully_shard(block, mesh=dp_mesh, mp_policy=mixed_precision)
+    # The root (embeddings, final norm, head) reshards after each forward too, unlike FSDP2's default: evals,
+    # sampling and the reference run forwards without a backward, which would leave it gathered.
+    return fully_shard(model, mesh=dp_mesh, mp_policy=mixed_precision, reshard_after_forward=True)
+
+
+def parallelize(
+    model: nn.Module,
+    topology: Topology,
+    compute_dtype: torch.dtype | None,
+    block_name: str | None,
+    activation_checkpointing: bool,
+    reduce_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """The model placed on this topology: tensor parallel first (FSDP then shards the tp shards), activation
+    checkpointing per block, then FSDP, or else moved whole to the device.
+
+    With gradient accumulation FSDP reduce-scatters after every micro-batch (FSDP2's default, kept): skipping the
+    reduction until the last micro-batch would hold every block's whole unsharded gradient on every rank meanwhile
+    (for a 7B model, 14 GB in bfloat16, 28 GB in float32), for one reduction's worth of communication saved."""
+    if topology.tp_size > 1:
+        apply_tensor_parallel(model, topology.mesh["tp"], topology.trainer)
+    if activation_checkpointing:
+        checkpoint_blocks(model, block_name)
+    if topology.fsdp:
+        return apply_fsdp(model, topology.mesh["dp"], block_name, compute_dtype, reduce_dtype)
+    return model.to(topology.device)
