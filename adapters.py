@@ -12,7 +12,7 @@ import torch
 from omegaconf import MISSING
 from torch import nn
 
-from utils import UserError
+from utils import POSITIVE, Range, UserError, check_ranges, ranged
 
 QUANTIZATIONS = ("4bit",)
 
@@ -20,19 +20,14 @@ QUANTIZATIONS = ("4bit",)
 @dataclass
 class LoraSettings:
     enabled: bool = MISSING
-    rank: int = MISSING
-    alpha: float = MISSING
-    dropout: float = MISSING
+    rank: int = ranged(POSITIVE)
+    alpha: float = ranged(POSITIVE)
+    dropout: float = ranged(Range(0, 1, high_open=True))
     target_modules: Optional[list[str]] = MISSING  # null: every linear layer but the LM head
     quantize: Optional[str] = MISSING
 
     def __post_init__(self):
-        if self.rank <= 0:
-            raise UserError(f"lora.rank={self.rank} must be positive")
-        if self.alpha <= 0:
-            raise UserError(f"lora.alpha={self.alpha} must be positive")
-        if not 0 <= self.dropout < 1:
-            raise UserError(f"lora.dropout={self.dropout} must be in [0, 1)")
+        check_ranges(self, "lora.")
         if self.quantize is not None and self.quantize not in QUANTIZATIONS:
             raise UserError(f"lora.quantize={self.quantize} is not a quantization; expected null or 4bit")
         if self.quantize and not self.enabled:

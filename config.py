@@ -9,14 +9,16 @@ naming the key, with "did you mean" and the valid keys. Each dataclass then chec
 
 import dataclasses
 import difflib
+import re
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -29,7 +31,7 @@ from losses import LOSSES
 from optim import optimizer_class
 from precision import parse_dtype
 from scoring import ATTENTIONS
-from utils import REPO_ROOT, UserError
+from utils import NON_NEGATIVE, POSITIVE, REPO_ROOT, Range, UserError, check_ranges, ranged
 
 CONFIG_DIR = REPO_ROOT / "config"
 
@@ -90,15 +92,13 @@ class WandbConfig:
 
 @dataclass
 class GenerationConfig:
-    max_new_tokens: int = MISSING
+    max_new_tokens: int = ranged(POSITIVE)
     do_sample: bool = MISSING
-    temperature: float = MISSING
-    top_p: float = MISSING
+    temperature: float = ranged(POSITIVE)
+    top_p: float = ranged(Range(0, 1, low_open=True))
 
     def __post_init__(self):
-        expect(self.max_new_tokens > 0, "generation.max_new_tokens", self.max_new_tokens, "positive")
-        expect(self.temperature > 0, "generation.temperature", self.temperature, "positive")
-        expect(0 < self.top_p <= 1, "generation.top_p", self.top_p, "in (0, 1]")
+        check_ranges(self, "generation.")
 
 
 PROCESSES = "a positive number of processes, or null"
@@ -108,10 +108,10 @@ PROCESSES = "a positive number of processes, or null"
 class Config:
     """Every top-level key, in config.yaml's order; comments and values are in config.yaml."""
 
-    seed: int = MISSING
+    seed: int = ranged(Range(0, 2**32 - 1))  # numpy's and torch's seeds are unsigned 32-bit
     exp_name: str = MISSING
-    batch_size: int = MISSING
-    eval_batch_size: int = MISSING
+    batch_size: int = ranged(POSITIVE)
+    eval_batch_size: int = ranged(POSITIVE)
     debug: bool = MISSING
     dry_run: bool = MISSING
     datasets: list[str] = MISSING
@@ -119,64 +119,49 @@ class Config:
     local_dirs: list[str] = MISSING
     local_run_dir: Optional[str] = MISSING
     resume_from: Optional[str] = MISSING
-    save_every: Optional[int] = MISSING
-    keep_last: Optional[int] = MISSING
+    save_every: Optional[int] = ranged(Range(0, low_open=True, null="to save at each eval"))
+    keep_last: Optional[int] = ranged(Range(0, low_open=True, null="to keep every checkpoint"))
     sample_during_eval: bool = MISSING
-    n_eval_model_samples: int = MISSING
+    n_eval_model_samples: int = ranged(POSITIVE)
     generation: GenerationConfig = MISSING
     do_first_eval: bool = MISSING
-    lr: float = MISSING
-    gradient_accumulation_steps: int = MISSING
-    max_grad_norm: float = MISSING
-    max_nonfinite_steps: int = MISSING
-    max_length: int = MISSING
-    max_prompt_length: int = MISSING
-    n_epochs: Optional[int] = MISSING
-    n_examples: Optional[int] = MISSING
-    n_eval_examples: Optional[int] = MISSING
+    lr: float = ranged(POSITIVE)
+    gradient_accumulation_steps: int = ranged(POSITIVE)
+    max_grad_norm: float = ranged(POSITIVE)
+    max_nonfinite_steps: int = ranged(POSITIVE)
+    max_length: int = ranged(POSITIVE)
+    max_prompt_length: int = ranged(POSITIVE)
+    n_epochs: Optional[int] = ranged(Range(0, low_open=True, null="to train by n_examples"))
+    n_examples: Optional[int] = ranged(Range(0, low_open=True, null="to train by n_epochs"))
+    n_eval_examples: Optional[int] = ranged(Range(0, low_open=True, null="for a whole test split"))
     trainer: str = MISSING
-    nproc: Optional[int] = field(default=MISSING, metadata={"expected": PROCESSES})
-    tensor_parallel_size: Optional[int] = field(default=MISSING, metadata={"expected": "a positive integer, or null"})
-    distributed_timeout_secs: float = MISSING
+    nproc: Optional[int] = ranged(Range(0, low_open=True, null="for one per GPU"), expected=PROCESSES)
+    tensor_parallel_size: Optional[int] = ranged(
+        Range(0, low_open=True, null="for the trainer's default"), expected="a positive integer, or null"
+    )
+    distributed_timeout_secs: float = ranged(POSITIVE)
     optimizer: str = MISSING
     optimizer_kwargs: dict[str, Any] = MISSING
-    warmup_steps: int = MISSING
+    warmup_steps: int = ranged(NON_NEGATIVE)
     activation_checkpointing: bool = MISSING
     layout: str = MISSING
     packed_attention: str = MISSING
-    pack_row_tokens: Optional[int] = field(default=MISSING, metadata={"expected": "a positive integer, or null"})
+    pack_row_tokens: Optional[int] = ranged(
+        Range(0, low_open=True, null="for the layout's default"), expected="a positive number of tokens, or null"
+    )
     scored_logits_only: bool = MISSING
     reference_cache: bool = MISSING
-    eval_every: int = MISSING
+    eval_every: int = ranged(POSITIVE)
     plots: bool = MISSING
-    minimum_log_interval_secs: float = MISSING
+    minimum_log_interval_secs: float = ranged(NON_NEGATIVE)
     lora: LoraSettings = MISSING
     model: ModelConfig = MISSING
     loss: Any = MISSING  # one of losses.LOSSES' schemas
 
     def __post_init__(self):
-        for key in (
-            "gradient_accumulation_steps",
-            "distributed_timeout_secs",
-            "lr",
-            "max_grad_norm",
-            "n_eval_model_samples",
-            "max_nonfinite_steps",
-        ):
-            expect(getattr(self, key) > 0, key, getattr(self, key), "positive")
-        for key in ("warmup_steps", "minimum_log_interval_secs"):
-            expect(getattr(self, key) >= 0, key, getattr(self, key), "zero or more")
-        for key, null in (
-            ("n_epochs", "to train by n_examples"),
-            ("n_examples", "to train by n_epochs"),
-            ("n_eval_examples", "for a whole test split"),
-            ("keep_last", "to keep every checkpoint"),
-        ):
-            value = getattr(self, key)
-            expect(value is None or value > 0, key, value, f"positive, or null {null}")
+        check_ranges(self)
         if self.n_epochs is None and self.n_examples is None:
             raise UserError("set n_epochs or n_examples: training stops at whichever comes first")
-        expect(self.max_length > 0, "max_length", self.max_length, "positive")
         expect(
             0 < self.max_prompt_length < self.max_length,
             "max_prompt_length",
@@ -196,7 +181,6 @@ class Config:
                 "resume_from=auto continues the run in local_run_dir, but local_run_dir=null names a new directory "
                 "each time; set local_run_dir=DIR and re-run the same command after a crash"
             )
-        expect(self.nproc is None or self.nproc > 0, "nproc", self.nproc, PROCESSES)
         if self.trainer not in TRAINERS:
             raise UserError(
                 f"unknown trainer '{self.trainer}'{did_you_mean(self.trainer, TRAINERS)}; valid: {', '.join(TRAINERS)}"
@@ -229,12 +213,6 @@ class Config:
                 "packed_attention=block needs a CUDA GPU: FlexAttention has no backward pass on CPU (torch 2.13), and "
                 "its CPU forward measured slower than the dense mask; use auto or dense"
             )
-        expect(
-            self.pack_row_tokens is None or self.pack_row_tokens > 0,
-            "pack_row_tokens",
-            self.pack_row_tokens,
-            "a positive number of tokens, or null",
-        )
         optimizer_class(self.optimizer, self.optimizer_kwargs)
         if self.lora.enabled and self.model.reference_dtype != "auto":
             raise UserError(
@@ -324,18 +302,44 @@ def selected_options(args: list[str]) -> dict[str, str]:
 
 
 def normalized(args: list[str], groups: dict[str, str]) -> list[str]:
-    """The command line with each list key given one value as a one-element list (`datasets=x.jsonl`), and
-    boolean keys held to true or false (OmegaConf alone would take 1 or 'yes')."""
+    """The command line with each list key given one value as a one-element list (`datasets=x.jsonl`), boolean keys
+    held to true or false (OmegaConf alone would take 1 or 'yes'), and a string the shell already quoted taken as it
+    is where Hydra's grammar would not read it bare (a path with non-ASCII letters, quotes, commas or brackets)."""
     result = []
     for arg in args:
         key, equals, value = arg.partition("=")
         kind = schema_type(key, groups) if equals and not key.startswith(("+", "~")) else None
-        if typing.get_origin(kind) is list and not value.startswith("["):
-            arg = f"{key}=[{value}]"
         if kind is bool and value.lower() not in ("true", "false"):
             raise UserError(f"{key}={value} must be true or false")
+        listed, wrapped = typing.get_origin(kind) is list, False
+        if listed and not value.startswith("["):
+            arg, wrapped = f"{key}=[{value}]", True
+        if (listed or kind in (str, Optional[str])) and not plain_value(arg):
+            if wrapped or not listed:
+                arg = f"{key}=[{hydra_quoted(value)}]" if wrapped else f"{key}={hydra_quoted(value)}"
+            if not plain_value(arg):
+                example = f"{key}=['a b','c']" if listed else f"{key}='a b'"
+                raise UserError(
+                    f"the command line: Hydra cannot read {arg}; quote each value for it in single quotes, inside "
+                    f'the shell\'s double ones: "{example}"'
+                )
         result.append(arg)
     return result
+
+
+def plain_value(override: str) -> bool:
+    """Whether Hydra reads the override as one value (not a sweep: train.py runs one job)."""
+    try:
+        return not OverridesParser.create().parse_override(override).is_sweep_override()
+    except HydraException:
+        return False
+
+
+def hydra_quoted(value: str) -> str:
+    """`value` as a single-quoted string in Hydra's override grammar: quotes escaped, and the backslashes before a
+    quote (or the closing one) doubled, so that it reads back exactly as `value`."""
+    escaped = re.sub(r"(\\*)'", lambda match: match.group(1) * 2 + "\\'", value)
+    return "'" + re.sub(r"(\\+)$", lambda match: match.group(1) * 2, escaped) + "'"
 
 
 TYPE_NAMES = {

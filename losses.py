@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from utils import UserError
+from utils import NON_NEGATIVE, POSITIVE, Range, UserError, check_ranges, ranged
 
 
 @dataclass
@@ -84,18 +84,13 @@ def chosen_nll(stats: PairStats) -> torch.Tensor:
 # log-probs instead of sums).
 
 
-def positive(key: str, value: float) -> None:
-    if value <= 0:
-        raise UserError(f"loss.{key}={value} must be positive")
-
-
 @dataclass
 class PreferenceLoss:
     """Keys of a reference-free pair loss."""
 
     name: str = MISSING
-    beta: float = MISSING
-    nll_weight: float = MISSING
+    beta: float = ranged(POSITIVE)
+    nll_weight: float = ranged(NON_NEGATIVE)
 
     def needs_reference(self) -> bool:
         return False
@@ -105,9 +100,7 @@ class PreferenceLoss:
         return stats
 
     def __post_init__(self):
-        positive("beta", self.beta)
-        if self.nll_weight < 0:
-            raise UserError(f"loss.nll_weight={self.nll_weight} must be zero or more")
+        check_ranges(self, "loss.")  # the keys of its subclasses too
 
 
 @dataclass
@@ -125,13 +118,8 @@ class RatioLoss(PreferenceLoss):
 
 @dataclass
 class DPOConfig(RatioLoss):
-    label_smoothing: float = MISSING
+    label_smoothing: float = ranged(Range(0, 0.5))
     reference_free: bool = MISSING  # a uniform reference: zeros for rc and rr, and no reference model
-
-    def __post_init__(self):
-        super().__post_init__()
-        if not 0 <= self.label_smoothing <= 0.5:
-            raise UserError(f"loss.label_smoothing={self.label_smoothing} must be in [0, 0.5]")
 
 
 @dataclass
@@ -143,36 +131,22 @@ class IPOConfig(RatioLoss):
 class SmoothedConfig(RatioLoss):
     """Losses with an assumed rate of flipped labels below one half."""
 
-    label_smoothing: float = MISSING
-
-    def __post_init__(self):
-        super().__post_init__()
-        if not 0 < self.label_smoothing < 0.5:
-            raise UserError(f"loss.label_smoothing={self.label_smoothing} must be in (0, 0.5)")
+    label_smoothing: float = ranged(Range(0, 0.5, low_open=True, high_open=True))
 
 
 @dataclass
 class DiscoPOPConfig(RatioLoss):
-    tau: float = MISSING
-
-    def __post_init__(self):
-        super().__post_init__()
-        positive("tau", self.tau)
+    tau: float = ranged(POSITIVE)
 
 
 @dataclass
 class DPOPConfig(RatioLoss):
-    dpop_lambda: float = MISSING
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.dpop_lambda < 0:
-            raise UserError(f"loss.dpop_lambda={self.dpop_lambda} must be zero or more")
+    dpop_lambda: float = ranged(NON_NEGATIVE)
 
 
 @dataclass
 class SimPOConfig(PreferenceLoss):
-    gamma: float = MISSING
+    gamma: float = ranged(Range())  # the target margin: any finite number
 
 
 @dataclass
@@ -211,7 +185,7 @@ class WeightedConfig:
                 raise UserError(f"loss.terms.{term} is not a pair loss; valid: {', '.join(pair_losses)}")
             values = dict(values)
             weight = values.pop("weight", None)
-            if not isinstance(weight, (int, float)) or weight <= 0:
+            if not POSITIVE.admits(weight):
                 raise UserError(f"loss.terms.{term}.weight={weight} must be a positive number")
             try:
                 schema = OmegaConf.structured(LOSSES[term].schema)

@@ -207,8 +207,8 @@ def read_file_rows(path: Path) -> Iterator[tuple[str, Any]]:
         try:
             with gzip.open(path) if name.endswith(".gz") else open(path, "rb") as f:
                 for number, raw in enumerate(f, start=1):
-                    try:
-                        line = raw.decode("utf-8")
+                    try:  # a byte-order mark may open the file (Windows editors, spreadsheet exports)
+                        line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
                     except UnicodeDecodeError as error:
                         reason = f"{error.reason} at column {error.start}"
                         raise UserError(f"{path}:{number}: not UTF-8 text ({reason})") from None
@@ -222,7 +222,7 @@ def read_file_rows(path: Path) -> Iterator[tuple[str, Any]]:
             raise UserError(f"{path}: a truncated or corrupt gzip file ({first_line(error)})") from None
     elif name.endswith(".json"):
         try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
+            rows = json.loads(path.read_text(encoding="utf-8-sig"))  # with or without a byte-order mark
         except UnicodeDecodeError as error:
             raise UserError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
         except json.JSONDecodeError as error:

@@ -1,14 +1,19 @@
 """Small helpers shared across modules: the one-line error type, seeding, run directories, JSON lines."""
 
+import dataclasses
 import getpass
 import json
+import math
 import os
 import random
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import MISSING
 
 REPO_ROOT = Path(__file__).resolve().parent
 
@@ -24,6 +29,58 @@ class Interrupted(Exception):
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.exit_code = 128 + signum
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric config key accepts: finite, from low to high (None: unbounded), each end open or closed.
+    null: what null means, for a key that may be null (None: it may not). Declared once per key, in its schema's
+    field (`ranged`), and enforced for every key by `check_ranges`."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    null: str | None = None
+
+    def admits(self, value: Any) -> bool:
+        if value is None:
+            return self.null is not None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        above = self.low is None or value > self.low or value == self.low and not self.low_open
+        below = self.high is None or value < self.high or value == self.high and not self.high_open
+        return above and below
+
+    def describe(self) -> str:
+        if self.high is None and self.low == 0:
+            text = "positive" if self.low_open else "zero or more"
+        elif self.high is None and self.low is None:
+            text = "a finite number"
+        else:
+            low, high = "-inf" if self.low is None else self.low, "inf" if self.high is None else self.high
+            text = f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+        return text + (f", or null {self.null}" if self.null else "")
+
+
+POSITIVE = Range(0, low_open=True)
+NON_NEGATIVE = Range(0)
+
+
+def ranged(accepted: Range, **metadata) -> Any:
+    """A schema field (no default: the YAML gives it) whose values `accepted` bounds."""
+    return dataclasses.field(default=MISSING, metadata={"range": accepted, **metadata})
+
+
+def check_ranges(schema: Any, prefix: str = "") -> None:
+    """Every field of the dataclass instance `schema` that declares a Range holds a value in it; else a one-line
+    UserError naming the key (prefix: where the schema sits, e.g. "loss.")."""
+    for field in dataclasses.fields(schema):
+        accepted = field.metadata.get("range")
+        value = getattr(schema, field.name)
+        if accepted is not None and not accepted.admits(value):
+            expected = field.metadata.get("expected") or accepted.describe()
+            raise UserError(f"{prefix}{field.name}={value} must be {expected}")
 
 
 def set_seed(seed: int) -> None:

@@ -50,6 +50,26 @@ def test_hh_dialogues_gz(tmp_path, tiny_tokenizer):
     assert first.rejected == " bad answer 0" and first.truncation_mode == "keep_end"
 
 
+BOM = "\ufeff".encode()  # UTF-8's byte-order mark, which Windows editors and spreadsheet exports write first
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".json"])
+def test_a_file_opening_with_a_byte_order_mark_reads_like_one_without(tmp_path, tiny_tokenizer, suffix):
+    rows = arithmetic_pairs(6)
+    text = json.dumps(rows) if suffix == ".json" else "".join(json.dumps(row) + "\n" for row in rows)
+    data = BOM + text.encode()
+    plain, marked = tmp_path / f"plain{suffix}", tmp_path / f"marked{suffix}"
+    plain.write_bytes(gzip.compress(text.encode()) if suffix.endswith(".gz") else text.encode())
+    marked.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
+    assert load(marked, tiny_tokenizer) == load(plain, tiny_tokenizer)
+    # only the file's first bytes may be a mark: one inside a line is part of the JSON, and wrong there
+    inside = tmp_path / f"inside{suffix}"
+    inside_text = text.encode().replace(b"{", BOM + b"{", 2)  # the second line's (in a .json, row's) mark
+    inside.write_bytes(gzip.compress(inside_text) if suffix.endswith(".gz") else inside_text)
+    with pytest.raises(UserError, match=rf"{inside}:\d+: malformed JSON"):
+        load(inside, tiny_tokenizer)
+
+
 def test_conversational_json_uses_chat_template(tmp_path, tiny_tokenizer):
     rows = [
         {
