@@ -127,7 +127,7 @@ class Config:
     do_first_eval: bool = MISSING
     lr: float = ranged(POSITIVE)
     gradient_accumulation_steps: int = ranged(POSITIVE)
-    max_grad_norm: float = ranged(POSITIVE)
+    max_grad_norm: float = ranged(Range(0, low_open=True, infinite="to clip nothing"))
     max_nonfinite_steps: int = ranged(POSITIVE)
     max_length: int = ranged(POSITIVE)
     max_prompt_length: int = ranged(POSITIVE)
@@ -153,7 +153,7 @@ class Config:
     reference_cache: bool = MISSING
     eval_every: int = ranged(POSITIVE)
     plots: bool = MISSING
-    minimum_log_interval_secs: float = ranged(NON_NEGATIVE)
+    minimum_log_interval_secs: float = ranged(Range(0, infinite="to log only where an eval or checkpoint may follow"))
     lora: LoraSettings = MISSING
     model: ModelConfig = MISSING
     loss: Any = MISSING  # one of losses.LOSSES' schemas
@@ -304,7 +304,8 @@ def selected_options(args: list[str]) -> dict[str, str]:
 def normalized(args: list[str], groups: dict[str, str]) -> list[str]:
     """The command line with each list key given one value as a one-element list (`datasets=x.jsonl`), boolean keys
     held to true or false (OmegaConf alone would take 1 or 'yes'), and a string the shell already quoted taken as it
-    is where Hydra's grammar would not read it bare (a path with non-ASCII letters, quotes, commas or brackets)."""
+    is where Hydra's grammar would not read it bare (a path with non-ASCII letters, quotes, commas or brackets; in a
+    list given without brackets, commas still separate the items)."""
     result = []
     for arg in args:
         key, equals, value = arg.partition("=")
@@ -315,8 +316,10 @@ def normalized(args: list[str], groups: dict[str, str]) -> list[str]:
         if listed and not value.startswith("["):
             arg, wrapped = f"{key}=[{value}]", True
         if (listed or kind in (str, Optional[str])) and not plain_value(arg):
-            if wrapped or not listed:
-                arg = f"{key}=[{hydra_quoted(value)}]" if wrapped else f"{key}={hydra_quoted(value)}"
+            if wrapped:  # commas separate the items, as they do for Hydra
+                arg = f"{key}=[{','.join(hydra_quoted(item) for item in value.split(','))}]"
+            elif not listed:
+                arg = f"{key}={hydra_quoted(value)}"
             if not plain_value(arg):
                 example = f"{key}=['a b','c']" if listed else f"{key}='a b'"
                 raise UserError(

@@ -47,10 +47,9 @@ class PreferenceObjective:
         return dict(self.state)
 
     def load_state_dict(self, state: dict) -> None:
-        unknown = state.keys() - self.state.keys()
-        if unknown:
-            raise KeyError(f"unexpected objective state {sorted(unknown)[0]!r}")
-        self.state.update(state)
+        """The running state this loss keeps; a checkpoint of another loss (resumed with loss= changed) may hold
+        state this one has no use for."""
+        self.state.update({key: value for key, value in state.items() if key in self.state})
 
     def observe(self, metrics: dict[str, list[float]]) -> None:
         """Fold one training step's gathered rewards into the running reward mean."""
@@ -82,8 +81,7 @@ class SFTObjective:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        if state:
-            raise KeyError(f"unexpected objective state {sorted(state)[0]!r}")
+        pass  # no running state (a pair loss's checkpoint may hold one)
 
     def observe(self, metrics: dict[str, list[float]]) -> None:
         pass

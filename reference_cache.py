@@ -20,7 +20,7 @@ import torch
 import tqdm
 
 from layouts import to_device
-from utils import first_line
+from utils import UserError, first_line
 
 if TYPE_CHECKING:
     from distributed import Topology
@@ -101,6 +101,17 @@ class CachedReference:
 
     def __init__(self, entries: dict[str, list[float]], device: torch.device):
         self.entries, self.device = entries, device
+
+    def require(self, examples: list[dict]) -> None:
+        """A one-line error unless every example's log-probs are here (a new round's data: the cache holds the pairs
+        the run was built with)."""
+        keys = {ex["key"] for ex in examples}
+        missing = keys - self.entries.keys()
+        if missing:
+            raise UserError(
+                f"{len(missing)} of these {len(keys)} pairs have no cached reference log-probs: the cache holds the "
+                "pairs the run was built with; build the round's reference first, or use reference_cache=false"
+            )
 
     def __call__(self, examples: list[dict], batch) -> torch.Tensor:
         """[R * B] log-probs, ordered like the policy's: [B, R] per pair, transposed; looked up on the host and

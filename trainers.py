@@ -30,6 +30,7 @@ from plots import write_plots
 from telemetry import Throughput, step_amounts
 from utils import Interrupted, UserError, append_jsonl, truncate_jsonl
 
+PROGRESS_BAR = {"desc": "train", "unit": "step", "dynamic_ncols": True}
 LOGS = ("metrics.jsonl", "samples.jsonl", "plots.png")  # what a run writes besides checkpoints
 
 
@@ -61,9 +62,10 @@ class Trainer:
         self.round_start = 0  # the step the current round's schedule starts at
         self.last_eval_at = self.last_saved_at = self.last_checkpoint = None
         self.finished = False  # resumed from the checkpoint that ends this run
-        self.start_examples, self.start_time, self.speed = 0, time.time(), self.throughput()
+        self.start_examples, self.speed = 0, self.throughput()
         if self.config.resume_from is not None:
             self.resume(Path(self.config.resume_from))
+        self.start_time = time.time()
 
     def resume(self, checkpoint_dir: Path) -> None:
         """Continue where a checkpoint left off: every checkpoint part (weights, optimizer, scheduler, the
@@ -133,6 +135,8 @@ class Trainer:
         from where a resume left off), with evals and checkpoints at their cadence. A signal stops it after the
         current step, with a checkpoint."""
         if data is not None:
+            if isinstance(self.batch_loss.reference, reference_cache.CachedReference):
+                self.batch_loss.reference.require([*data.train_examples, *(ex for b in data.eval_batches for ex in b)])
             self.data, self.round_start = data, self.batch_counter
             self.evaluator.eval_batches = data.eval_batches
         if self.finished:
@@ -140,7 +144,7 @@ class Trainer:
             return
         c, schedule = self.config, self.data.schedule
         done, disable = self.batch_counter - self.round_start, not self.topology.is_main
-        progress = tqdm.tqdm(total=len(schedule), initial=done, desc="train", unit="step", disable=disable)
+        progress = tqdm.tqdm(total=len(schedule), initial=done, disable=disable, **PROGRESS_BAR)
         last_log = time.time()
         with StopSignals() as stop, progress:
             for indices in schedule[done:]:
@@ -168,16 +172,14 @@ class Trainer:
 
     def finish(self) -> None:
         """The run's end: a final eval, the final checkpoint (LATEST, with the from_pretrained export) and the
-        summary; a signal from here on lets it finish: little is left."""
+        summary. A signal from here on lets it finish (StopSignals takes it, and nothing asks): little is left."""
         if self.finished:
             return
-        final_metrics = self.evaluate()
-        self.save(self.run_dir / "LATEST", final_metrics, final=True)
-        where = self.last_checkpoint or "nowhere (debug=true)"
-        trained = self.example_counter - self.start_examples
-        self.log.summary(
-            final_metrics, trained, self.start_examples, self.batch_counter, self.start_time, self.speed, where
-        )
+        with StopSignals():
+            final_metrics = self.evaluate()
+            self.save(self.run_dir / "LATEST", final_metrics, final=True)
+        started = (self.start_examples, self.start_time)
+        self.log.summary(final_metrics, *self.counters(), *started, self.speed, self.last_checkpoint)
 
     def counters(self) -> tuple[int, int]:
         """(examples seen, optimizer steps taken): the log's step and counters."""
@@ -301,10 +303,9 @@ class RunLog:
             table = wandb.Table(columns=columns, data=[[s[k] for k in columns] for s in samples])
             self.wandb_run.log({"samples": table}, step=examples)
 
-    def summary(
-        self, final_metrics, trained: int, resumed_at: int, steps: int, start_time: float, speed, where
-    ) -> None:
-        """The run in a few lines: what was trained, how fast, how it ended, and where it is."""
+    def summary(self, final_metrics, examples: int, steps: int, resumed_at: int, start_time: float, speed, where):
+        """The run in a few lines: what was trained, how fast, how it ended, and where it is (None: debug=true)."""
+        trained, where = examples - resumed_at, where or "nowhere (debug=true)"
         seconds = time.time() - start_time
         evals = ", ".join(f"{name}={value:.4f}" for name, value in final_metrics.items())
         print(

@@ -34,18 +34,21 @@ class Interrupted(Exception):
 @dataclass(frozen=True)
 class Range:
     """The values a numeric config key accepts: finite, from low to high (None: unbounded), each end open or closed.
-    null: what null means, for a key that may be null (None: it may not). Declared once per key, in its schema's
-    field (`ranged`), and enforced for every key by `check_ranges`."""
+    null, infinite: what null or +inf means, for a key that takes it (None: it does not). Declared once per key, in
+    its schema's field (`ranged`), and enforced for every key by `check_ranges`."""
 
     low: float | None = None
     high: float | None = None
     low_open: bool = False
     high_open: bool = False
     null: str | None = None
+    infinite: str | None = None
 
     def admits(self, value: Any) -> bool:
         if value is None:
             return self.null is not None
+        if value == math.inf and not isinstance(value, bool):
+            return self.infinite is not None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return False
         above = self.low is None or value > self.low or value == self.low and not self.low_open
@@ -60,7 +63,11 @@ class Range:
         else:
             low, high = "-inf" if self.low is None else self.low, "inf" if self.high is None else self.high
             text = f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
-        return text + (f", or null {self.null}" if self.null else "")
+        return (
+            text
+            + (f", or inf {self.infinite}" if self.infinite else "")
+            + (f", or null {self.null}" if self.null else "")
+        )
 
 
 POSITIVE = Range(0, low_open=True)

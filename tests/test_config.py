@@ -155,7 +155,8 @@ def out_of_range(accepted, kind) -> list[str]:
         values.append(accepted.low if accepted.low_open else accepted.low - 1)
     if accepted.high is not None:
         values.append(accepted.high if accepted.high_open else accepted.high + 1)
-    return [str(value) for value in values] + (["nan", "inf", "-inf"] if kind is float else [])
+    non_finite = ["nan", "-inf"] + ([] if accepted.infinite else ["inf"])
+    return [str(value) for value in values] + (non_finite if kind is float else [])
 
 
 def schemas_by_option():
@@ -190,6 +191,13 @@ def test_every_numeric_key_declares_its_range_and_out_of_range_values_are_one_li
     assert checked > 100  # the walk reached the config, its nested schemas and every loss
 
 
+def test_infinity_turns_clipping_and_timed_logging_off(make_config):
+    config = make_config("max_grad_norm=inf", "minimum_log_interval_secs=inf")
+    assert config.max_grad_norm == config.minimum_log_interval_secs == float("inf")
+    with pytest.raises(UserError, match=r"^lr=inf must be positive$"):
+        make_config("lr=inf")
+
+
 def test_seed_range_is_numpys():
     with pytest.raises(UserError, match=r"^seed=-1 must be in \[0, 4294967295\]$"):
         train.configuration.load(["seed=-1", "model=tiny"])
@@ -209,10 +217,10 @@ def test_paths_with_spaces_quotes_and_non_ascii_letters_run_as_given(tmp_path):
     # As the shell hands them over once quoted ("local_run_dir=/data/my runs/é"): one argument each, taken as is.
     from conftest import arithmetic_pairs, read_jsonl, run_cli, tiny_run_overrides, write_jsonl
 
-    odd = tmp_path / "my runs, l'été (日本)"
+    odd = tmp_path / "my runs l'été (日本)"
     odd.mkdir()
     pairs_file = write_jsonl(odd / "paires à trier.jsonl", arithmetic_pairs(48))
-    run_dir = odd / "run [1]"
+    run_dir = odd / "run, [1]"  # a comma: one path for a string key
     args = [a for a in tiny_run_overrides(tmp_path, pairs_file) if not a.startswith(("datasets=", "local_"))]
     result = run_cli(*args, f"datasets={pairs_file}", f"local_run_dir={run_dir}", f"local_dirs={odd / 'cache'}")
     assert result.returncode == 0, result.stderr[-2000:]
@@ -228,3 +236,6 @@ def test_a_list_hydra_cannot_read_says_how_to_quote_it(make_config):
         """inside the shell's double ones: "datasets=['a b','c']\""""
     )
     assert list(make_config("datasets=['/data/é.jsonl',demo]").datasets) == ["/data/é.jsonl", "demo"]
+    # without brackets, commas separate a list's items whatever the items hold
+    assert list(make_config("datasets=/data/é.jsonl,demo").datasets) == ["/data/é.jsonl", "demo"]
+    assert list(make_config("datasets=/data/e.jsonl,demo").datasets) == ["/data/e.jsonl", "demo"]

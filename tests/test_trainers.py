@@ -364,3 +364,30 @@ def test_training_in_two_rounds_equals_one_round(make_config, tmp_path):
     )
     assert sorted(p.name for p in (tmp_path / "rounds").glob("step-*")) == ["step-16", "step-32"]
     assert_same_weights(tmp_path / "whole", tmp_path / "rounds")
+
+
+def test_the_runs_end_holds_signals_until_it_is_written(make_config, monkeypatch):
+    # A SIGTERM or a first Ctrl-C during the final eval and save is noted, not obeyed: LATEST gets written.
+    trainer = build_trainer(make_config("n_examples=8"))
+    trainer.train()
+    handlers, evaluate = [], Trainer.evaluate
+
+    def noting_the_handler(self):
+        handlers.append(signal.getsignal(signal.SIGTERM))
+        return evaluate(self)
+
+    monkeypatch.setattr(Trainer, "evaluate", noting_the_handler)
+    trainer.finish()
+    assert len(handlers) == 1 and isinstance(getattr(handlers[0], "__self__", None), StopSignals)
+    assert (trainer.run_dir / "LATEST" / "checkpoint.json").exists()
+
+
+def test_a_round_on_pairs_the_reference_cache_lacks_is_one_line(make_config):
+    trainer = build_trainer(make_config())
+    data = trainer.data
+    new = [{**example, "key": f"new-{i}"} for i, example in enumerate(data.train_examples)]
+    evals = len({example["key"] for batch in data.eval_batches for example in batch})  # the eval pairs: cached
+    message = rf"^40 of these {40 + evals} pairs have no cached reference log-probs: .*reference_cache=false$"
+    with pytest.raises(UserError, match=message):
+        trainer.train(Data(new, data.eval_batches, data.schedule))
+    assert trainer.batch_counter == 0 and trainer.data is data  # nothing ran, nothing changed
