@@ -10,6 +10,7 @@ naming the key, with "did you mean" and the valid keys. Each dataclass then chec
 import dataclasses
 import difflib
 import re
+import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,16 +23,16 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
-from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode
+from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
 
 from adapters import LoraSettings
 from distributed import TRAINERS, mesh_shape, planned_world_size
 from layouts import LAYOUTS
 from losses import LOSSES
-from optim import optimizer_class
+from optim import build_optimizer
 from precision import parse_dtype
 from scoring import ATTENTIONS
-from utils import NON_NEGATIVE, POSITIVE, REPO_ROOT, Range, UserError, check_ranges, ranged
+from utils import NON_NEGATIVE, POSITIVE, REPO_ROOT, Range, UserError, check_ranges, first_line, ranged
 
 CONFIG_DIR = REPO_ROOT / "config"
 
@@ -102,6 +103,9 @@ class GenerationConfig:
 
 
 PROCESSES = "a positive number of processes, or null"
+# torch's collectives count their deadline in 64-bit nanoseconds (292 years): a longer timeout wraps around and times
+# out at once (1e10 s did, when the store connected); 1e9 s is 31 years.
+TIMEOUT_LIMIT_SECS = 10**9
 
 
 @dataclass
@@ -139,7 +143,7 @@ class Config:
     tensor_parallel_size: Optional[int] = ranged(
         Range(0, low_open=True, null="for the trainer's default"), expected="a positive integer, or null"
     )
-    distributed_timeout_secs: float = ranged(POSITIVE)
+    distributed_timeout_secs: float = ranged(Range(0, TIMEOUT_LIMIT_SECS, low_open=True))
     optimizer: str = MISSING
     optimizer_kwargs: dict[str, Any] = MISSING
     warmup_steps: int = ranged(NON_NEGATIVE)
@@ -213,7 +217,7 @@ class Config:
                 "packed_attention=block needs a CUDA GPU: FlexAttention has no backward pass on CPU (torch 2.13), and "
                 "its CPU forward measured slower than the dense mask; use auto or dense"
             )
-        optimizer_class(self.optimizer, self.optimizer_kwargs)
+        check_optimizer(self.optimizer, self.optimizer_kwargs, self.lr)
         if self.lora.enabled and self.model.reference_dtype != "auto":
             raise UserError(
                 f"model.reference_dtype={self.model.reference_dtype} with lora.enabled=true: the reference is the "
@@ -255,6 +259,29 @@ class Config:
                 value,
                 f"a positive multiple of batch_size={self.batch_size}" + (", or null" if key == "save_every" else ""),
             )
+
+
+def check_optimizer(name: str, knobs: dict, lr: float) -> None:
+    """torch.optim.<name> takes `knobs` (+optimizer_kwargs.NAME=VALUE): their names (optim.optimizer_class) and values,
+    which torch checks when it builds one (a negative weight_decay, a nan eps, betas outside [0, 1)): built here on a
+    stand-in parameter, so that a value it refuses is one line before anything starts."""
+    try:
+        build_optimizer(name, [torch.nn.Parameter(torch.zeros(2, 2))], lr, dict(knobs))
+    except (ValueError, TypeError) as error:
+        given = " ".join(f"+optimizer_kwargs.{key}={as_override(value)}" for key, value in knobs.items()) or f"lr={lr}"
+        them = "them" if len(knobs) > 1 else "it"
+        raise UserError(f"{given}: torch.optim.{name} refuses {them} ({first_line(error)})") from None
+
+
+def as_override(value) -> str:
+    """A value as it would be written on the command line: true, null, [0.9,0.95], {a:1}."""
+    if isinstance(value, bool) or value is None:
+        return str(value).lower().replace("none", "null")
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(as_override(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{key}:{as_override(item)}" for key, item in value.items()) + "}"
+    return str(value)
 
 
 store = ConfigStore.instance()
@@ -302,40 +329,96 @@ def selected_options(args: list[str]) -> dict[str, str]:
 
 
 def normalized(args: list[str], groups: dict[str, str]) -> list[str]:
-    """The command line with each list key given one value as a one-element list (`datasets=x.jsonl`), boolean keys
-    held to true or false (OmegaConf alone would take 1 or 'yes'), and a string the shell already quoted taken as it
-    is where Hydra's grammar would not read it bare (a path with non-ASCII letters, quotes, commas or brackets; in a
-    list given without brackets, commas still separate the items)."""
+    """The command line as Hydra should read it: each value as `hydra_value` writes it (a list key given without
+    brackets is a list, a string key's value the text given), boolean keys held to true or false (OmegaConf alone
+    would take 1 or 'yes'); an argument that is no override is one line that says how to quote a value with spaces."""
     result = []
-    for arg in args:
+    for position, arg in enumerate(args):
         key, equals, value = arg.partition("=")
-        kind = schema_type(key, groups) if equals and not key.startswith(("+", "~")) else None
+        if not equals and not key.startswith("~"):  # ~key deletes a key; anything else takes key=value
+            raise UserError(not_an_override(args, position, groups))
+        kind = schema_type(key.lstrip("+"), groups) if equals and not key.startswith("~") else None
         if kind is bool and value.lower() not in ("true", "false"):
             raise UserError(f"{key}={value} must be true or false")
-        listed, wrapped = typing.get_origin(kind) is list, False
-        if listed and not value.startswith("["):
-            arg, wrapped = f"{key}=[{value}]", True
-        if (listed or kind in (str, Optional[str])) and not plain_value(arg):
-            if wrapped:  # commas separate the items, as they do for Hydra
-                arg = f"{key}=[{','.join(hydra_quoted(item) for item in value.split(','))}]"
-            elif not listed:
-                arg = f"{key}={hydra_quoted(value)}"
-            if not plain_value(arg):
-                example = f"{key}=['a b','c']" if listed else f"{key}='a b'"
-                raise UserError(
-                    f"the command line: Hydra cannot read {arg}; quote each value for it in single quotes, inside "
-                    f'the shell\'s double ones: "{example}"'
-                )
+        arg = f"{key}={hydra_value(value, kind)}" if equals else arg
+        example = {list: "['a b','c']", dict: "{name:'a b'}"}.get(typing.get_origin(optional_inner(kind)))
+        if example and hydra_read(arg.partition("=")[2]) is UNREADABLE:  # else Hydra's message names the spot
+            raise UserError(
+                f"the command line: Hydra cannot read {arg}; quote each value for it in single quotes, inside "
+                f'the shell\'s double ones: "{key}={example}"'
+            )
         result.append(arg)
     return result
 
 
-def plain_value(override: str) -> bool:
-    """Whether Hydra reads the override as one value (not a sweep: train.py runs one job)."""
+def not_an_override(args: list[str], position: int, groups: dict[str, str]) -> str:
+    """The error for args[position], which holds no `=`: a key without its value, or most often the rest of a value
+    with spaces that the shell split, so the line shows that value quoted whole."""
+    arg = args[position]
+    if arg.lstrip("-") in groups or schema_type(arg.lstrip("-"), groups) is not None:
+        return f"the command line: {arg} has no value; give {arg.lstrip('-')}=VALUE"
+    start = next((i for i in range(position - 1, -1, -1) if "=" in args[i]), None)
+    if start is None:
+        return f"the command line: {arg} is not an override; give key=value, e.g. local_run_dir=runs/a"
+    end = next((i for i in range(position, len(args)) if "=" in args[i]), len(args))
+    whole = " ".join(args[start:end])
+    return (
+        f"the command line: {arg} is not an override (key=value); a value with spaces is one argument only quoted "
+        f'for the shell: "{whole}"'
+    )
+
+
+def optional_inner(kind):
+    """X for Optional[X], else kind."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return next((arg for arg in typing.get_args(kind) if arg is not type(None)), kind)
+    return kind
+
+
+UNREADABLE = object()
+
+
+def hydra_read(value: str):
+    """What Hydra's grammar makes of `value` on the right of `key=`: one value (a str, number, bool, None, list or
+    dict), or UNREADABLE (a syntax error, or a sweep: train.py runs one job)."""
     try:
-        return not OverridesParser.create().parse_override(override).is_sweep_override()
+        override = OverridesParser.create().parse_override(f"key={value}")
     except HydraException:
-        return False
+        return UNREADABLE
+    return UNREADABLE if override.is_sweep_override() else override.value()
+
+
+def hydra_value(value: str, kind) -> str:
+    """`value`, as the shell handed it over, written so that Hydra reads what it says for a key of type `kind`:
+    null stays null; a list key given without brackets is the list of its comma-separated items (each as `literal`
+    writes it) unless Hydra's own syntax spans the commas (quotes, an interpolation); a string key's value is
+    `literal`; any other value that Hydra cannot read is quoted, for the schema to name the key it does not fit."""
+    read = hydra_read(value)
+    if read is None:
+        return value
+    inner = optional_inner(kind)
+    if typing.get_origin(inner) is list and not value.startswith("["):
+        items, listed = value.split(","), hydra_read(f"[{value}]")
+        if listed is not UNREADABLE and len(listed) != len(items):
+            return f"[{value}]"
+        return "[" + ",".join(literal(item, in_list=True) for item in items) + "]"
+    if inner is str:
+        return literal(value)
+    if read is UNREADABLE and not value.startswith(("[", "{")):  # brackets and braces: Hydra's lists and mappings
+        return hydra_quoted(value)
+    return value
+
+
+def literal(value: str, in_list: bool = False) -> str:
+    """A string value (in_list: an item of a list) in Hydra's grammar: as given where Hydra reads back that very
+    string (interpolations too) or where it is written in Hydra's syntax on purpose (quoted, backslash-escaped,
+    null); else single-quoted, where Hydra would fail on it (spaces, non-ASCII letters, brackets) or make another
+    value of it (2024_01_05 an integer, 1.50 the number 1.5, true a boolean, surrounding spaces trimmed)."""
+    read = hydra_read(f"[{value}]" if in_list else value)
+    if in_list:
+        read = read[0] if isinstance(read, list) and len(read) == 1 else UNREADABLE
+    on_purpose = isinstance(read, str) and (value.lstrip().startswith(("'", '"')) or "\\" in value)
+    return value if read == value and isinstance(read, str) or read is None or on_purpose else hydra_quoted(value)
 
 
 def hydra_quoted(value: str) -> str:
@@ -351,7 +434,16 @@ TYPE_NAMES = {
     BooleanNode: "true or false",
     ListConfig: "a list, e.g. [a,b]",
     DictConfig: "a mapping, e.g. {key: value}",
+    StringNode: "a string",
 }
+ITEM_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def item_type_name(key: str, groups: dict[str, str]) -> str | None:
+    """What an item of a list key must be, for `key` naming one (datasets[1]), from the schema; else None."""
+    base, indexed, _ = key.partition("[")
+    kind = optional_inner(schema_type(base, groups)) if indexed else None
+    return ITEM_NAMES.get(typing.get_args(kind)[0]) if typing.get_origin(kind) is list else None
 
 
 def explain(error: Exception, args: list[str], groups: dict[str, str]) -> str:
@@ -377,21 +469,31 @@ def explain(error: Exception, args: list[str], groups: dict[str, str]) -> str:
         owner = cause.object_type
         metadata = {f.name: f.metadata for f in dataclasses.fields(owner)} if dataclasses.is_dataclass(owner) else {}
         expected = metadata.get(key.rpartition(".")[2], {}).get("expected")
-        expected = expected or TYPE_NAMES.get(type(cause.child_node), f"of type {type(cause.child_node).__name__}")
+        expected = (
+            expected
+            or TYPE_NAMES.get(type(cause.child_node))
+            or item_type_name(key, groups)
+            or f"of type {type(cause.child_node).__name__}"
+        )
         return f"{key}={value} must be {expected}"
     text = str(error).strip().splitlines()
     return f"the command line: {text[0] if text else type(error).__name__}"
 
 
-def load(args: list[str]) -> DictConfig:
-    """The config of this command line (Hydra overrides, e.g. `loss.beta=0.1 model=tiny`), checked."""
+def composed(args: list[str]) -> DictConfig:
+    """The command line (Hydra overrides, e.g. `loss.beta=0.1 model=tiny`) composed onto the schema: keys and types
+    checked, values not yet (`check`)."""
     groups = selected_options(args)
-    args = normalized(args, groups)
     try:
         with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-            config = compose("config", overrides=args)
+            return compose("config", overrides=normalized(args, groups))
     except (HydraException, OmegaConfBaseException) as error:
-        raise UserError(explain(error, args, groups)) from None
+        raise UserError(explain(error, args, groups)) from None  # the values as given
+
+
+def load(args: list[str]) -> DictConfig:
+    """The config of this command line, checked."""
+    config = composed(args)
     check(config)
     return config
 

@@ -10,6 +10,7 @@ Every source becomes a list of `PreferencePair`s. Formats are recognised by thei
   se:             question, answers[{text, pm_score}]                           (Stack Exchange preferences)
 """
 
+import codecs
 import gzip
 import html.parser
 import json
@@ -30,6 +31,15 @@ FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 TEST_SPLIT_NAMES = ("test", "eval", "validation", "valid", "dev")
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(:[\w.-]+)?$")  # org/name, optionally :split
 ASSISTANT_TAG = "\n\nAssistant:"
+# A byte-order mark opening a text file names its encoding (Windows editors, spreadsheet exports and PowerShell's `>`
+# write one); without one, UTF-8. Longest first: UTF-32-LE's mark begins with UTF-16-LE's.
+BYTE_ORDER_MARKS = (
+    (codecs.BOM_UTF32_LE, "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF8, "utf-8-sig"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+)
 
 
 @dataclass(frozen=True)
@@ -200,31 +210,62 @@ def parse_rows(rows: Iterable[tuple[str, Any]], source: str, tokenizer) -> list[
 # Sources
 
 
+def text_encoding(head: bytes) -> tuple[str, str]:
+    """(codec, name) of the text whose first bytes are `head`: the encoding its byte-order mark names, else UTF-8.
+    The codec drops the mark."""
+    codec = next((codec for mark, codec in BYTE_ORDER_MARKS if head.startswith(mark)), "utf-8")
+    return codec, codec.removesuffix("-sig").upper()
+
+
+def open_binary(path: Path):
+    return gzip.open(path) if path.name.endswith(".gz") else open(path, "rb")
+
+
+def text_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a text file, gzipped or not, in the encoding `text_encoding` finds. UTF-8 streams line
+    by line; UTF-16 and UTF-32 (rarer, and their newlines are not single bytes) are decoded whole."""
+    with open_binary(path) as f:
+        codec, encoding = text_encoding(f.read(4))
+    with open_binary(path) as f:
+        if encoding == "UTF-8":
+            for number, raw in enumerate(f, start=1):
+                try:  # the mark (utf-8-sig) may open the file only
+                    yield number, raw.decode(codec if number == 1 else "utf-8")
+                except UnicodeDecodeError as error:
+                    reason = f"{error.reason} at column {error.start}"
+                    raise UserError(f"{path}:{number}: not UTF-8 text ({reason})") from None
+            return
+        data = f.read()
+    try:
+        text = data.decode(codec)
+    except UnicodeDecodeError as error:
+        number = data[: error.start].decode(codec, errors="replace").count("\n") + 1
+        raise UserError(f"{path}:{number}: not {encoding} text ({error.reason})") from None
+    yield from enumerate(text.split("\n"), start=1)  # only "\n" ends a line: JSON strings may hold U+2028
+
+
 def read_file_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    """(location, row) for each row of a .jsonl, .jsonl.gz, .json or .parquet file."""
+    """(location, row) for each row of a .jsonl, .jsonl.gz, .json or .parquet file; text in UTF-8, or in the UTF-8,
+    UTF-16 or UTF-32 that a byte-order mark opening the file names."""
     name = path.name
     if name.endswith((".jsonl", ".jsonl.gz")):
         try:
-            with gzip.open(path) if name.endswith(".gz") else open(path, "rb") as f:
-                for number, raw in enumerate(f, start=1):
-                    try:  # a byte-order mark may open the file (Windows editors, spreadsheet exports)
-                        line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-                    except UnicodeDecodeError as error:
-                        reason = f"{error.reason} at column {error.start}"
-                        raise UserError(f"{path}:{number}: not UTF-8 text ({reason})") from None
-                    if line.strip():
-                        try:
-                            row = json.loads(line)
-                        except json.JSONDecodeError as error:
-                            raise UserError(f"{path}:{number}: malformed JSON line ({error.msg})") from None
-                        yield f"{path}:{number}", row
+            for number, line in text_lines(path):
+                if line.strip():
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as error:
+                        raise UserError(f"{path}:{number}: malformed JSON line ({error.msg})") from None
+                    yield f"{path}:{number}", row
         except (EOFError, gzip.BadGzipFile, zlib.error) as error:
             raise UserError(f"{path}: a truncated or corrupt gzip file ({first_line(error)})") from None
     elif name.endswith(".json"):
+        data = path.read_bytes()
+        codec, encoding = text_encoding(data)
         try:
-            rows = json.loads(path.read_text(encoding="utf-8-sig"))  # with or without a byte-order mark
+            rows = json.loads(data.decode(codec))
         except UnicodeDecodeError as error:
-            raise UserError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+            raise UserError(f"{path}: not {encoding} text ({error.reason} at byte {error.start})") from None
         except json.JSONDecodeError as error:
             raise UserError(f"{path}:{error.lineno}: malformed JSON ({error.msg})") from None
         if not isinstance(rows, list):

@@ -3,14 +3,17 @@ key and value), exit code 2 and no traceback, before any work starts; or, where 
 that counts what it left out. Each case runs train.py's main in this process. Ctrl-C mid-run is in
 test_crash_resume.py (the `interrupt` fault): a checkpoint, one line and a clean exit, then an exact resume."""
 
+import codecs
 import gzip
 import json
+import shutil
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import train
-from conftest import arithmetic_pairs, tiny_run_overrides, write_jsonl
+from conftest import TINY_DIR, arithmetic_pairs, read_jsonl, tiny_run_overrides, write_jsonl
 
 GOOD = {"prompt": "Q: 1 + 1?\nA:", "chosen": " 2", "rejected": " 3"}
 
@@ -50,6 +53,8 @@ def write_corpus(d):
     for name in ("policy", "optimizer", "scheduler"):
         (d / "wrong-shape-checkpoint" / f"{name}.pt").write_bytes((d / "wrong-shape.pt").read_bytes())
     (d / "a-file").write_text("")
+    utf16 = codecs.BOM_UTF16_LE + (json.dumps(GOOD) + "\n").encode("utf-16-le")
+    (d / "broken-utf16.jsonl").write_bytes(utf16 + "\ud800 half a pair\n".encode("utf-16-le", "surrogatepass"))
 
 
 # (arguments after the tiny run's, with {d} the corpus directory; what the one error line must contain)
@@ -79,9 +84,18 @@ ERRORS = [
     ("n_eval_examples=1000", "holding out n_eval_examples=1000 pairs for eval leaves none of its 48 pairs"),
     ("batch_size=64 eval_batch_size=64 eval_every=64", "the training data has 40 examples, fewer than batch_size=64"),
     ("datasets=[]", "datasets=[] names no dataset"),
+    ("datasets={d}/broken-utf16.jsonl", "{d}/broken-utf16.jsonl:2: not UTF-16 text (illegal UTF-16 surrogate)"),
+    ("datasets=[{d}/empty.jsonl,null]", "datasets[1]=None must be a string"),
     # numeric keys out of range, wrong types
     ("lr=-1e-5", "lr=-1e-05 must be positive"),
     ("lr=fast", "lr=fast must be a number"),
+    ("lr=nan", "lr=nan must be positive"),
+    ("seed=-1", "seed=-1 must be in [0, 4294967295]"),
+    ("seed=4294967296", "seed=4294967296 must be in [0, 4294967295]"),
+    ("seed=0,1", "seed=0,1 must be an integer"),
+    ("distributed_timeout_secs=1e10", "distributed_timeout_secs=10000000000.0 must be in (0, 1000000000]"),
+    ("+optimizer_kwargs.weight_decay=-1", "+optimizer_kwargs.weight_decay=-1: torch.optim.AdamW refuses it (Invalid"),
+    ("+optimizer_kwargs.betas=[0.9,1.5]", "+optimizer_kwargs.betas=[0.9,1.5]: torch.optim.AdamW refuses it (Invalid"),
     ("warmup_steps=-1", "warmup_steps=-1 must be zero or more"),
     ("max_length=0", "max_length=0 must be positive"),
     ("max_prompt_length=600", "max_prompt_length=600 must be positive and below max_length=512"),
@@ -125,6 +139,11 @@ ERRORS = [
     ("resume_from=auto local_run_dir=null", "resume_from=auto continues the run in local_run_dir"),
     ("local_run_dir={d}/a-file/run", "local_run_dir={d}/a-file/run must be a directory, but {d}/a-file is a file"),
     ("local_run_dir=/proc/dpo-run", "local_run_dir=/proc/dpo-run cannot be written"),
+    # a value with spaces the shell split, not having been quoted (these cases split at spaces, as a shell does)
+    ("local_run_dir={d}/my run", "run is not an override (key=value); a value with spaces is one argument only quoted"),
+    ("local_run_dir={d}/my run", 'quoted for the shell: "local_run_dir={d}/my run"'),
+    ("exp_name", "the command line: exp_name has no value; give exp_name=VALUE"),
+    ("exp_name=null", "exp_name=null must be a string"),
 ]
 
 
@@ -161,3 +180,67 @@ def test_usable_input_runs_and_counts_what_it_left_out(tmp_path, capsys):
     assert "1 chosen == rejected" in out
     assert "truncated: 1 of 48 examples" in out
     assert (tmp_path / "run" / "LATEST" / "policy.pt").exists()
+
+
+BOM_TEXTS = ["utf-8-sig", "utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"]  # each with its byte-order mark
+
+
+def encoded(text: str, encoding: str) -> bytes:
+    return ("\ufeff" + text).encode(encoding.removesuffix("-sig"))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".json"])
+@pytest.mark.parametrize("encoding", BOM_TEXTS)
+def test_a_byte_order_mark_names_the_encoding_in_every_text_format(tmp_path, tiny_tokenizer, suffix, encoding):
+    # Windows editors and spreadsheet exports open UTF-8 with a mark (EF BB BF: "Unexpected UTF-8 BOM" once);
+    # PowerShell's `>` writes UTF-16 with one. Every text format reads the same rows as from plain UTF-8.
+    from preference_datasets import get_dataset
+
+    rows = arithmetic_pairs(10)
+    rows[0]["prompt"] = "Q: é 日本 \u2028 1 + 1?\nA:"  # non-ASCII, and a line separator only "\n" must not split at
+    lines = "".join(json.dumps(row, ensure_ascii=False) + "\r\n" for row in rows)  # Windows line ends
+    text = json.dumps(rows, ensure_ascii=False) if suffix == ".json" else lines
+    compress = gzip.compress if suffix.endswith(".gz") else bytes
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "marked").mkdir()
+    plain, marked = tmp_path / "plain" / f"pairs{suffix}", tmp_path / "marked" / f"pairs{suffix}"
+    plain.write_bytes(compress(text.encode()))
+    marked.write_bytes(compress(encoded(text, encoding)))
+    expected = get_dataset(str(plain), tiny_tokenizer, 0, 2, cache_dir=tmp_path)
+    assert get_dataset(str(marked), tiny_tokenizer, 0, 2, cache_dir=tmp_path) == expected
+    assert any(pair.prompt.startswith("Q: é 日本 \u2028") for split in expected.values() for pair in split)
+
+
+def test_a_byte_order_marked_file_trains(tmp_path, capsys):
+    data = tmp_path / "exported.jsonl"
+    data.write_bytes(encoded("".join(json.dumps(row) + "\n" for row in arithmetic_pairs(48)), "utf-8-sig"))
+    train.main(tiny_run_overrides(tmp_path, data))
+    assert f"data: {data}: 48 pairs from 48 rows" in capsys.readouterr().out
+    assert (tmp_path / "run" / "LATEST" / "policy.pt").exists()
+
+
+def test_every_path_key_takes_spaces_and_non_ascii_letters(tmp_path, capsys):
+    # Each path as the shell hands it over once quoted ("local_run_dir=/data/mes essais/é"): one argument, where
+    # Hydra's grammar alone ends in "LexerNoViableAltException". A run with its model, data, caches and run directory
+    # there; then a resume from its checkpoint, and a run from its weights (model.archive), each in such a directory.
+    odd = tmp_path / "mes essais d'été 日本 (1)"  # no comma: a list given without brackets splits at commas
+    model = shutil.copytree(TINY_DIR, odd / "modèle tiny")
+    data = write_jsonl(odd / "paires à trier.jsonl", arithmetic_pairs(48))
+    common = [a for a in tiny_run_overrides(tmp_path, data) if not a.startswith(("local_", "datasets="))]
+    paths = [f"model.name_or_path={model}", f"datasets={data}", f"local_dirs={odd / 'caches é'}"]
+    first = odd / "run, 1"  # a string key: one path
+    train.main([*common, *paths, f"local_run_dir={first}"])
+    assert (first / "LATEST" / "policy.pt").exists() and (first / "step-16" / "policy.pt").exists()
+    assert (odd / "caches é" / "reference_logps").is_dir()
+    saved = OmegaConf.load(first / "config.yaml")
+    assert (saved.model.name_or_path, saved.datasets, saved.local_run_dir) == (str(model), [str(data)], str(first))
+
+    resumed = odd / "reprise [2]"
+    train.main([*common, *paths, f"local_run_dir={resumed}", f"resume_from={first / 'step-16'}"])
+    assert OmegaConf.load(resumed / "config.yaml").resume_from == str(first / "step-16")
+    assert [r["step"] for r in read_jsonl(resumed / "metrics.jsonl") if "loss/train" in r] == [24, 32, 40]
+
+    archived = odd / "depuis l'archive 3"
+    train.main([*common, *paths, f"local_run_dir={archived}", f"model.archive={first / 'LATEST' / 'policy.pt'}"])
+    assert (archived / "LATEST" / "policy.pt").exists()
+    assert "Traceback" not in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 import dataclasses
 import re
+import types
 import typing
 
 import pytest
@@ -136,16 +137,29 @@ def test_block_attention_without_cuda_is_one_line(make_config):
         make_config("packed_attention=block")
 
 
+NUMBERS = (int, float)
+
+
+def unwrapped(kind):
+    """X for Optional[X] or X | None (typing.Union and types.UnionType), else kind."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return next(arg for arg in typing.get_args(kind) if arg is not type(None))
+    return kind
+
+
 def numeric_fields(schema, prefix: str = ""):
-    """(dotted key, field) of every int or float field of a schema dataclass, nested ones included."""
+    """(dotted key, field, int or float) of every numeric field of a schema dataclass, nested ones included; a field
+    holding numbers in a container (list[int], dict[str, float]) comes with kind "container": no range covers its
+    items."""
+    hints = typing.get_type_hints(schema)  # string annotations resolved too
     for field in dataclasses.fields(schema):
-        kind = field.type
-        if typing.get_origin(kind) is typing.Union:  # Optional[X]
-            kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+        kind = unwrapped(hints[field.name])
         if dataclasses.is_dataclass(kind):
             yield from numeric_fields(kind, f"{prefix}{field.name}.")
-        elif kind in (int, float):
+        elif kind in NUMBERS:
             yield f"{prefix}{field.name}", field, kind
+        elif any(unwrapped(arg) in NUMBERS for arg in typing.get_args(kind)):
+            yield f"{prefix}{field.name}", field, "container"
 
 
 def out_of_range(accepted, kind) -> list[str]:
@@ -178,7 +192,7 @@ def test_every_numeric_key_declares_its_range_and_out_of_range_values_are_one_li
     for selection, schema, prefix in schemas_by_option():
         for key, field, kind in numeric_fields(schema, prefix):
             accepted = field.metadata.get("range")
-            if accepted is None:
+            if accepted is None or kind == "container":
                 undeclared.append(f"{key} ({selection or 'config'})")
                 continue
             for value in out_of_range(accepted, kind):
@@ -239,3 +253,147 @@ def test_a_list_hydra_cannot_read_says_how_to_quote_it(make_config):
     # without brackets, commas separate a list's items whatever the items hold
     assert list(make_config("datasets=/data/é.jsonl,demo").datasets) == ["/data/é.jsonl", "demo"]
     assert list(make_config("datasets=/data/e.jsonl,demo").datasets) == ["/data/e.jsonl", "demo"]
+
+
+def optimizer_knob_values(default) -> list:
+    """Values no optimizer means for a numeric knob with this default: negative and nan, item by item for a tuple."""
+    if isinstance(default, tuple):
+        return [[value] * len(default) for value in (-1.0, float("nan"))]
+    return [-1, float("nan")] if isinstance(default, (int, float)) and not isinstance(default, bool) else []
+
+
+def test_every_torch_optimizer_knob_value_torch_refuses_is_one_line():
+    # The knobs' ranges are torch's, checked when an optimizer is built (a negative weight_decay was a ValueError's
+    # traceback): walked over every torch.optim class and numeric knob, each value is either taken or one line naming
+    # the knob, never another exception.
+    import inspect
+
+    import torch
+
+    from config import check_optimizer
+
+    refused = 0
+    for name, optimizer in vars(torch.optim).items():
+        if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+            continue
+        if optimizer is torch.optim.Optimizer:
+            continue
+        for knob, parameter in inspect.signature(optimizer).parameters.items():
+            for value in optimizer_knob_values(parameter.default) if knob != "lr" else []:
+                try:
+                    check_optimizer(name, {knob: value}, 1e-3)
+                except UserError as error:
+                    assert re.fullmatch(
+                        rf"\+optimizer_kwargs\.{knob}=\S+: torch\.optim\.{name} refuses it \([^\n]+\)", str(error)
+                    ), (name, knob, str(error))
+                    refused += 1
+    assert refused > 40  # eps, weight_decay, betas, momentum, ... of most optimizers
+
+
+# Texts a shell hands over once quoted, which Hydra's grammar would refuse bare (spaces with non-ASCII letters,
+# quotes, brackets, braces, =, #) or read as another value (an integer, a float, a boolean, trimmed spaces).
+SHELL_TEXTS = [
+    "/data/mes essais/été 日本",
+    '/data/l\'été (1)/"x"',
+    "/data/[1]/{a: b}/a=b#c",
+    "2024_01_05",
+    "1.50",
+    "true",
+    " leading and trailing ",
+    "~/x",
+    "trailing\\",
+]
+
+
+def string_fields(schema, prefix: str = ""):
+    """(dotted key, is a list) of every string and list-of-strings field of a schema dataclass, nested ones too."""
+    hints = typing.get_type_hints(schema)
+    for field in dataclasses.fields(schema):
+        kind = unwrapped(hints[field.name])
+        if dataclasses.is_dataclass(kind):
+            yield from string_fields(kind, f"{prefix}{field.name}.")
+        elif kind is str or typing.get_origin(kind) is list and typing.get_args(kind) == (str,):
+            yield f"{prefix}{field.name}", kind is not str
+
+
+def test_every_string_key_takes_the_text_the_shell_gave():
+    # Walks the schema: every string key (paths: local_run_dir, resume_from, model.name_or_path, model.archive, ...)
+    # and list-of-strings key (datasets, local_dirs, ...) reads back exactly the text of one argument, whatever
+    # Hydra's grammar would make of it (a LexerNoViableAltException, 20240105, 1.5, True, trimmed spaces).
+    from omegaconf import OmegaConf
+
+    from config import Config, composed
+
+    keys = list(string_fields(Config))
+    assert {"local_run_dir", "resume_from", "datasets", "local_dirs", "model.name_or_path", "model.archive"} <= {
+        key for key, _ in keys
+    }
+    for text in SHELL_TEXTS:
+        config = composed(["model=tiny", *(f"{key}={text}" for key, _ in keys)])
+        for key, listed in keys:
+            assert OmegaConf.select(config, key) == ([text] if listed else text), (key, text)
+
+
+@pytest.mark.parametrize(
+    "arg, expected",
+    [
+        ("datasets=[a.jsonl,b.jsonl]", ["a.jsonl", "b.jsonl"]),
+        ("datasets=a.jsonl,b.jsonl", ["a.jsonl", "b.jsonl"]),
+        ("datasets=['é x.jsonl',b.jsonl]", ["é x.jsonl", "b.jsonl"]),
+        ("datasets=a\\,b.jsonl", ["a,b.jsonl"]),
+        ("datasets=${oc.env:DPO_TEST_DIR}/é x.jsonl", ["/data/a b/é x.jsonl"]),
+        ("local_dirs=[${oc.env:DPO_TEST_DIR},/tmp]", ["/data/a b", "/tmp"]),
+        ("local_run_dir=null", None),
+        ("local_run_dir=NULL", None),
+        ("local_run_dir='/data/my runs'", "/data/my runs"),
+        ('local_run_dir="/data/my runs"', "/data/my runs"),
+        ("local_run_dir=/data/a\\,b", "/data/a,b"),
+        ("local_run_dir=${oc.env:DPO_TEST_DIR}/é 1", "/data/a b/é 1"),
+        ("exp_name=${loss.name}_v2", "dpo_v2"),
+        ("lora.target_modules=null", None),
+        ("lora.target_modules=q_proj", ["q_proj"]),
+        ("lora.target_modules=[q_proj,v_proj]", ["q_proj", "v_proj"]),
+        ("seed=7", 7),
+        ("lr=1e-4", 1e-4),
+        ("+optimizer_kwargs.betas=[0.9,0.95]", [0.9, 0.95]),
+    ],
+)
+def test_hydra_syntax_still_means_what_it_meant(monkeypatch, arg, expected):
+    # Lists, escapes, quotes, interpolations and null are Hydra's syntax on purpose: taken as Hydra reads them.
+    from omegaconf import OmegaConf
+
+    from config import composed
+
+    monkeypatch.setenv("DPO_TEST_DIR", "/data/a b")
+    config = OmegaConf.to_container(composed(["model=tiny", arg]), resolve=True)
+    value = config
+    for part in arg.partition("=")[0].lstrip("+").split("."):
+        value = value[part]
+    assert value == expected
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["local_run_dir=/data/my", "big", "run", "seed=1"],
+            "the command line: big is not an override (key=value); a value with spaces is one argument only quoted "
+            'for the shell: "local_run_dir=/data/my big run"',
+        ),
+        (["--dry_run"], "the command line: --dry_run has no value; give dry_run=VALUE"),
+        (["model.archive"], "the command line: model.archive has no value; give model.archive=VALUE"),
+        (["lr=é"], "lr=é must be a number"),
+        (["seed=1,2"], "seed=1,2 must be an integer"),
+        (["exp_name=null"], "exp_name=null must be a string"),
+        (["datasets=null"], "datasets=null must be a list, e.g. [a,b]"),
+        (["datasets=[a.jsonl,null]"], "datasets[1]=None must be a string"),
+        (["local_run_dirr=/data/é"], "unknown key 'local_run_dirr' in the config (did you mean 'local_run_dir'?)"),
+        (["distributed_timeout_secs=1e10"], "distributed_timeout_secs=10000000000.0 must be in (0, 1000000000]"),
+    ],
+)
+def test_what_hydra_cannot_take_is_one_line_naming_it(args, message):
+    from config import load
+
+    with pytest.raises(UserError) as error:
+        load(["model=tiny", *args])
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
