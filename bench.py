@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import transformers
@@ -89,29 +91,16 @@ LEVERS = {  # each lever alone: the baseline with one setting changed
 WORKLOADS = ((256, 4), (512, 8))
 
 
-def lever_worker(
-    overrides: list[str],
-    warmup: int,
-    steps: int,
-    result_file: str,
-    compile_blocks: bool = False,
-    data_file: str = str(HH_FILE),
-    n_rows: int | None = 48,
-) -> None:
-    """One configuration in this fresh process: build the trainer as train.py does on the first n_rows pairs of
-    data_file (None: all), time `steps` training steps after `warmup`, and write pairs/s, tokens/s (real: prompt
-    once; computed: padding included), MFU, peak memory, what precision was chosen and the first step's seconds.
-    compile_blocks: torch.compile each transformer block (dynamic shapes) before the first step."""
-    import resource
+def bench_trainer(overrides: list[str], data_file: str = str(HH_FILE), n_rows: int | None = 48):
+    """(trainer, setup seconds): a Trainer built as train.py builds it, on the first n_rows pairs of data_file
+    (None: all)."""
     from itertools import islice
 
     import config as configuration
     from build import build
     from distributed import Topology
     from models import load_tokenizer
-    from placement import find_blocks
     from preference_datasets import parse_rows, read_file_rows
-    from telemetry import Throughput, step_amounts
     from trainers import Trainer
 
     config = configuration.load(overrides)
@@ -121,7 +110,29 @@ def lever_worker(
     data = {"train": pairs, "test": pairs[:1]}  # the eval pair plays no part in the timings
     start = time.perf_counter()
     trainer = Trainer(build(config, Topology.create(config.trainer), data), cache_dir / "run")
-    setup_seconds = time.perf_counter() - start
+    return trainer, time.perf_counter() - start
+
+
+def lever_worker(
+    overrides: list[str],
+    warmup: int,
+    steps: int,
+    result_file: str,
+    compile_blocks: bool = False,
+    data_file: str = str(HH_FILE),
+    n_rows: int | None = 48,
+) -> None:
+    """One configuration in this fresh process: build the trainer (bench_trainer), time `steps` training steps after
+    `warmup`, and write pairs/s, tokens/s (real: prompt once; computed: padding included), MFU, peak memory, what
+    precision was chosen and the first step's seconds. compile_blocks: torch.compile each transformer block
+    (dynamic shapes) before the first step."""
+    import resource
+
+    from placement import find_blocks
+    from telemetry import Throughput, step_amounts
+
+    trainer, setup_seconds = bench_trainer(overrides, data_file, n_rows)
+    config = trainer.config
     if compile_blocks:
         for block in find_blocks(trainer.policy, config.model.block_name):
             block.compile(dynamic=True)
@@ -138,7 +149,7 @@ def lever_worker(
     sampler = threading.Thread(target=sample_rss, args=(stop,), daemon=True)
     sampler.start()
     for step, indices in enumerate(trainer.data.schedule[: warmup + steps]):
-        examples = [trainer.data.train_examples[i] for i in indices]
+        examples = trainer.data.train_examples.take(indices)
         start = time.perf_counter()
         metrics = trainer.train_step(examples)  # ends with the step's one transfer from the device: synchronised
         seconds = time.perf_counter() - start
@@ -207,6 +218,81 @@ def bench_levers(warmup: int, steps: int) -> None:
             )
     print()
     bench_vocabulary_memory()
+
+
+# Where a step's CPU time goes (--profile): operations by their self time, parts of the step by their whole time
+OPERATIONS = {
+    "matmul (mm, addmm, bmm)": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"),
+    "dtype casts and copies": ("aten::copy_", "aten::_to_copy"),
+    "attention (SDPA)": ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient_attention"),
+}
+PARTS = {
+    "fused head, forward": "fused head forward",
+    "fused head, backward": "fused head backward",
+    "optimizer step": "Optimizer.step#",
+    "gradient clipping": "clip gradients",
+}
+
+
+def profile_worker(overrides: list[str], warmup: int, steps: int, result_file: str) -> None:
+    """torch.profiler over `steps` training steps of a configuration after `warmup` (bench_trainer): each
+    operation's self time, each part of the step's whole time, and the seconds per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    trainer, _ = bench_trainer(overrides)
+    batches = [trainer.data.train_examples.take(indices) for indices in trainer.data.schedule[: warmup + steps]]
+    for examples in batches[:warmup]:
+        trainer.train_step(examples)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as profiler:
+        for examples in batches[warmup:]:
+            trainer.train_step(examples)
+    seconds = (time.perf_counter() - start) / steps
+    events = profiler.key_averages()
+    total = sum(event.self_cpu_time_total for event in events)
+    operations = {name: sum(e.self_cpu_time_total for e in events if e.key.startswith(prefixes)) / total
+                  for name, prefixes in OPERATIONS.items()}  # fmt: skip
+    parts = {name: sum(e.cpu_time_total for e in events if e.key.startswith(prefix)) / total
+             for name, prefix in PARTS.items()}  # fmt: skip
+    top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
+    result = {
+        "seconds_per_step": seconds,
+        "operations": operations,
+        "parts": parts,
+        "top": [(e.key, e.self_cpu_time_total / total, e.count // steps) for e in top],
+        "precision": str(trainer.precision.policy_compute),
+        "layout": trainer.scorer.describe(),
+    }
+    Path(result_file).write_text(json.dumps(result))
+
+
+def bench_profile(overrides: list[str], warmup: int, steps: int) -> None:
+    """The breakdown of a training step's CPU time for a configuration: the default's, or the one the overrides
+    make, at 256 x 4 on SmolLM2 and the HH pairs (max_length=... and batch_size=... override those too)."""
+    from models import SMOLLM2_HUB_ID, resolve_model_dir
+    from precision import cpu_flags, cpu_name
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model_dir = resolve_model_dir(SMOLLM2_HUB_ID, REPO_ROOT / ".cache")
+    with tempfile.TemporaryDirectory() as tmp:
+        base = [*workload_overrides(model_dir, tmp, 256, 4), *overrides]
+        result = worker_subprocess("profile_worker", str(Path(tmp) / "result.json"), overrides=base, warmup=warmup,
+                                   steps=steps)  # fmt: skip
+    print(
+        f"CPU: {cpu_name()}, {os.cpu_count()} cores, flags {' '.join(cpu_flags()) or 'none'}; torch {torch.__version__}"
+        f"\nSmolLM2-135M-Instruct on HH pairs, {' '.join(overrides) or 'the default configuration'} (max_length 256 x "
+        f"4 pairs unless set); {result['precision']}, {result['layout']}; {warmup} warm-up + {steps} profiled steps: "
+        f"{result['seconds_per_step']:.2f} s/step under the profiler\n\nshare of the operators' time"
+    )
+    for name, share in result["operations"].items():
+        print(f"  {name:32s} {share:6.1%}")
+    print(f"  {'everything else':32s} {1 - sum(result['operations'].values()):6.1%}\nparts of the step (all they run)")
+    for name, share in result["parts"].items():
+        print(f"  {name:32s} {share:6.1%}")
+    print("the 12 operators that take the most time (self), and their calls per step")
+    for name, share, calls in result["top"]:
+        print(f"  {name:44s} {share:6.1%} {calls:6d}")
 
 
 def lever_subprocess(overrides: list[str], warmup: int, steps: int, result_file: str, compile_blocks=False, **data):
@@ -618,14 +704,15 @@ def cpu_reference_pass_worker(result_file: str, attention: str, dtype: str, max_
 
     from layouts import pack, segment_lengths
     from models import SMOLLM2_HUB_ID, resolve_model_dir
-    from preference_datasets import parse_rows, read_file_rows, tokenize_pair
+    from preference_datasets import parse_rows, read_file_rows
     from scoring import FLEX_BLOCK, sequence_logps
+    from tokenized import Tokenization, tokenize_pairs
 
     model_dir = resolve_model_dir(SMOLLM2_HUB_ID, REPO_ROOT / ".cache")
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     pairs = parse_rows(list(islice(read_file_rows(HH_FILE), 40)), str(HH_FILE), tokenizer)
-    examples = [tokenize_pair(p, tokenizer, max_length, max_length // 2, False) for p in pairs]
+    examples = tokenize_pairs(pairs, tokenizer, Tokenization(max_length, max_length // 2, sft=False)).take(range(40))
     autocast = getattr(torch, dtype) if dtype != "float32" else None
     times = []
     try:
@@ -882,6 +969,209 @@ def bench_fsdp_reduce() -> None:
             )
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Data at scale: tokenizing, caching and mapping the examples
+
+SMOLLM2_TOKENIZER = REPO_ROOT.parent / "shared" / "tokenizers" / "smollm2" / "tokenizer.json"
+DATA_SIZES = (5_000, 50_000, 500_000)
+
+
+def rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def bench_tokenizer():
+    """SmolLM2's original tokenizer (../shared), else the tiny byte-level one; and its name."""
+    if SMOLLM2_TOKENIZER.exists():
+        tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(SMOLLM2_TOKENIZER), eos_token="<|im_end|>")
+        return tokenizer, "SmolLM2"
+    return transformers.AutoTokenizer.from_pretrained(REPO_ROOT / "assets" / "tiny-llama"), "tiny byte-level"
+
+
+def synthetic_hh_file(path: Path, n_rows: int, distinct: bool) -> Path:
+    """n_rows HH-format rows from HH harmless-base's 2,312 (../shared; random text of HH's lengths without it): row i
+    is row i mod 2312 with a variant number, in its first human turn only (distinct=False: the responses repeat
+    every 2,312 rows) or in every text (distinct=True: every prompt and response new, as in real data, so that
+    nothing is tokenized once for several rows)."""
+    import gzip
+
+    if HH_FILE.exists():
+        base = [json.loads(line) for line in gzip.open(HH_FILE, "rt")]
+    else:
+        base = [
+            {"chosen": f"\n\nHuman: {r['prompt']}\n\nAssistant:{r['chosen']}", "rejected": r["rejected"]}
+            for r in hh_like_rows(2312, 512, seed=0)
+        ]
+        base = [{**r, "rejected": r["chosen"][: r["chosen"].rfind(":") + 1] + r["rejected"]} for r in base]
+    with open(path, "w") as f:
+        for i in range(n_rows):
+            row, k = base[i % len(base)], i // len(base)
+            cut = row["chosen"].find("\n\nAssistant:")
+            marked = {name: text[:cut] + f" (variant {k})" + text[cut:] for name, text in row.items()}
+            if distinct:
+                marked = {name: text + f" ({i})" for name, text in marked.items()}
+            f.write(json.dumps(marked) + "\n")
+    return path
+
+
+def data_worker(result_file: str, data_file: str, cache_dir: str) -> None:
+    """The data of one run, in this fresh process: examples from the cache (tokenized into it first if it has none),
+    timed; the resident memory it adds per token, mapped, and after every token was read once (as an epoch reads
+    them)."""
+    import resource
+
+    import tokenized
+    from tokenized import Tokenization, load_examples
+
+    tokenizer, _ = bench_tokenizer()
+    builds = []
+    build_cache = tokenized.build_cache
+    tokenized.build_cache = lambda *args: builds.append(1) or build_cache(*args)
+    before = rss_bytes()
+    start = time.perf_counter()
+    splits = load_examples([data_file], tokenizer, Tokenization(512, 256, False), 0, 256, Path(cache_dir))
+    seconds = time.perf_counter() - start
+    mapped, peak = rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    n_tokens = sum(split.n_tokens for split in splits.values())
+    checksum = sum(int(part.sum(dtype=np.int64)) for split in splits.values() for part in split.token_parts)
+    result = {
+        "seconds": seconds,
+        "pairs": sum(map(len, splits.values())),
+        "tokens": n_tokens,
+        "built": bool(builds),
+        "peak_per_token": (peak - before) / n_tokens,
+        "mapped_per_token": (mapped - before) / n_tokens,
+        "read_per_token": (rss_bytes() - before) / n_tokens,
+        "checksum": checksum,
+    }
+    Path(result_file).write_text(json.dumps(result))
+
+
+def data_rank(rank: int, world_size: int, port: int, data_file: str, cache_dir: str, result_file: str) -> None:
+    """One rank of a multi-process start: the run's data as build.py prepares it (local rank 0 first, into the
+    cache; the others map it); rank 0 writes the seconds until every rank has it and how many ranks tokenized."""
+    import tokenized
+    from distributed import Topology
+    from tokenized import Tokenization, load_examples
+
+    os.environ.update(rank_environment(rank, world_size, port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    topology = Topology.create("FSDPTrainer")
+    tokenizer, _ = bench_tokenizer()
+    built = []
+    build_cache = tokenized.build_cache
+    tokenized.build_cache = lambda *args: built.append(1) or build_cache(*args)
+    dist.barrier()
+    start = time.perf_counter()
+    with topology.main_first():
+        load_examples([data_file], tokenizer, Tokenization(512, 256, False), 0, 256, Path(cache_dir))
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    builds = torch.tensor([float(bool(built))])
+    dist.all_reduce(builds)
+    if rank == 0:
+        Path(result_file).write_text(json.dumps({"seconds": seconds, "ranks_tokenizing": int(builds.item())}))
+    leave_process_group()
+
+
+def data_start(world_size: int, data_file: Path, cache_dir: Path, result_file: Path) -> dict:
+    code = (
+        f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r}); import bench, torch; from distributed import free_port; "
+        f"torch.multiprocessing.spawn(bench.data_rank, args=({world_size}, free_port(), {str(data_file)!r}, "
+        f"{str(cache_dir)!r}, {str(result_file)!r}), nprocs={world_size})"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL)
+    return json.loads(result_file.read_text())
+
+
+def bench_data(smoke: bool) -> None:
+    """Prepared pairs/s, first run and rerun, and resident bytes per token at about 5k, 50k and 500k synthetic
+    HH-length pairs (every text distinct), one process and a 2-process FSDP start; the issue's 46k construction
+    through train.py's dry run; the reference log-prob cache at a million pairs."""
+    from precision import cpu_flags, cpu_name
+
+    sizes = (500, 2_000) if smoke else DATA_SIZES
+    _, tokenizer_name = bench_tokenizer()
+    print(
+        f"CPU: {cpu_name()}, {os.cpu_count()} cores, flags {' '.join(cpu_flags()) or 'none'}; "
+        f"{tokenizer_name} tokenizer, max_length 512; each run in a fresh process"
+    )
+    print(f"{'pairs':>8} {'tokens':>11}  {'run':28} {'seconds':>8} {'pairs/s':>9}  bytes/token: peak  mapped  all read")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for n in sizes:
+            data_file = synthetic_hh_file(tmp / f"pairs-{n}.jsonl", n, distinct=True)
+            runs = [("1 process, first run", "one", 1), ("1 process, rerun", "one", 1)]
+            runs += [("2 processes, first run", "two", 2), ("2 processes, rerun", "two", 2)]
+            for name, cache, world in runs:
+                result_file = tmp / "result.json"
+                if world == 1:
+                    r = worker_subprocess("data_worker", str(result_file), data_file=str(data_file),
+                                          cache_dir=str(tmp / f"cache-{cache}-{n}"))  # fmt: skip
+                    n_pairs, n_tokens = r["pairs"], r["tokens"]
+                    memory = f"{r['peak_per_token']:10.2f} {r['mapped_per_token']:7.2f} {r['read_per_token']:9.2f}"
+                else:
+                    r = data_start(world, data_file, tmp / f"cache-{cache}-{n}", result_file)
+                    memory = f"  ranks tokenizing: {r['ranks_tokenizing']} of {world}"
+                print(f"{n_pairs:8d} {n_tokens:11d}  {name:28} {r['seconds']:8.2f} {n_pairs / r['seconds']:9.0f}  "
+                      f"{memory}", flush=True)  # fmt: skip
+            data_file.unlink()
+            shutil.rmtree(tmp / f"cache-one-{n}"), shutil.rmtree(tmp / f"cache-two-{n}")
+        issue_construction(tmp, 600 if smoke else 46_240)
+        reference_cache_at_a_million(tmp, 10_000 if smoke else 1_000_000)
+
+
+def issue_construction(tmp: Path, n_rows: int) -> None:
+    """The issue's measurement: HH rows repeated with a variant suffix in the prompt (responses repeat every 2,312
+    rows), through `train.py dry_run=true` with the default model's tokenizer, first run and rerun."""
+    from models import SMOLLM2_HUB_ID, resolve_model_dir
+
+    data_file = synthetic_hh_file(tmp / "issue.jsonl", n_rows, distinct=False)
+    model_dir = resolve_model_dir(SMOLLM2_HUB_ID, REPO_ROOT / ".cache")  # converted once, beforehand: not timed
+    overrides = ["dry_run=true", f"model.name_or_path={model_dir}", f"datasets=[{data_file}]", "max_length=512"]
+    for run in ("first run", "rerun"):
+        start = time.perf_counter()
+        result = subprocess.run(
+            [sys.executable, str(REPO_ROOT / "train.py"), *overrides, f"local_dirs=[{tmp / 'issue-cache'}]"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+        seconds = time.perf_counter() - start
+        assert result.returncode == 0, result.stderr[-2000:]
+        line = next(line for line in result.stdout.splitlines() if line.startswith("data report:"))
+        print(f"train.py dry_run=true on {n_rows} HH rows with a variant suffix ({run}): {seconds:.1f} s, {line}")
+
+
+def reference_cache_at_a_million(tmp: Path, n: int) -> None:
+    """The reference log-prob cache: save, load (memory-mapped) and look up every key of n synthetic entries."""
+    import resource
+
+    import reference_cache
+
+    rng = np.random.default_rng(0)
+    keys = rng.integers(0, 256, size=(n, 16), dtype=np.uint8).view("S16").reshape(-1)
+    table = reference_cache.ReferenceTable.of(keys, -rng.random((n, 2), dtype=np.float32))
+    path = tmp / "reference.pt"
+    start = time.perf_counter()
+    reference_cache.save(path, "w", "c", table)
+    saved = time.perf_counter() - start
+    before, start = rss_bytes(), time.perf_counter()
+    loaded, _ = reference_cache.load(path, "w", "c")
+    loading = time.perf_counter() - start
+    added = rss_bytes() - before
+    start = time.perf_counter()
+    found = loaded.lookup(keys)
+    looked_up = time.perf_counter() - start
+    assert np.array_equal(found, table.logps[np.searchsorted(table.keys, keys)])
+    print(
+        f"reference log-prob cache, {n} pairs: file {path.stat().st_size / 2**20:.1f} MiB, saved in {saved:.2f} s, "
+        f"loaded in {loading * 1e3:.0f} ms adding {added / 2**20:.1f} MiB resident, every key looked up in "
+        f"{looked_up:.2f} s; process peak {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=int, default=1024, help="square matmul size")
@@ -899,7 +1189,11 @@ def main() -> None:
         "--gpu", action="store_true", help="the GPU campaign: cuda tests, layouts and TRL on a ~1B Llama"
     )
     parser.add_argument("--attention", action="store_true", help="dense vs block-mask attention bookkeeping")
-    parser.add_argument("--smoke", action="store_true", help="--gpu at tiny sizes on any device (the test suite's)")
+    parser.add_argument("--data", action="store_true", help="data at scale: tokenizing, caching, mapping")
+    parser.add_argument(
+        "--profile", nargs="*", metavar="KEY=VALUE", help="where a training step's time goes (train.py overrides)"
+    )
+    parser.add_argument("--smoke", action="store_true", help="--gpu or --data at tiny sizes (the test suite's)")
     parser.add_argument("--warmup", type=int, default=2, help="--levers, --compile, --lora: untimed steps")
     parser.add_argument("--steps", type=int, default=6, help="--levers, --compile, --lora: timed steps")
     args = parser.parse_args()
@@ -915,6 +1209,10 @@ def main() -> None:
         return bench_lora(args.warmup, args.steps)
     if args.attention:
         return bench_attention()
+    if args.data:
+        return bench_data(args.smoke)
+    if args.profile is not None:
+        return bench_profile(args.profile, args.warmup, args.steps)
     if args.gpu:
         return bench_gpu(args.smoke, *((1, 1) if args.smoke else (args.warmup, args.steps)))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -24,10 +24,11 @@ from objective import build_objective
 from optim import build_optimizer, build_scheduler
 from placement import find_blocks, parallelize
 from precision import Precision, auto_compute_dtype, choose_compute_dtype, decide_precision, device_key, parse_dtype
-from preference_datasets import PreferencePair, load_datasets, prepare_examples
+from preference_datasets import PreferencePair, batch_schedule
 from report import GIB, data_report, memory_estimate
 from scoring import Scorer
 from telemetry import ModelFlops, peak_flops
+from tokenized import Examples, Tokenization, first_of_each_group, load_examples, tokenize_pairs
 from utils import get_local_dir
 
 
@@ -35,7 +36,7 @@ from utils import get_local_dir
 class Data:
     """The run's tokenized examples and the order it trains on them."""
 
-    train_examples: list[dict]
+    train_examples: Examples
     eval_batches: list[list[dict]]
     schedule: list[list[int]]  # per optimizer step, the indices of its training examples
 
@@ -82,14 +83,34 @@ class RunParts:
     peak_flops: float
 
 
-def tokenize(config: DictConfig, tokenizer, objective, pairs: dict[str, list[PreferencePair]], report: bool) -> Data:
-    """Token ids of every example, once per run, and the training schedule; report: print the data report."""
-    train_examples, eval_examples, schedule = prepare_examples(pairs, objective, tokenizer, config)
+def load_data(
+    config: DictConfig, tokenizer, objective, cache_dir: Path, pairs: dict | None = None, report: bool = True
+) -> Data:
+    """The run's examples, tokenized once per machine and cached (tokenized.load_examples), or given as `pairs`
+    ({"train": ..., "test": ...}, tokenized in memory); SFT's one example per prompt; the first n_eval_examples held
+    out ones for eval; the training schedule. report: print the data report."""
+    settings = Tokenization(config.max_length, config.max_prompt_length, objective.sft_targets)
+    if pairs is None:
+        splits = load_examples(config.datasets, tokenizer, settings, config.seed, config.n_eval_examples, cache_dir)
+    else:
+        splits = {split: tokenize_pairs(split_pairs, tokenizer, settings) for split, split_pairs in pairs.items()}
+    if settings.sft:
+        splits = {split: first_of_each_group(examples) for split, examples in splits.items()}
+    train, evals = splits["train"], splits["test"]
+    evals = evals.select(range(min(len(evals), config.n_eval_examples or len(evals))))
+    schedule = batch_schedule(len(train), config.batch_size, config.seed, config.n_epochs, config.n_examples)
     if report:
-        print(data_report(train_examples, eval_examples, tokenizer, config.max_length, config.max_prompt_length))
+        print(data_report(train, evals, tokenizer, config.max_length, config.max_prompt_length))
     size = config.eval_batch_size
-    eval_batches = [eval_examples[i : i + size] for i in range(0, len(eval_examples), size)]
-    return Data(train_examples, eval_batches, schedule)
+    eval_batches = [evals.take(range(i, min(i + size, len(evals)))) for i in range(0, len(evals), size)]
+    return Data(train, eval_batches, schedule)
+
+
+def rank_data(config: DictConfig, topology: Topology, tokenizer, objective, cache_dir: Path, pairs=None) -> Data:
+    """The run's data on this rank (load_data): the first rank of each machine tokenizes into the cache, and the
+    other ranks of its machine then map it, instead of each tokenizing it again."""
+    with topology.main_first():
+        return load_data(config, tokenizer, objective, cache_dir, pairs, report=topology.is_main)
 
 
 def live_reference_model(config: DictConfig, needs_reference: bool) -> bool:
@@ -108,8 +129,6 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     )
     with topology.main_first():
         tokenizer = load_tokenizer(config.model, cache_dir)
-        if pairs is None:
-            pairs = load_datasets(config.datasets, tokenizer, config.seed, config.n_eval_examples, cache_dir)
         policy = load_model(
             config.model, precision.policy_weights, cache_dir, config.seed, quantization_config(config.lora)
         )
@@ -117,7 +136,7 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
         policy = apply_lora(policy, config.lora)
     if config.resume_from is not None:  # fail now rather than after tokenizing and the reference pass
         topology.run_on_main(lambda: checkpoint.preflight(Path(config.resume_from), policy, config.batch_size))
-    data = tokenize(config, tokenizer, objective, pairs, topology.is_main)
+    data = rank_data(config, topology, tokenizer, objective, cache_dir, pairs)
     print(f"{len(data.schedule)} steps of {config.batch_size} examples")
 
     cached = objective.needs_reference and config.reference_cache
@@ -191,11 +210,12 @@ def fill_reference_cache(config, topology, data: Data, scorer, path, weights, co
     the same micro-batches as the first epoch's steps and the evals, so that at step 0 a reference computing like the
     policy agrees with it to the last bit. compute_with() gives (model, compute dtype), called only if any is
     missing."""
-    first_use = [data.train_examples[i] for i in dict.fromkeys(i for indices in data.schedule for i in indices)]
+    first_use = list(dict.fromkeys(i for indices in data.schedule for i in indices))
     return reference_cache.fill(
         path,
         weights,
         computation,
+        data.train_examples,
         first_use,
         data.eval_batches,
         (config.batch_size, config.eval_batch_size),
@@ -218,8 +238,7 @@ def dry_run(config: DictConfig, world_size: int) -> None:
         OmegaConf.to_object(config.model), autocast, lambda: choose_compute_dtype(device, cache_dir)[0]
     )
     tokenizer = load_tokenizer(config.model, cache_dir)
-    pairs = load_datasets(config.datasets, tokenizer, config.seed, config.n_eval_examples, cache_dir)
-    data = tokenize(config, tokenizer, objective, pairs, report=True)
+    data = load_data(config, tokenizer, objective, cache_dir)
     n_evals = sum(map(len, data.eval_batches))
     print(
         f"steps: {len(data.schedule)} optimizer steps of {config.batch_size} examples "

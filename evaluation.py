@@ -71,7 +71,7 @@ class Evaluator:
         policy_texts = self.generate(policy, local)
         reference_texts = self.generate(reference, local) if reference is not None else [None] * len(local)
         samples = [
-            {"step": step, "prompt": ex["pair"].prompt, "policy": p, "reference": r}
+            {"step": step, "prompt": self.tokenizer.decode(ex["prompt"]), "policy": p, "reference": r}
             for ex, p, r in zip(local, policy_texts, reference_texts)
         ]
         return self.topology.gather({"samples": samples[:n_real]})["samples"]

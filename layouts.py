@@ -156,6 +156,17 @@ def segment_lengths(examples: list[dict]) -> list[int]:
     return [len(ex["prompt"]) + sum(map(len, ex["responses"])) for ex in examples]
 
 
+def batch_shape(layout: str, lengths, row_tokens: int | None = None, multiple: int = 1) -> tuple[int, int]:
+    """(rows, row length) of the batch `make_batch` lays out for examples of these lengths ([B, 1 + R]: prompt and
+    responses), from the lengths alone."""
+    lengths = [list(map(int, row)) for row in lengths]
+    if layout == "padded":
+        return len(lengths) * (len(lengths[0]) - 1), max(row[0] + r for row in lengths for r in row[1:])
+    segments = [sum(row) for row in lengths]
+    rows = pack_rows(segments, row_tokens or max(segments))
+    return len(rows), -(-max(sum(segments[i] for i in row) for row in rows) // multiple) * multiple
+
+
 def pack(examples: list[dict], pad_token_id: int, row_tokens: int | None = None, multiple: int = 1) -> ModelBatch:
     """Segments [prompt | response_1 | response_2 ...] packed into rows of `row_tokens` (default: the longest
     segment), the row length rounded up to a `multiple`. With a dense mask each row's attention costs T x T, so

@@ -71,6 +71,7 @@ class _ChunkedHeadLogps(torch.autograd.Function):
     """
 
     @staticmethod
+    @torch.profiler.record_function("fused head forward")
     def forward(ctx, hidden, weight, bias, rows, targets, compute_dtype):
         # hidden: [N, H]; weight: [V, H]; bias: [V] or None; rows, targets: [M]. Returns [M] float32.
         step = chunk_rows(weight.shape[0], weight.device)
@@ -87,6 +88,7 @@ class _ChunkedHeadLogps(torch.autograd.Function):
         return token_logps
 
     @staticmethod
+    @torch.profiler.record_function("fused head backward")
     def backward(ctx, grad_token_logps):
         hidden, weight, bias, rows, targets, logsumexp = ctx.saved_tensors
         dtype = ctx.compute_dtype

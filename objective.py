@@ -6,7 +6,6 @@ import torch
 from omegaconf import OmegaConf
 
 from losses import LOSSES, PairStats, compute, running_reward_mean
-from preference_datasets import PreferencePair, sft_examples
 
 
 class PreferenceObjective:
@@ -19,9 +18,6 @@ class PreferenceObjective:
         self.loss = loss
         self.needs_reference = loss.needs_reference()
         self.state = {"reward_mean": 0.0, "rewards_seen": 0} if running_reward_mean(loss) else {}
-
-    def examples(self, pairs: list[PreferencePair]) -> list[PreferencePair]:
-        return pairs
 
     def __call__(self, policy_logps, reference_logps, n_tokens, split: str):
         """policy_logps, reference_logps (None: no reference, zeros), n_tokens: [2B], all chosen then all rejected.
@@ -69,9 +65,6 @@ class SFTObjective:
     def __init__(self, loss):
         self.loss = loss
         self.state = {}
-
-    def examples(self, pairs: list[PreferencePair]) -> list[PreferencePair]:
-        return sft_examples(pairs)
 
     def __call__(self, policy_logps, reference_logps, n_tokens, split: str):
         losses = -policy_logps

@@ -1,6 +1,7 @@
-"""Preference data: loading (Hub datasets and local files), tokenization and batching.
+"""Preference data: sources (Hub datasets and local files) read into preference pairs, the held-out split, and the
+order of training. Tokenizing them, once per machine and cached, is tokenized.py's.
 
-Every source becomes a list of `PreferencePair`s. Formats are recognised by their columns:
+Every source becomes a stream of `PreferencePair`s. Formats are recognised by their columns:
   hh:             chosen, rejected             whole dialogues; the prompt is the shared text up to and
                                                including the last "\\n\\nAssistant:" (Anthropic HH-RLHF)
   explicit:       prompt, chosen, rejected     strings
@@ -12,6 +13,7 @@ Every source becomes a list of `PreferencePair`s. Formats are recognised by thei
 
 import codecs
 import gzip
+import hashlib
 import html.parser
 import json
 import random
@@ -22,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from reference_cache import pair_key
 from utils import REPO_ROOT, UserError, first_line
 
 HUB_DATASETS = {"hh": "Anthropic/hh-rlhf", "shp": "stanfordnlp/SHP", "se": "HuggingFaceH4/stack-exchange-preferences"}
@@ -175,34 +176,59 @@ def render_chat(tokenizer, messages: list[dict]) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def parse_rows(rows: Iterable[tuple[str, Any]], source: str, tokenizer) -> list[PreferencePair]:
-    """Parse (location, row) items; bad rows raise UserError naming the location, unusable ones are skipped."""
-    pairs, skipped, first_skipped = [], Counter(), {}
+class RowCounts:
+    """What a source's rows gave: pairs, rows, and rows skipped by reason with the first of each."""
+
+    def __init__(self, source: str):
+        self.source, self.pairs, self.rows = source, 0, 0
+        self.skipped, self.first_skipped = Counter(), {}
+
+    def line(self) -> str:
+        """The data line every run prints per source."""
+        reasons = self.reasons()
+        return f"data: {self.source}: {self.pairs} pairs from {self.rows} rows" + (
+            f"; skipped {sum(self.skipped.values())} rows: {reasons}" if self.skipped else ""
+        )
+
+    def reasons(self) -> str:
+        return ", ".join(f"{n} {reason} (first: {self.first_skipped[reason]})" for reason, n in self.skipped.items())
+
+    def check(self) -> None:
+        """A one-line error when no row gave a usable pair."""
+        if not self.pairs:
+            skipped = f" (skipped: {self.reasons()})" if self.skipped else ""
+            raise UserError(f"{self.source}: no usable preference pairs in {self.rows} rows{skipped}")
+
+
+def iter_pairs(rows: Iterable[tuple[str, Any]], tokenizer, counts: RowCounts) -> Iterator[PreferencePair]:
+    """The pairs of (location, row) items, streamed; bad rows raise UserError naming the location, unusable ones
+    are skipped and counted in `counts`."""
     parser = None
-    n_rows = 0
     for location, row in rows:
-        n_rows += 1
+        counts.rows += 1
         try:
             if not isinstance(row, dict):
                 raise ValueError(f"expected a JSON object, got {type(row).__name__}")
             parser = parser or detect_parser(row, tokenizer)
-            pairs.extend(parser(row))
+            pairs = parser(row)
         except RowSkipped as reason:
-            skipped[str(reason)] += 1
-            first_skipped.setdefault(str(reason), location)
+            counts.skipped[str(reason)] += 1
+            counts.first_skipped.setdefault(str(reason), location)
+            continue
         except KeyError as key:
             raise UserError(f"{location}: missing column {key.args[0]}") from None
         except (ValueError, TypeError, AttributeError) as error:
             raise UserError(f"{location}: {error}") from None
-    reasons = ", ".join(f"{count} {reason} (first: {first_skipped[reason]})" for reason, count in skipped.items())
-    print(
-        f"data: {source}: {len(pairs)} pairs from {n_rows} rows"
-        + (f"; skipped {sum(skipped.values())} rows: {reasons}" if skipped else "")
-    )
-    if not pairs:
-        raise UserError(
-            f"{source}: no usable preference pairs in {n_rows} rows" + (f" (skipped: {reasons})" if skipped else "")
-        )
+        counts.pairs += len(pairs)
+        yield from pairs
+
+
+def parse_rows(rows: Iterable[tuple[str, Any]], source: str, tokenizer) -> list[PreferencePair]:
+    """Every pair of (location, row) items (see iter_pairs), with the source's data line printed."""
+    counts = RowCounts(source)
+    pairs = list(iter_pairs(rows, tokenizer, counts))
+    print(counts.line())
+    counts.check()
     return pairs
 
 
@@ -276,12 +302,14 @@ def read_file_rows(path: Path) -> Iterator[tuple[str, Any]]:
         import pyarrow
         import pyarrow.parquet
 
-        try:
-            table = pyarrow.parquet.read_table(path)
+        number = 0
+        try:  # a row group at a time: a file larger than memory streams through
+            for batch in pyarrow.parquet.ParquetFile(path).iter_batches(batch_size=4096):
+                for row in batch.to_pylist():
+                    number += 1
+                    yield f"{path} row {number}", row
         except (pyarrow.ArrowException, OSError) as error:
             raise UserError(f"{path}: not a readable Parquet file ({first_line(error)})") from None
-        for number, row in enumerate(table.to_pylist(), start=1):
-            yield f"{path} row {number}", row
 
 
 def local_split_files(path: Path) -> dict[str, list[Path]]:
@@ -312,12 +340,42 @@ def load_from_hub(name: str, repo: str, split: str | None, cache_dir: Path):
         ) from None
 
 
-def hub_rows(data, source: str) -> tuple[Iterator[tuple[str, Any]], str]:
-    return ((f"{source} row {i + 1}", row) for i, row in enumerate(data)), source
+@dataclass
+class Source:
+    """One stream of rows, read as one: a file, a directory's train or test files, or a split of a Hub dataset."""
+
+    label: str  # how the data lines name it
+    rows: Callable[[], Iterator[tuple[str, Any]]]  # (location, row) items, read anew at each call
+    fingerprint: Callable[[], str]  # what the rows are: each file's name and content digest, or the Hub dataset's own
 
 
-def load_hub_rows(name: str, split: str, cache_dir: Path) -> tuple[Iterator[tuple[str, Any]], str]:
-    """Rows of hh, shp or se."""
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def files_source(label: str, files: list[Path]) -> Source:
+    return Source(
+        label,
+        lambda: (item for file in files for item in read_file_rows(file)),
+        lambda: " ".join(f"{file}:{file_digest(file)}" for file in files),
+    )
+
+
+def hub_source(data, label: str) -> Source:
+    """The rows of a `datasets.Dataset`, fingerprinted by the datasets library (it changes with the data and with
+    every transform applied to it)."""
+    return Source(
+        label, lambda: ((f"{label} row {i + 1}", row) for i, row in enumerate(data)), lambda: data._fingerprint
+    )
+
+
+def named_hub_split(name: str, split: str, cache_dir: Path) -> Source:
+    """hh, shp or se: a split of the Hub dataset the DPO reference trained on."""
     hub_name = HUB_DATASETS[name]
     if name == "se":
         # SE has only a train split; the reference holds out its first 1% after a fixed shuffle as test.
@@ -326,142 +384,87 @@ def load_hub_rows(name: str, split: str, cache_dir: Path) -> tuple[Iterator[tupl
         data = data.select(range(cut) if split == "test" else range(cut, len(data)))
     else:
         data = load_from_hub(name, hub_name, split, cache_dir)
-    return hub_rows(data, f"{hub_name}[{split}]")
+    return hub_source(data, f"{hub_name}[{split}]")
 
 
-def get_hub_dataset(name: str, tokenizer, cache_dir: Path) -> dict[str, list[PreferencePair]]:
+def hub_sources(name: str, cache_dir: Path) -> dict[str, Source]:
     """Any Hub dataset `org/name` (its train split, and its test split where it has one) or `org/name:split`
-    (that split only), through the same column detection as local files."""
+    (that split only)."""
     repo, _, split = name.partition(":")
     data = load_from_hub(name, repo, split or None, cache_dir)
     if split:
-        named = {"train": split}
-        data = {split: data}
-    else:
-        if "train" not in data:
-            raise UserError(f"{repo} has no 'train' split; choose one of {', '.join(data)} with {repo}:SPLIT")
-        test = next((s for s in data if s.lower().startswith(TEST_SPLIT_NAMES)), None)
-        named = {"train": "train"} | ({"test": test} if test else {})
-    return {key: parse_rows(*hub_rows(data[s], f"{repo}[{s}]"), tokenizer) for key, s in named.items()}
+        return {"train": hub_source(data, f"{repo}[{split}]")}
+    if "train" not in data:
+        raise UserError(f"{repo} has no 'train' split; choose one of {', '.join(data)} with {repo}:SPLIT")
+    test = next((s for s in data if s.lower().startswith(TEST_SPLIT_NAMES)), None)
+    named = {"train": "train"} | ({"test": test} if test else {})
+    return {key: hub_source(data[s], f"{repo}[{s}]") for key, s in named.items()}
 
 
-def hold_out(pairs: list[PreferencePair], n_eval: int, seed: int, source: str) -> dict[str, list[PreferencePair]]:
-    """Split a source without a test split: whole prompts, chosen by seed, until n_eval pairs are held out.
+def dataset_sources(name: str, cache_dir: Path) -> dict[str, Source]:
+    """{"train": source, and "test": source where the dataset has a test split} of a dataset name: hh, shp, se,
+    demo, a local file or directory, or any Hub dataset `org/name[:split]`."""
+    if name in HUB_DATASETS:
+        return {split: named_hub_split(name, split, cache_dir) for split in ("train", "test")}
+    path = DEMO_DIR if name == "demo" else Path(name)
+    if path.exists():
+        return {
+            split: files_source(f"{path} ({split} files)" if path.is_dir() else str(path), files)
+            for split, files in local_split_files(path).items()
+            if files
+        }
+    if HUB_ID.match(name) and not name.endswith(FILE_SUFFIXES):
+        return hub_sources(name, cache_dir)
+    raise UserError(
+        f"unknown dataset '{name}': expected one of {', '.join([*HUB_DATASETS, 'demo'])}, a Hub dataset "
+        f"org/name[:split], or an existing {'/'.join(FILE_SUFFIXES)} file or directory"
+    )
 
-    Splitting by prompt keeps every pair of a held-out prompt out of training."""
-    prompts = list(dict.fromkeys(pair.prompt for pair in pairs))
-    random.Random(seed).shuffle(prompts)
-    counts = Counter(pair.prompt for pair in pairs)
-    eval_prompts, held = set(), 0
-    for prompt in prompts:
-        if held >= n_eval:
+
+def eval_split(groups: list, n_eval: int | None, seed: int, source: str) -> list[bool]:
+    """Whether each example of a source without a test split is held out for eval: whole prompts (`groups`: each
+    example's prompt, or a digest of it), in an order seeded by `seed`, until n_eval examples are held out. Holding
+    out by prompt keeps every pair of a held-out prompt out of training."""
+    if n_eval is None:
+        raise UserError(f"{source} has no test split: set n_eval_examples to hold out that many pairs for eval")
+    order = list(dict.fromkeys(groups))  # first-seen order: the shuffle depends on the count alone
+    random.Random(seed).shuffle(order)
+    counts = Counter(groups)
+    held, n_held = set(), 0
+    for group in order:
+        if n_held >= n_eval:
             break
-        eval_prompts.add(prompt)
-        held += counts[prompt]
-    train = [pair for pair in pairs if pair.prompt not in eval_prompts]
-    if not train:
+        held.add(group)
+        n_held += counts[group]
+    if n_held == len(groups):
         raise UserError(
-            f"{source}: holding out n_eval_examples={n_eval} pairs for eval leaves none of its {len(pairs)} pairs "
+            f"{source}: holding out n_eval_examples={n_eval} pairs for eval leaves none of its {len(groups)} pairs "
             "to train on; lower n_eval_examples"
         )
-    print(f"data: {source}: {len(pairs) - len(train)} pairs ({len(eval_prompts)} prompts) held out for eval")
-    return {"train": train, "test": [pair for pair in pairs if pair.prompt in eval_prompts]}
+    print(f"data: {source}: {n_held} pairs ({len(held)} prompts) held out for eval")
+    return [group in held for group in groups]
 
 
 def get_dataset(
     name: str, tokenizer, seed: int, n_eval_examples: int | None, cache_dir: Path
 ) -> dict[str, list[PreferencePair]]:
-    """{"train": pairs, "test": pairs} of a named dataset (hh, shp, se, demo), a local file or directory, or any
-    Hub dataset `org/name[:split]`. A source without a test split has n_eval_examples pairs held out."""
-    if name in HUB_DATASETS:
-        return {split: parse_rows(*load_hub_rows(name, split, cache_dir), tokenizer) for split in ("train", "test")}
-    path = DEMO_DIR if name == "demo" else Path(name)
-    if path.exists():
-        splits = {}
-        for split, files in local_split_files(path).items():
-            if files:
-                rows = (item for file in files for item in read_file_rows(file))
-                source = f"{path} ({split} files)" if path.is_dir() else str(path)
-                splits[split] = parse_rows(rows, source, tokenizer)
-    elif HUB_ID.match(name) and not name.endswith(FILE_SUFFIXES):
-        splits = get_hub_dataset(name, tokenizer, cache_dir)
-    else:
-        raise UserError(
-            f"unknown dataset '{name}': expected one of {', '.join([*HUB_DATASETS, 'demo'])}, a Hub dataset "
-            f"org/name[:split], or an existing {'/'.join(FILE_SUFFIXES)} file or directory"
-        )
+    """{"train": pairs, "test": pairs} of a dataset (see dataset_sources), read whole; a source without a test split
+    has n_eval_examples pairs held out (eval_split). Runs read their data tokenized and cached instead
+    (tokenized.load_examples), through the same sources and split."""
+    sources = dataset_sources(name, cache_dir)
+    splits = {split: parse_rows(source.rows(), source.label, tokenizer) for split, source in sources.items()}
     if "test" in splits:
         return splits
-    if n_eval_examples is None:
-        raise UserError(f"{name} has no test split: set n_eval_examples to hold out that many pairs for eval")
-    return hold_out(splits["train"], n_eval_examples, seed, name)
-
-
-def load_datasets(
-    names: list[str], tokenizer, seed: int, n_eval_examples: int | None, cache_dir: Path
-) -> dict[str, list[PreferencePair]]:
-    """The train and test pairs of every dataset in `names`, concatenated in order."""
-    data = {"train": [], "test": []}
-    for name in names:
-        for split, pairs in get_dataset(name, tokenizer, seed, n_eval_examples, cache_dir).items():
-            data[split].extend(pairs)
-    return data
+    pairs = splits["train"]
+    held = eval_split([pair.prompt for pair in pairs], n_eval_examples, seed, name)
+    return {
+        "train": [pair for pair, is_eval in zip(pairs, held) if not is_eval],
+        "test": [pair for pair, is_eval in zip(pairs, held) if is_eval],
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Tokenization and batches
-
-
-def tokenize_pair(pair: PreferencePair, tokenizer, max_length: int, max_prompt_length: int, sft: bool) -> dict:
-    """Token ids of prompt and responses, truncated as the reference does, and their lengths before truncation.
-
-    No special tokens are added (tokenizers disagree on BOS); EOS ends each response. When prompt plus
-    the longer response exceed max_length, the prompt is cut to max_prompt_length (from the start for
-    keep_end), then the responses to max_length - max_prompt_length.
-    """
-    responses = [pair.sft_target] if sft else [pair.chosen, pair.rejected]
-    prompt = tokenizer(pair.prompt, add_special_tokens=False)["input_ids"]
-    responses = [
-        tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in responses
-    ]
-    full_lengths = [len(prompt), *map(len, responses)]
-    longest = max(len(response) for response in responses)
-    if len(prompt) + longest > max_length:
-        prompt = prompt[-max_prompt_length:] if pair.truncation_mode == "keep_end" else prompt[:max_prompt_length]
-    if len(prompt) + longest > max_length:
-        responses = [response[: max_length - max_prompt_length] for response in responses]
-    return {"prompt": prompt, "responses": responses, "pair": pair, "full_lengths": full_lengths}
-
-
-def tokenize_examples(
-    pairs: list[PreferencePair], tokenizer, max_length: int, max_prompt_length: int, sft: bool
-) -> list[dict]:
-    """Token ids of each pair, once per run (see tokenize_pair); `key` identifies them for the reference cache."""
-    examples = [tokenize_pair(pair, tokenizer, max_length, max_prompt_length, sft) for pair in pairs]
-    for example in examples:
-        example["key"] = pair_key(example)
-    return examples
-
-
-def prepare_examples(data: dict[str, list[PreferencePair]], objective, tokenizer, config) -> tuple:
-    """(training examples, eval examples, the training schedule): the objective's examples (pairs, or SFT's one
-    per prompt) tokenized once per run, the first n_eval_examples for eval, and the batch schedule."""
-
-    def tokenize(pairs):
-        pairs = objective.examples(pairs)
-        return tokenize_examples(pairs, tokenizer, config.max_length, config.max_prompt_length, objective.sft_targets)
-
-    train, evals = tokenize(data["train"]), tokenize(data["test"])[: config.n_eval_examples]
-    schedule = batch_schedule(len(train), config.batch_size, config.seed, config.n_epochs, config.n_examples)
-    return train, evals, schedule
-
-
-def sft_examples(pairs: list[PreferencePair]) -> list[PreferencePair]:
-    """One example per prompt for SFT (its sft_target), in first-seen order."""
-    first = {}
-    for pair in pairs:
-        first.setdefault(pair.prompt, pair)
-    return list(first.values())
+# The order of training
 
 
 def batch_schedule(n: int, batch_size: int, seed: int, n_epochs: int | None, n_examples: int | None) -> list[list[int]]:

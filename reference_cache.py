@@ -2,20 +2,25 @@
 kept on disk (`CachedReference`, `fill`), so that training runs no reference forward pass.
 
 One file per reference and way of computing it: `<cache_dir>/reference_logps/<weights digest>-<computation
-digest>.pt`, holding the summed log-prob of each response of each pair, keyed by a digest of the pair's token ids
-(prompt and responses, after truncation). Tokenizer, data and truncation settings all change those ids, so a pair
-computed under other settings is simply absent and gets computed. The computation names everything that changes
-the rounding of the numbers (precision, layout, trainer and ranks, micro-batch sizes, data order): a run that
-computes like the one that filled the cache (a resume, a sweep over beta or lr) finds numbers equal to its own
-initial policy's to the last bit. A file whose contents do not match its name is never used: it is recomputed,
-and a line says why.
+digest>.pt`, holding the summed log-prob of each response of each pair, keyed by the digest of the pair's token ids
+that comes with the tokenized data (tokenized.example_keys: prompt and responses, after truncation). Tokenizer, data
+and truncation settings all change those ids, so a pair computed under other settings is simply absent and gets
+computed. The computation names everything that changes the rounding of the numbers (precision, layout, trainer and
+ranks, micro-batch sizes, data order): a run that computes like the one that filled the cache (a resume, a sweep over
+beta or lr) finds numbers equal to its own initial policy's to the last bit. A file whose contents do not match its
+name is never used: it is recomputed, and a line says why.
+
+The entries are two arrays, sorted keys and their log-probs (`ReferenceTable`: 24 bytes a pair), loaded
+memory-mapped and looked up by binary search: a million pairs load in milliseconds and take 24 MB.
 """
 
 import hashlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import torch
 import tqdm
 
@@ -25,8 +30,9 @@ from utils import UserError, first_line
 if TYPE_CHECKING:
     from distributed import Topology
     from scoring import Scorer
+    from tokenized import Examples
 
-FORMAT = 1
+FORMAT = 2
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -39,45 +45,96 @@ def weights_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def pair_key(example: dict) -> str:
-    """Digest of a tokenized example's prompt and responses: what the reference log-probs depend on."""
-    text = repr((example["prompt"], example["responses"]))
-    return hashlib.sha1(text.encode()).hexdigest()
+@dataclass
+class ReferenceTable:
+    """Reference log-probs by pair key. keys: [n] S16, sorted and distinct; logps: [n, R] float32."""
+
+    keys: np.ndarray
+    logps: np.ndarray
+
+    @staticmethod
+    def of(keys, logps) -> "ReferenceTable":
+        """The table of these entries; a key given twice keeps its last log-probs."""
+        keys, logps = np.asarray(keys, dtype="S16"), np.asarray(logps, dtype=np.float32)
+        order = np.argsort(keys, kind="stable")[::-1]  # the last of equal keys first
+        keys, logps = keys[order], logps[order]
+        _, first = np.unique(keys, return_index=True)
+        return ReferenceTable(keys[first], logps[first].reshape(len(first), -1))
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def positions(self, keys) -> tuple[np.ndarray, np.ndarray]:
+        """(where each key is, whether it is there)."""
+        keys = np.asarray(keys, dtype="S16")
+        where = np.minimum(np.searchsorted(self.keys, keys), max(len(self.keys) - 1, 0))
+        found = self.keys[where] == keys if len(self.keys) else np.zeros(len(keys), bool)
+        return where, found
+
+    def missing(self, keys) -> np.ndarray:
+        """[k] bool: which keys have no entry."""
+        return ~self.positions(keys)[1]
+
+    def lookup(self, keys) -> np.ndarray:
+        """[k, R] the log-probs of each key; KeyError where one has none."""
+        where, found = self.positions(keys)
+        if not found.all():
+            raise KeyError(f"{int((~found).sum())} keys have no reference log-probs")
+        return self.logps[where]
+
+    def merged(self, keys, logps) -> "ReferenceTable":
+        """This table with these entries added (or replaced)."""
+        if not len(self):
+            return ReferenceTable.of(keys, logps)
+        return ReferenceTable.of(np.concatenate([self.keys, keys]), np.concatenate([self.logps, logps]))
 
 
 def cache_path(cache_dir: Path, weights: str, computation: str) -> Path:
     return cache_dir / "reference_logps" / f"{weights[:20]}-{hashlib.sha1(computation.encode()).hexdigest()[:12]}.pt"
 
 
-def load(path: Path, weights: str, computation: str) -> tuple[dict[str, list[float]], str | None]:
-    """(entries, why they were discarded or None). A missing file is an empty cache, not a problem."""
+def load(path: Path, weights: str, computation: str) -> tuple[ReferenceTable, str | None]:
+    """(entries, why they were discarded or None), the arrays memory-mapped. A missing file is an empty cache, not
+    a problem."""
+    empty = ReferenceTable(np.zeros(0, "S16"), np.zeros((0, 2), np.float32))
     if not path.exists():
-        return {}, None
+        return empty, None
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         header = {key: saved[key] for key in ("format", "weights", "computation")}
         keys, logps = saved["keys"], saved["logps"]
     except Exception as error:  # unreadable or truncated: recompute rather than stop the run
-        return {}, f"{path} is unreadable ({first_line(error)})"
+        return empty, f"{path} is unreadable ({first_line(error)})"
     expected = {"format": FORMAT, "weights": weights, "computation": computation}
     wrong = [f"{key} {header[key]!r}, expected {value!r}" for key, value in expected.items() if header[key] != value]
     if wrong:
-        return {}, f"{path} was made for another reference ({'; '.join(wrong)})"
-    if not torch.is_tensor(logps) or logps.shape[0] != len(keys) or not torch.isfinite(logps).all():
-        return {}, f"{path} holds malformed log-probs"
-    return dict(zip(keys, logps.tolist())), None
+        return empty, f"{path} was made for another reference ({'; '.join(wrong)})"
+    well_formed = (
+        torch.is_tensor(keys)
+        and torch.is_tensor(logps)
+        and keys.dtype == torch.uint8
+        and keys.dim() == 2
+        and keys.shape[1] == 16
+        and logps.dim() == 2
+        and logps.shape[0] == keys.shape[0]
+    )
+    if not well_formed or not torch.isfinite(logps).all():
+        return empty, f"{path} holds malformed log-probs"
+    keys = keys.numpy().view("S16").reshape(-1)
+    if len(keys) > 1 and not (keys[1:] > keys[:-1]).all():
+        return empty, f"{path} holds unsorted keys"
+    return ReferenceTable(keys, logps.numpy()), None
 
 
-def save(path: Path, weights: str, computation: str, entries: dict[str, list[float]]) -> None:
+def save(path: Path, weights: str, computation: str, table: ReferenceTable) -> None:
     """Write atomically: a crash leaves the previous file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    keys = list(entries)
     state = {
         "format": FORMAT,
         "weights": weights,
         "computation": computation,
-        "keys": keys,
-        "logps": torch.tensor([entries[key] for key in keys], dtype=torch.float32),
+        "keys": torch.from_numpy(np.ascontiguousarray(table.keys).view(np.uint8).reshape(-1, 16).copy()),
+        "logps": torch.from_numpy(np.ascontiguousarray(table.logps, dtype=np.float32)),
     }
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     torch.save(state, tmp)
@@ -99,74 +156,85 @@ class LiveReference:
 class CachedReference:
     """Log-probs looked up by pair key."""
 
-    def __init__(self, entries: dict[str, list[float]], device: torch.device):
-        self.entries, self.device = entries, device
+    def __init__(self, table: ReferenceTable, device: torch.device):
+        self.table, self.device = table, device
 
-    def require(self, examples: list[dict]) -> None:
-        """A one-line error unless every example's log-probs are here (a new round's data: the cache holds the pairs
-        the run was built with)."""
-        keys = {ex["key"] for ex in examples}
-        missing = keys - self.entries.keys()
+    def require(self, keys: np.ndarray) -> None:
+        """A one-line error unless every key's log-probs are here (a new round's data: the cache holds the pairs the
+        run was built with)."""
+        keys = np.unique(np.asarray(keys, dtype="S16"))
+        missing = int(self.table.missing(keys).sum())
         if missing:
             raise UserError(
-                f"{len(missing)} of these {len(keys)} pairs have no cached reference log-probs: the cache holds the "
+                f"{missing} of these {len(keys)} pairs have no cached reference log-probs: the cache holds the "
                 "pairs the run was built with; build the round's reference first, or use reference_cache=false"
             )
 
     def __call__(self, examples: list[dict], batch) -> torch.Tensor:
         """[R * B] log-probs, ordered like the policy's: [B, R] per pair, transposed; looked up on the host and
         sent with the batch (asynchronously to a GPU)."""
-        return to_device(torch.tensor([self.entries[ex["key"]] for ex in examples]).T.reshape(-1), self.device)
+        logps = self.table.lookup([ex["key"] for ex in examples])
+        return to_device(torch.from_numpy(logps.T.reshape(-1).copy()), self.device)
 
 
 def fill(
     path: Path,
     weights: str,
     computation: str,
-    train: list[dict],
+    train: "Examples",
+    first_use: list[int],
     eval_batches: list[list[dict]],
     batch_sizes: tuple[int, int],
     accumulation: int,
     load_model: Callable[[], tuple],
     scorer: "Scorer",
     topology: "Topology",
-) -> dict[str, list[float]]:
-    """Reference log-probs of the `train` examples (in first-use order) and of the eval batches, by pair key: from
-    the file where it has them; the others are computed now, in batches of batch_sizes (train, eval) cut into the
-    run's micro-batches, and added to it. load_model() gives (model, compute dtype), called only if any is missing."""
-    entries, why = topology.run_on_main(lambda: load(path, weights, computation)) or ({}, None)
-    entries = topology.broadcast(entries)
+) -> ReferenceTable:
+    """Reference log-probs of the training examples at `first_use` (indices, in the order training first uses them)
+    and of the eval batches, by pair key: from the file where it has them; the others are computed now, in batches
+    of batch_sizes (train, eval) cut into the run's micro-batches, and added to it. load_model() gives (model,
+    compute dtype), called only if any is missing."""
+    table, why = topology.run_on_main(lambda: load(path, weights, computation)) or (None, None)
+    table = topology.broadcast(table)
     if why:
         print(f"reference log-probs: recomputing, since {why}")
-    needed = len({ex["key"] for ex in train} | {ex["key"] for batch in eval_batches for ex in batch})
-    train = [ex for ex in train if ex["key"] not in entries]
-    evals = [batch for batch in ([ex for ex in batch if ex["key"] not in entries] for batch in eval_batches) if batch]
-    missing = len({ex["key"] for ex in train} | {ex["key"] for batch in evals for ex in batch})
+    first_use = np.asarray(first_use, dtype=np.int64)
+    eval_keys = np.array([ex["key"] for batch in eval_batches for ex in batch], dtype="S16")
+    needed = len(np.unique(np.concatenate([train.keys[first_use], eval_keys])))
+    train_missing = first_use[table.missing(train.keys[first_use])]
+    evals = [[ex for ex in batch if table.missing([ex["key"]])[0]] for batch in eval_batches]
+    evals = [batch for batch in evals if batch]
+    missing_keys = [train.keys[train_missing], np.array([ex["key"] for b in evals for ex in b], dtype="S16")]
+    missing = len(np.unique(np.concatenate(missing_keys)))
     if not missing:
         print(f"reference log-probs: all {needed} pairs from {path}")
-        return entries
+        return table
     print(f"reference log-probs: computing {missing} of {needed} pairs, then caching them in {path}")
     model, compute = load_model()
     mode = model.training
     model.eval()
-    groups = [(train[i : i + batch_sizes[0]], batch_sizes[0]) for i in range(0, len(train), batch_sizes[0])]
+    size = batch_sizes[0]
+    groups = [(train_missing[i : i + size], size) for i in range(0, len(train_missing), size)]
     groups += [(batch, batch_sizes[1]) for batch in evals]
     progress = tqdm.tqdm(
-        total=sum(len(examples) for examples, _ in groups),
+        total=len(train_missing) + sum(map(len, evals)),
         desc="reference log-probs",
         unit="pair",
         disable=not topology.is_main,
     )
+    keys, computed = [], []
     with torch.no_grad():
         for examples, size in groups:
+            examples = train.take(examples) if isinstance(examples, np.ndarray) else examples
             micro, _ = topology.micro_batches(examples, size, accumulation)
             # [R * b] per micro-batch -> [R, b]: each response of each pair, in the rank's order
             logps = torch.cat([scorer(model, scorer.batch(mb), compute).view(-1, len(mb)) for mb in micro], dim=1)
-            gathered = topology.gather_columns(logps, len(examples)).T.cpu().tolist()  # [n, R], batch order
-            entries.update(zip((ex["key"] for ex in examples), gathered))
+            computed.append(topology.gather_columns(logps, len(examples)).T.cpu().numpy())  # [n, R], batch order
+            keys += [ex["key"] for ex in examples]
             progress.update(len(examples))
     progress.close()
     model.train(mode)
+    table = table.merged(np.array(keys, dtype="S16"), np.concatenate(computed))
     if topology.is_main:
-        save(path, weights, computation, entries)
-    return entries
+        save(path, weights, computation, table)
+    return table

@@ -105,7 +105,8 @@ class Trainer:
             )
         names = sorted(columns)
         gathered = self.topology.gather_columns(torch.stack([torch.cat(columns[n]) for n in names]), len(examples))
-        grad_norm = clip_grad_norm(self.policy.parameters(), self.config.max_grad_norm)  # the same on every rank
+        with torch.profiler.record_function("clip gradients"):  # named for bench.py --profile
+            grad_norm = clip_grad_norm(self.policy.parameters(), self.config.max_grad_norm)  # the same on every rank
         host = torch.cat([gathered.flatten(), grad_norm.reshape(1).to(gathered)]).cpu().tolist()
         metrics = {name: host[i * len(examples) : (i + 1) * len(examples)] for i, name in enumerate(names)}
         metrics["grad_norm"] = [host[-1]]
@@ -136,7 +137,8 @@ class Trainer:
         current step, with a checkpoint."""
         if data is not None:
             if isinstance(self.batch_loss.reference, reference_cache.CachedReference):
-                self.batch_loss.reference.require([*data.train_examples, *(ex for b in data.eval_batches for ex in b)])
+                eval_keys = [ex["key"] for batch in data.eval_batches for ex in batch]
+                self.batch_loss.reference.require([*data.train_examples.keys, *eval_keys])
             self.data, self.round_start = data, self.batch_counter
             self.evaluator.eval_batches = data.eval_batches
         if self.finished:
@@ -150,7 +152,7 @@ class Trainer:
             for indices in schedule[done:]:
                 self.evaluate_and_save_when_due()
                 start = time.time()
-                examples = [self.data.train_examples[i] for i in indices]
+                examples = self.data.train_examples.take(indices)
                 step_metrics = self.train_step(examples)
                 computed = sum(step_metrics.pop("perf/computed_tokens"))
                 amounts = step_amounts(examples, time.time() - start, computed, self.flops, self.live_reference)

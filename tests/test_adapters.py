@@ -47,7 +47,7 @@ def test_adapters_disabled_is_the_original_model(make_config, tmp_path):
         trainer.train_step([trainer.data.train_examples[i] for i in indices])
     config = trainer.config
     original = load_model(config.model, torch.float32, tmp_path, config.seed)
-    batch = trainer.scorer.batch(trainer.data.train_examples[:8])
+    batch = trainer.scorer.batch(trainer.data.train_examples.take(range(8)))
     with torch.no_grad():
         adapted = trainer.scorer(trainer.policy, batch, None)
         disabled = trainer.scorer(trainer.reference_model, batch, None)

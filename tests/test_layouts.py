@@ -3,7 +3,8 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from layouts import dense_mask, left_padded_prompts, pack, pack_rows, packed_mask_mod, pad, segment_lengths
-from preference_datasets import PreferencePair, tokenize_pair
+from preference_datasets import PreferencePair
+from tokenized import Tokenization, tokenize_pairs
 
 
 def token_sequences(batch) -> torch.Tensor:
@@ -87,7 +88,7 @@ def test_masks_and_scored_tokens_come_from_lengths_when_pad_is_eos(tiny_tokenize
         PreferencePair("Hello", " a", " bbbbbb", " a", "keep_start"),
         PreferencePair("Hi", " cc", " d", " cc", "keep_start"),
     ]
-    examples = [tokenize_pair(pair, tiny_tokenizer, 100, 50, False) for pair in pairs]
+    examples = tokenize_pairs(pairs, tiny_tokenizer, Tokenization(100, 50, sft=False)).take(range(2))
     batch = pad(examples, pad_token_id=eos)
     assert batch.input_ids.shape[0] == 4  # chosen 0, chosen 1, rejected 0, rejected 1
     for row, (ex, r) in enumerate([(examples[0], 0), (examples[1], 0), (examples[0], 1), (examples[1], 1)]):

@@ -7,13 +7,10 @@ import pytest
 
 from conftest import HH_TEST_FILE, arithmetic_pairs, write_jsonl
 from preference_datasets import (
-    PreferencePair,
     batch_schedule,
     get_dataset,
-    sft_examples,
     split_hh_dialogue,
     strip_html,
-    tokenize_pair,
 )
 from utils import UserError
 
@@ -230,34 +227,7 @@ def test_hold_out_needs_n_eval_examples(tmp_path, tiny_tokenizer):
         load(write_jsonl(tmp_path / "d.jsonl", arithmetic_pairs(4)), tiny_tokenizer, n_eval=None)
 
 
-# --- tokenization and batches ------------------------------------------------------------------------
-
-
-def pair(prompt="Hello there", chosen=" yes indeed", rejected=" no", mode="keep_start"):
-    return PreferencePair(prompt, chosen, rejected, chosen, mode)
-
-
-def test_tokenize_appends_eos_without_special_tokens(tiny_tokenizer):
-    example = tokenize_pair(pair(), tiny_tokenizer, max_length=100, max_prompt_length=50, sft=False)
-    assert example["prompt"] == tiny_tokenizer("Hello there", add_special_tokens=False)["input_ids"]
-    chosen, rejected = example["responses"]
-    assert chosen[-1] == rejected[-1] == tiny_tokenizer.eos_token_id
-    assert tiny_tokenizer.decode(chosen[:-1]) == " yes indeed"
-
-
-@pytest.mark.parametrize("mode,kept", [("keep_start", "abcde"), ("keep_end", "fghij")])
-def test_truncation(tiny_tokenizer, mode, kept):
-    example = tokenize_pair(
-        pair("abcdefghij", " 0123456789", " x", mode), tiny_tokenizer, max_length=12, max_prompt_length=5, sft=False
-    )
-    assert tiny_tokenizer.decode(example["prompt"]) == kept
-    # prompt (5) + longest response (11) still exceeds 12, so responses are cut to 12 - 5 = 7 tokens
-    assert [len(r) for r in example["responses"]] == [7, 3]
-
-
-def test_sft_examples_one_per_prompt():
-    pairs = [pair("p1", " a", " b"), pair("p2", " c", " d"), pair("p1", " a", " e")]
-    assert [p.prompt for p in sft_examples(pairs)] == ["p1", "p2"]
+# --- batches ---------------------------------------------------------------------------------------------
 
 
 def test_batch_schedule_seeded_epochs_and_limits():

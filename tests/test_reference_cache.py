@@ -1,3 +1,5 @@
+import numpy as np
+import pytest
 import torch
 
 import precision
@@ -8,28 +10,50 @@ from distributed import Topology
 from preference_datasets import get_dataset
 
 
+def table(keys: list[bytes], logps: list[list[float]]) -> reference_cache.ReferenceTable:
+    return reference_cache.ReferenceTable.of(np.array(keys, dtype="S16"), np.array(logps, dtype=np.float32))
+
+
 def test_entries_round_trip_and_a_foreign_file_is_refused(tmp_path):
     path = reference_cache.cache_path(tmp_path, "ab" * 32, "float32")
-    entries = {"k1": [-1.5, -2.25], "k2": [-3.0, -0.5]}
+    entries = table([b"k2" + b"\0" * 14, b"k1"], [[-3.0, -0.5], [-1.5, -2.25]])
     reference_cache.save(path, "ab" * 32, "float32", entries)
-    assert reference_cache.load(path, "ab" * 32, "float32") == (entries, None)
+    loaded, why = reference_cache.load(path, "ab" * 32, "float32")
+    assert why is None and loaded.keys.tolist() == entries.keys.tolist() == [b"k1", b"k2"]
+    assert loaded.lookup([b"k2" + b"\0" * 14]).tolist() == [[-3.0, -0.5]]
     assert not list(path.parent.glob("*.tmp"))  # written atomically
     found, why = reference_cache.load(path, "cd" * 32, "float32")
-    assert found == {} and "was made for another reference (weights" in why
+    assert len(found) == 0 and "was made for another reference (weights" in why
     found, why = reference_cache.load(path, "ab" * 32, "bfloat16")
-    assert found == {} and "computation 'float32', expected 'bfloat16'" in why
-    assert reference_cache.load(tmp_path / "absent.pt", "ab" * 32, "float32") == ({}, None)
+    assert len(found) == 0 and "computation 'float32', expected 'bfloat16'" in why
+    absent, why = reference_cache.load(tmp_path / "absent.pt", "ab" * 32, "float32")
+    assert len(absent) == 0 and why is None
 
 
-def test_pair_key_depends_on_every_token():
-    example = {"prompt": [1, 2], "responses": [[3], [4, 5]]}
-    keys = {
-        reference_cache.pair_key(example),
-        reference_cache.pair_key({**example, "prompt": [1, 2, 3], "responses": [[], [4, 5]]}),
-        reference_cache.pair_key({**example, "responses": [[4, 5], [3]]}),
-        reference_cache.pair_key({**example, "prompt": [2]}),
-    }
-    assert len(keys) == 4
+def test_the_table_looks_up_merges_and_keeps_the_last_of_a_repeated_key():
+    entries = table([b"b", b"a", b"b"], [[1, 2], [3, 4], [5, 6]])
+    assert entries.keys.tolist() == [b"a", b"b"] and entries.lookup([b"b", b"a"]).tolist() == [[5, 6], [3, 4]]
+    assert entries.missing([b"a", b"c", b""]).tolist() == [False, True, True]
+    with pytest.raises(KeyError):
+        entries.lookup([b"c"])
+    merged = entries.merged(np.array([b"c", b"a"], dtype="S16"), np.array([[7, 8], [9, 10]], dtype=np.float32))
+    assert merged.keys.tolist() == [b"a", b"b", b"c"] and merged.lookup([b"a", b"c"]).tolist() == [[9, 10], [7, 8]]
+
+
+def test_a_million_pairs_load_mapped_and_look_up_exactly(tmp_path):
+    # A million synthetic entries: the file maps (24 bytes a pair, no per-entry objects), and every key finds its
+    # own log-probs by binary search. bench.py --data times it.
+    rng = np.random.default_rng(0)
+    n = 1_000_000
+    keys = rng.integers(0, 256, size=(n, 16), dtype=np.uint8).view("S16").reshape(-1)
+    logps = -rng.random((n, 2), dtype=np.float32)
+    path = tmp_path / "million.pt"
+    reference_cache.save(path, "w", "c", reference_cache.ReferenceTable.of(keys, logps))
+    loaded, why = reference_cache.load(path, "w", "c")
+    assert why is None and len(loaded) == n
+    assert loaded.keys.nbytes + loaded.logps.nbytes == n * (16 + 2 * 4)
+    sample = rng.permutation(n)[:100_000]
+    np.testing.assert_array_equal(loaded.lookup(keys[sample]), logps[sample])
 
 
 def test_weights_digest_sees_any_change():
@@ -46,10 +70,11 @@ def test_cached_reference_equals_live_reference_and_is_reused(make_config, tmp_p
     live = build_trainer(make_config(f"local_run_dir={tmp_path / 'live'}", "reference_cache=false"))
     cached = build_trainer(make_config(f"local_run_dir={tmp_path / 'cached'}"))
     assert live.reference_model is not None and cached.reference_model is None  # the cache needs no reference model
-    examples = live.data.train_examples + [ex for batch in live.data.eval_batches for ex in batch]
+    train = live.data.train_examples
+    examples = train.take(range(len(train))) + [ex for batch in live.data.eval_batches for ex in batch]
     with torch.no_grad():
         expected = live.scorer(live.reference_model, live.scorer.batch(examples), None).view(2, -1).T
-    computed = torch.tensor([cached.batch_loss.reference.entries[ex["key"]] for ex in examples])
+    computed = torch.from_numpy(cached.batch_loss.reference.table.lookup([ex["key"] for ex in examples]))
     torch.testing.assert_close(computed, expected, rtol=0, atol=1e-6)
     assert "computing 35 of 35 pairs" in capsys.readouterr().out
 
@@ -58,14 +83,14 @@ def test_cached_reference_equals_live_reference_and_is_reused(make_config, tmp_p
     pairs = get_dataset(config.datasets[0], cached.tokenizer, config.seed, config.n_eval_examples, tmp_path)
     again = build(config, Topology(), pairs)
     assert "reference log-probs: all 35 pairs from" in capsys.readouterr().out
-    assert again.reference.entries == cached.batch_loss.reference.entries
+    assert_same_table(again.reference.table, cached.batch_loss.reference.table)
 
     # A damaged file is recomputed, with a line that says why; another precision is another file.
     [path] = (tmp_path / "reference_logps").glob("*.pt")
     path.write_bytes(path.read_bytes()[:100])
     rebuilt = build_trainer(make_config(f"local_run_dir={tmp_path / 'rebuilt'}"))
     assert f"reference log-probs: recomputing, since {path} is unreadable" in capsys.readouterr().out
-    assert rebuilt.batch_loss.reference.entries == cached.batch_loss.reference.entries
+    assert_same_table(rebuilt.batch_loss.reference.table, cached.batch_loss.reference.table)
     build_trainer(make_config(f"local_run_dir={tmp_path / 'bf16'}", "model.fsdp_policy_mp=bfloat16"))
     assert "computing 35 of 35 pairs" in capsys.readouterr().out
     assert len(list((tmp_path / "reference_logps").glob("*.pt"))) == 2
@@ -77,3 +102,8 @@ def test_cached_reference_equals_live_reference_and_is_reused(make_config, tmp_p
     build_trainer(make_config(f"local_run_dir={tmp_path / 'other-cpu'}"))
     assert "computing 35 of 35 pairs" in capsys.readouterr().out
     assert len(list((tmp_path / "reference_logps").glob("*.pt"))) == 3
+
+
+def assert_same_table(a: reference_cache.ReferenceTable, b: reference_cache.ReferenceTable) -> None:
+    np.testing.assert_array_equal(a.keys, b.keys)
+    np.testing.assert_array_equal(a.logps, b.logps)

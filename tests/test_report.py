@@ -15,7 +15,13 @@ import train
 from conftest import TINY_DIR, tiny_run_overrides
 from distributed import Topology
 from precision import decide_precision
-from preference_datasets import PreferencePair, tokenize_examples
+from preference_datasets import PreferencePair
+from tokenized import Tokenization, tokenize_pairs
+
+
+def eight_examples(tokenizer, prompt: str, chosen: str, rejected: str):
+    pairs = [PreferencePair(prompt, chosen, rejected, "", "keep_start")] * 8
+    return tokenize_pairs(pairs, tokenizer, Tokenization(512, 256, False))
 
 
 def tiny_model():
@@ -25,8 +31,8 @@ def tiny_model():
 def test_data_report_gives_length_percentiles_truncation_and_the_tokens(tiny_tokenizer):
     # The tiny tokenizer spells text byte by byte: a text of n characters is n tokens, and each response ends in EOS.
     pairs = [PreferencePair("p" * n, "c" * (n // 10), "r", "", "keep_start") for n in (10, 20, 30)]
-    examples = tokenize_examples(pairs, tiny_tokenizer, max_length=25, max_prompt_length=12, sft=False)
-    text = report.data_report(examples[:2], examples[2:], tiny_tokenizer, 25, 12)
+    examples = tokenize_pairs(pairs, tiny_tokenizer, Tokenization(max_length=25, max_prompt_length=12, sft=False))
+    text = report.data_report(examples.select([0, 1]), examples.select([2]), tiny_tokenizer, 25, 12)
     lines = text.splitlines()
     assert lines[0] == "data report: 2 training and 1 eval examples"
     # inclusive percentiles of 10, 20, 30: p50 20, p90 20 + 0.8 x 10 = 28, p99 29.8
@@ -53,7 +59,7 @@ def test_the_estimate_and_the_run_read_reference_dtype_alike(make_config, tiny_t
     parts = build.build(config, Topology())
     held = sum(p.numel() * p.element_size() for p in parts.reference_model.parameters())
     assert next(parts.reference_model.parameters()).dtype == weights and parts.precision.reference_compute is None
-    examples = tokenize_examples([PreferencePair("q", "a", "b", "", "keep_start")] * 8, tiny_tokenizer, 512, 256, False)
+    examples = eight_examples(tiny_tokenizer, "q", "a", "b")
     policy = build.meta_policy(config, parts.precision, Path(config.local_dirs[0]))
     live = build.live_reference_model(config, needs_reference=True)
     _, estimate = report.memory_estimate(config, 1, policy, examples, [list(range(8))], parts.precision, live)
@@ -97,9 +103,7 @@ def test_memory_estimate_counts_the_real_model(make_config, tiny_tokenizer, over
     config = make_config(*overrides)
     model = tiny_model()
     n_parameters = sum(p.numel() for p in model.parameters())
-    examples = tokenize_examples(
-        [PreferencePair("q" * 5, "a" * 3, "b" * 6, "", "keep_start")] * 8, tiny_tokenizer, 512, 256, False
-    )
+    examples = eight_examples(tiny_tokenizer, "q" * 5, "a" * 3, "b" * 6)
     precision = precision_of(config)
     policy = build.meta_policy(config, precision, Path(config.local_dirs[0]))
     _, parts = report.memory_estimate(config, shards, policy, examples, [list(range(8))], precision, False)
@@ -120,7 +124,7 @@ def test_memory_estimate_of_lora_counts_the_adapters(make_config, tiny_tokenizer
     config = make_config("lora.enabled=true", "lora.rank=4")
     lora_model = apply_lora(tiny_model(), config.lora)
     trainable = sum(p.numel() for p in lora_model.parameters() if p.requires_grad)
-    examples = tokenize_examples([PreferencePair("q", "a", "b", "", "keep_start")] * 8, tiny_tokenizer, 512, 256, False)
+    examples = eight_examples(tiny_tokenizer, "q", "a", "b")
     precision = precision_of(config)
     policy = build.meta_policy(config, precision, Path(config.local_dirs[0]))
     header, parts = report.memory_estimate(config, 1, policy, examples, [list(range(8))], precision, False)

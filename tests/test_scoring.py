@@ -7,8 +7,9 @@ import transformers
 
 from conftest import TINY_DIR
 from layouts import dense_mask, pack, pad, segment_lengths
-from preference_datasets import PreferencePair, tokenize_pair
+from preference_datasets import PreferencePair
 from scoring import FLEX_BLOCK, block_attention_problem, packing_problem, scored_head_problem, sequence_logps
+from tokenized import Tokenization, tokenize_pairs
 
 CPU = torch.device("cpu")
 
@@ -59,7 +60,8 @@ def examples() -> list[dict]:
         PreferencePair("", " no prompt here", " none", " no prompt here", "keep_start"),
         PreferencePair("Why?", " because the sky is blue and the grass is green", " no", " x", "keep_start"),
     ]
-    examples = [tokenize_pair(pair, tokenizer, max_length=64, max_prompt_length=24, sft=False) for pair in pairs]
+    settings = Tokenization(max_length=64, max_prompt_length=24, sft=False)
+    examples = tokenize_pairs(pairs, tokenizer, settings).take(range(len(pairs)))
     assert len(examples[1]["prompt"]) == len(examples[2]["prompt"]) == 24  # truncated
     assert [len(r) for r in examples[3]["responses"]] == [1, 1]
     return examples

@@ -1,11 +1,13 @@
 """The training loop (trainers.py): steps, accumulation, logging cadence, resume, precision paths."""
 
+import dataclasses
 import json
 import math
 import os
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -385,7 +387,8 @@ def test_the_runs_end_holds_signals_until_it_is_written(make_config, monkeypatch
 def test_a_round_on_pairs_the_reference_cache_lacks_is_one_line(make_config):
     trainer = build_trainer(make_config())
     data = trainer.data
-    new = [{**example, "key": f"new-{i}"} for i, example in enumerate(data.train_examples)]
+    new_keys = np.array([f"new-{i}".encode() for i in range(len(data.train_examples))], dtype="S16")
+    new = dataclasses.replace(data.train_examples, keys=new_keys)
     evals = len({example["key"] for batch in data.eval_batches for example in batch})  # the eval pairs: cached
     message = rf"^40 of these {40 + evals} pairs have no cached reference log-probs: .*reference_cache=false$"
     with pytest.raises(UserError, match=message):
