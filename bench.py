@@ -25,6 +25,7 @@
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -301,10 +302,11 @@ def lever_subprocess(overrides: list[str], warmup: int, steps: int, result_file:
     return worker_subprocess("lever_worker", result_file, **kwargs)
 
 
-def worker_subprocess(worker: str, result_file: str, **kwargs) -> dict:
-    """bench.<worker>(result_file=result_file, **kwargs) in a fresh process; the JSON it writes there."""
+def worker_subprocess(worker: str, result_file: str, root: Path = REPO_ROOT, **kwargs) -> dict:
+    """bench.<worker>(result_file=result_file, **kwargs) in a fresh process, from the code in `root` (this tree, or
+    another version's: code_at); the JSON it writes there."""
     call = f"bench.{worker}(result_file={result_file!r}, **{kwargs!r})"
-    code = f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r}); import bench; {call}"
+    code = f"import sys; sys.path.insert(0, {str(root)!r}); import bench; {call}"
     subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL)
     return json.loads(Path(result_file).read_text())
 
@@ -323,6 +325,62 @@ def workload_overrides(model_dir: str, cache_dir: str, max_length: int, batch: i
         "wandb.enabled=false",
         "debug=true",
     ]
+
+
+@contextlib.contextmanager
+def code_at(ref: str):
+    """The project's code at git `ref`, checked out beside this tree (a detached worktree, removed afterwards), with
+    ../shared reachable from it as from here."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), ref], cwd=REPO_ROOT, check=True,
+                       capture_output=True)  # fmt: skip
+        (Path(tmp) / "shared").symlink_to(REPO_ROOT.parent / "shared")
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO_ROOT, capture_output=True)
+
+
+def bench_versus(ref: str, warmup: int, steps: int) -> None:
+    """This tree's training step against the code at `ref`, on the default configuration at 256 x 4 and 512 x 8 and
+    in float32 (what `auto` picks on a CPU without fast bfloat16) at 256 x 4: each run in a fresh process, the two
+    versions alternating, 2 rounds."""
+    from models import SMOLLM2_HUB_ID, resolve_model_dir
+    from precision import cpu_flags, cpu_matmul_flops, cpu_name
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model_dir = resolve_model_dir(SMOLLM2_HUB_ID, REPO_ROOT / ".cache")
+    rates = cpu_matmul_flops(REPO_ROOT / ".cache")
+    print(
+        f"CPU: {cpu_name()}, {os.cpu_count()} cores, flags {' '.join(cpu_flags()) or 'none'}, oneDNN ISA limit "
+        f"{os.environ.get('ONEDNN_MAX_CPU_ISA', 'none')}; matmul {rates['float32'] / 1e9:.0f} GFLOP/s float32, "
+        f"{rates['bfloat16'] / 1e9:.0f} bfloat16; torch {torch.__version__}, {torch.get_num_threads()} threads\n"
+        f"SmolLM2-135M-Instruct, first 48 pairs of {HH_FILE.name}, DPO beta 0.1, AdamW; {warmup} warm-up + {steps} "
+        f"timed steps; {ref} against this tree, alternating, each run in a fresh process"
+    )
+    workloads = [("default", 256, 4, []), ("default", 512, 8, []), ("float32", 256, 4, ["model.fsdp_policy_mp=null"])]
+    with code_at(ref) as old:
+        for name, max_length, batch, extra in workloads:
+            print(f"\n{name} at max_length {max_length} x {batch} pairs per step")
+            print(f"{'code':12s} {'pairs/s':>8s} {'MFU':>6s} {'of bf16':>8s} {'peak RSS':>9s}  precision")
+            speeds = {ref: [], "this tree": []}
+            for _ in range(2):
+                for label, root in ((ref, old), ("this tree", REPO_ROOT)):
+                    with tempfile.TemporaryDirectory() as tmp:
+                        overrides = [*workload_overrides(model_dir, tmp, max_length, batch), *extra]
+                        result = worker_subprocess("lever_worker", str(Path(tmp) / "result.json"), root,
+                                                   overrides=overrides, warmup=warmup, steps=steps)  # fmt: skip
+                    speeds[label].append(result["pairs_per_second"])
+                    # useful FLOP/s as a share of the bfloat16 matmul rate (MFU is against the compute dtype's)
+                    of_bf16 = result["mfu"] * rates[result["precision"]] / rates["bfloat16"]
+                    print(
+                        f"{label:12s} {result['pairs_per_second']:8.3f} {result['mfu']:6.1%} {of_bf16:8.1%} "
+                        f"{result['peak_memory_gib']:7.2f} GiB  {result['precision']}",
+                        flush=True,
+                    )
+            ratio = sum(speeds["this tree"]) / sum(speeds[ref])
+            print(f"this tree / {ref}: {ratio:.2f}x pairs/s")
 
 
 def bench_compile(warmup: int, steps: int) -> None:
@@ -1190,6 +1248,7 @@ def main() -> None:
     )
     parser.add_argument("--attention", action="store_true", help="dense vs block-mask attention bookkeeping")
     parser.add_argument("--data", action="store_true", help="data at scale: tokenizing, caching, mapping")
+    parser.add_argument("--versus", metavar="GIT_REF", help="the training step against another version's, alternating")
     parser.add_argument(
         "--profile", nargs="*", metavar="KEY=VALUE", help="where a training step's time goes (train.py overrides)"
     )
@@ -1211,6 +1270,8 @@ def main() -> None:
         return bench_attention()
     if args.data:
         return bench_data(args.smoke)
+    if args.versus:
+        return bench_versus(args.versus, args.warmup, args.steps)
     if args.profile is not None:
         return bench_profile(args.profile, args.warmup, args.steps)
     if args.gpu:

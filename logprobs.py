@@ -64,10 +64,19 @@ def token_logps_from_logits(logits: torch.Tensor, rows: torch.Tensor, targets: t
 
 class _ChunkedHeadLogps(torch.autograd.Function):
     """log_softmax((hidden[rows] @ weight.T + bias).float())[target]: the LM head and the float32 log-softmax
-    fused, chunk by chunk, so that the [M, V] logits never exist; backward recomputes each chunk's logits.
+    fused, chunk by chunk, so that the [M, V] logits never exist.
 
     The logits are computed in `compute_dtype` (the autocast dtype, or the weight's), exactly as the model's own
     head would under the same autocast, then upcast, as the reference implementation upcasts its logits.
+
+    Backward, with g the gradient of each scored token's log-prob and P the softmax of its logits:
+    d/dlogits = g (onehot(target) - P), so
+      grad_hidden = g * W[target] - g * (P @ W)            (the row scale applied to [C, H], not to [C, V])
+      grad_weight = scatter(target, g * h) - P^T @ (g * h)  (likewise)
+    P is the only [C, V] operand: one pass turns the recomputed logits into it in place (exp(logits - logsumexp)),
+    and the last chunk's P is kept from the forward (at most one chunk: 64 MiB on a CPU), so a micro-batch of one
+    chunk's rows computes its logits once, not twice. Three [C, V] GEMMs per chunk instead of four, no [C, V]
+    temporaries besides P, and the weight cast to the compute dtype once per pass.
     """
 
     @staticmethod
@@ -78,42 +87,53 @@ class _ChunkedHeadLogps(torch.autograd.Function):
         token_logps = torch.empty(rows.numel(), dtype=torch.float32, device=hidden.device)
         logsumexp = torch.empty_like(token_logps)
         weight_c, bias_c = cast(weight, compute_dtype), cast(bias, compute_dtype)  # once, not per chunk
+        probs = None
         for start in range(0, rows.numel(), step):
             end = start + step
             logits = head_logits(hidden[rows[start:end]], weight_c, bias_c, compute_dtype).float()
             logsumexp[start:end] = torch.logsumexp(logits, dim=-1)
             token_logps[start:end] = logits.gather(-1, targets[start:end, None]).squeeze(-1) - logsumexp[start:end]
-        ctx.save_for_backward(hidden, weight, bias, rows, targets, logsumexp)
+            probs = logits
+        needs_grad = any(ctx.needs_input_grad[:3])
+        if needs_grad and probs is not None:  # the last chunk's softmax, in place: its logits are not needed again
+            probs.sub_(logsumexp[-probs.shape[0] :, None]).exp_()
+        ctx.save_for_backward(hidden, weight, bias, rows, targets, logsumexp, probs if needs_grad else None)
         ctx.compute_dtype = compute_dtype
         return token_logps
 
     @staticmethod
     @torch.profiler.record_function("fused head backward")
     def backward(ctx, grad_token_logps):
-        hidden, weight, bias, rows, targets, logsumexp = ctx.saved_tensors
+        hidden, weight, bias, rows, targets, logsumexp, last_probs = ctx.saved_tensors
         dtype = ctx.compute_dtype
         step = chunk_rows(weight.shape[0], weight.device)
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
-        )
-        grad_bias = (
-            torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[2] else None
-        )
+        grad_weight = grad_bias = None  # float32 sums over the chunks
         weight_c, bias_c = cast(weight, dtype), cast(bias, dtype)  # once, not per chunk
-        for start in range(0, rows.numel(), step):
+        starts = range(0, rows.numel(), step)
+        for start in starts:
             end = start + step
             chunk_hidden = hidden[rows[start:end]].to(dtype)
-            softmax = torch.exp(head_logits(chunk_hidden, weight_c, bias_c, dtype).float() - logsumexp[start:end, None])
-            grad_logits = log_softmax_grad(softmax, targets[start:end], grad_token_logps[start:end]).to(dtype)
+            if start == starts[-1]:
+                probs = last_probs
+            else:  # recomputed: exp(logits - logsumexp), in place
+                probs = head_logits(chunk_hidden, weight_c, bias_c, dtype).float()
+                probs.sub_(logsumexp[start:end, None]).exp_()
+            probs = probs.to(dtype)  # the GEMMs' operand (a copy only under 16-bit compute)
+            grad, chunk_targets = grad_token_logps[start:end], targets[start:end]
             if grad_hidden is not None:
-                grad_hidden.index_add_(0, rows[start:end], (grad_logits @ weight_c).to(hidden.dtype))
-            if grad_weight is not None and dtype == torch.float32:
-                grad_weight.addmm_(grad_logits.T, chunk_hidden)  # in place: no [V, H] temporary
-            elif grad_weight is not None:
-                grad_weight += grad_logits.T @ chunk_hidden  # a 16-bit [V, H] product, accumulated in float32
-            if grad_bias is not None:
-                grad_bias += grad_logits.float().sum(0)
+                from_probs = torch.mm(probs, weight_c).float().mul_(-grad[:, None])
+                from_targets = weight_c[chunk_targets].float().mul_(grad[:, None])
+                grad_hidden.index_add_(0, rows[start:end], from_probs.add_(from_targets).to(hidden.dtype))
+            if ctx.needs_input_grad[1]:
+                scaled = chunk_hidden * -grad[:, None].to(dtype)  # [C, H]: the row scale, on the small operand
+                product = torch.mm(probs.T, scaled)  # [V, H] in the compute dtype, summed in float32
+                grad_weight = product.float() if grad_weight is None else grad_weight.add_(product)
+                grad_weight.index_add_(0, chunk_targets, chunk_hidden.float() * grad[:, None])
+            if ctx.needs_input_grad[2]:
+                chunk_bias = torch.mv(probs.T.float(), -grad)
+                grad_bias = chunk_bias if grad_bias is None else grad_bias.add_(chunk_bias)
+                grad_bias.index_add_(0, chunk_targets, grad.float())
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
         return grad_hidden, grad_weight, grad_bias, None, None, None

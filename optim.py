@@ -5,6 +5,7 @@ from collections import defaultdict
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from utils import UserError
 
@@ -27,8 +28,28 @@ def optimizer_class(name: str, knobs: dict) -> type[torch.optim.Optimizer]:
 
 
 def build_optimizer(name: str, params, lr: float, knobs: dict) -> torch.optim.Optimizer:
+    """torch.optim.<name> over `params` with `knobs` (+optimizer_kwargs), its fused implementation where it has one
+    for these parameters and the knobs choose no other (fused_default)."""
     knobs = {k: tuple(v) if isinstance(v, list) else v for k, v in knobs.items()}  # e.g. betas
-    return optimizer_class(name, knobs)(params, lr=lr, **knobs)
+    optimizer, params = optimizer_class(name, knobs), list(params)
+    return optimizer(params, lr=lr, **fused_default(optimizer, params, knobs), **knobs)
+
+
+def fused_default(optimizer: type[torch.optim.Optimizer], params: list, knobs: dict) -> dict:
+    """{"fused": True} where the optimizer has a fused implementation (Adam, AdamW, SGD, Adagrad) for the
+    parameters' devices and dtypes, unless the knobs choose an implementation (fused, foreach) or ask for what
+    fused refuses (differentiable): one kernel per step over every parameter instead of a pass per operation. For
+    SmolLM2-135M's AdamW step on a 2-core AVX2 CPU, 0.10 s against 0.53-0.59 s with torch's default (foreach).
+    Tensor parallelism leaves some parameters plain beside the DTensors, which the fused kernel cannot take in one
+    call: there the default stays."""
+    accepted = inspect.signature(optimizer).parameters
+    if "fused" not in accepted or {"fused", "foreach", "differentiable"} & knobs.keys():
+        return {}
+    devices = _get_fused_kernels_supported_devices()
+    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
+    usable = all(p.device.type in devices and torch.is_floating_point(p) for p in tensors)
+    one_kind = len({isinstance(p, DTensor) for p in tensors}) == 1
+    return {"fused": True} if tensors and usable and one_kind else {}
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LRScheduler:

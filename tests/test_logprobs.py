@@ -99,10 +99,12 @@ def test_chunk_size_is_bounded_in_elements_not_rows():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_head_logps_match_head_then_log_softmax(dtype, bias, chunk_rows_of):
+@pytest.mark.parametrize("rows_per_chunk", [3, 4096])
+def test_fused_head_logps_match_head_then_log_softmax(dtype, bias, rows_per_chunk, chunk_rows_of):
     # The fused head equals lm_head(hidden[rows]).float().log_softmax()[targets], in value and in the gradients of
-    # hidden, weight and bias, including rows used twice (the last prompt token predicts chosen[0] and rejected[0]).
-    chunk_rows_of(3, 40)
+    # hidden, weight and bias, including rows used twice (the last prompt token predicts chosen[0] and rejected[0]);
+    # in 3 chunks (two recomputed in the backward, the last kept from the forward) and in one (kept).
+    chunk_rows_of(rows_per_chunk, 40)
     torch.manual_seed(2)
     hidden = torch.randn(6, 16, requires_grad=True)
     head = torch.nn.Linear(16, 40, bias=bias)
@@ -130,7 +132,8 @@ def test_fused_head_logps_match_head_then_log_softmax(dtype, bias, chunk_rows_of
 
 
 def test_fused_head_never_holds_logits(chunk_rows_of):
-    # Nothing of size rows x vocabulary is saved for backward: only hidden, weight and per-row statistics.
+    # Nothing of size rows x vocabulary is saved for backward: hidden, weight, per-row statistics, and the softmax
+    # of one chunk (the last, 4 of the 64 rows here).
     chunk_rows_of(4, 500)
     hidden = torch.randn(64, 8, requires_grad=True)
     weight = torch.randn(500, 8, requires_grad=True)
@@ -138,7 +141,8 @@ def test_fused_head_never_holds_logits(chunk_rows_of):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         total = logprobs.token_logps_from_hidden(hidden, weight, None, rows, torch.randint(0, 500, (64,))).sum()
-    assert max(t.numel() for t in saved) == weight.numel() and all(t.shape != (64, 500) for t in saved)
+    assert max(t.numel() for t in saved) == weight.numel()
+    assert sorted(t.shape for t in saved if t.shape[-1:] == (500,)) == [(4, 500)]
     total.backward()
     assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
 
@@ -152,16 +156,41 @@ def test_fused_head_casts_its_weight_once_per_pass(chunk_rows_of):
         count = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype) and args[0].shape == (500, 8):
+            if func in (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype) and is_weight(args[0]):
                 WeightCasts.count += 1
             return func(*args, **(kwargs or {}))
 
     chunk_rows_of(4, 500)
     hidden = torch.randn(64, 8, requires_grad=True)
     weight = torch.randn(500, 8, requires_grad=True)
+    is_weight = lambda tensor: tensor.data_ptr() == weight.data_ptr()  # noqa: E731 (the [V, H] gradient is not)
     with WeightCasts(), torch.autocast("cpu", dtype=torch.bfloat16):
         token_logps = logprobs.token_logps_from_hidden(hidden, weight, None, torch.arange(64), torch.zeros(64).long())
     assert WeightCasts.count == 1
     with WeightCasts():
         token_logps.sum().backward()
     assert WeightCasts.count == 2
+
+
+@pytest.mark.parametrize("rows_per_chunk, logits_computed", [(4096, 1), (3, 3 + 2)])
+def test_the_last_chunk_of_logits_is_computed_once(chunk_rows_of, rows_per_chunk, logits_computed):
+    # The forward keeps its last chunk's softmax for the backward: a micro-batch of one chunk computes its [M, V]
+    # logits once (not twice); of three chunks, the backward recomputes two.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LogitProducts(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and out.shape[-1] == 40:
+                LogitProducts.count += 1
+            return out
+
+    chunk_rows_of(rows_per_chunk, 40)
+    hidden = torch.randn(6, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    rows, targets = torch.tensor([0, 2, 2, 3, 5, 5, 5, 1]), torch.randint(0, 40, (8,))
+    with LogitProducts():
+        logprobs.token_logps_from_hidden(hidden, weight, None, rows, targets).sum().backward()
+    assert LogitProducts.count == logits_computed

@@ -37,3 +37,29 @@ def test_clip_grad_norm_matches_torch_and_returns_the_norm_on_the_device():
         factor = min(1.0, 1.0 / (expected_norm.item() + 1e-6))
         for p, g in zip(params, expected):
             torch.testing.assert_close(p.grad, g * factor)
+
+
+def test_the_fused_implementation_is_the_default_where_there_is_one_and_the_knobs_still_choose():
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    assert build_optimizer("AdamW", params, 1e-3, {}).defaults["fused"] is True
+    assert build_optimizer("SGD", params, 1e-3, {}).defaults["fused"] is True
+    chosen = build_optimizer("AdamW", params, 1e-3, {"foreach": True}).defaults
+    assert chosen["foreach"] is True and not chosen["fused"]
+    assert not build_optimizer("AdamW", params, 1e-3, {"fused": False}).defaults["fused"]
+    assert "fused" not in build_optimizer("RMSprop", params, 1e-3, {}).defaults  # it has none
+
+
+def test_fused_adamw_steps_like_the_per_operation_one():
+    torch.manual_seed(0)
+    start = [torch.randn(40, 30), torch.randn(30)]
+    runs = {}
+    for knobs in ({}, {"foreach": False}):
+        params = [torch.nn.Parameter(value.clone()) for value in start]
+        optimizer = build_optimizer("AdamW", params, 1e-2, {"weight_decay": 0.1, **knobs})
+        for step in range(5):
+            for p in params:
+                p.grad = torch.sin(p.detach() * (step + 1))
+            optimizer.step()
+        runs[bool(optimizer.defaults["fused"])] = params
+    for fused, plain in zip(runs[True], runs[False]):
+        torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-7)
