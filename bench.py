@@ -22,6 +22,13 @@
 9. `python bench.py --gpu`: the GPU campaign (the cuda tests; padded, packed dense-mask and packed block-mask
    layouts and TRL's DPOTrainer on a random ~1B Llama at max_length 1024 and 4096: pairs/s, tokens/s, MFU, peak
    memory); `--gpu --smoke` runs it at tiny sizes on any device, as the test suite does.
+10. `python bench.py --data`: prepared pairs/s on a first run and a rerun, and resident bytes per token, at about 5k,
+   50k and 500k synthetic pairs, for 1 and 2 processes; the dry run on HH rows; the reference cache at a million
+   pairs (`--data --smoke`: small sizes, as the test suite runs it).
+11. `python bench.py --profile [OVERRIDES ...]`: where a training step's CPU time goes (operations by self time, parts
+   of the step by their whole time) for any configuration, the default's by default.
+12. `python bench.py --versus GIT_REF`: this tree's training step against another version's, alternating fresh
+   processes: pairs/s, MFU, the share of the machine's fastest matmul rate, peak RSS.
 """
 
 import argparse
@@ -208,7 +215,7 @@ def bench_levers(warmup: int, steps: int) -> None:
         baseline = None
         for name, lever in LEVERS.items():
             with tempfile.TemporaryDirectory() as tmp:
-                overrides = [*workload_overrides(model_dir, tmp, max_length, batch), *lever]
+                overrides = [*workload_overrides(model_dir, with_machine_rates(tmp), max_length, batch), *lever]
                 result = lever_subprocess(overrides, warmup, steps, str(Path(tmp) / "result.json"))
             baseline = baseline or result["pairs_per_second"]
             print(
@@ -262,7 +269,7 @@ def profile_worker(overrides: list[str], warmup: int, steps: int, result_file: s
         "operations": operations,
         "parts": parts,
         "top": [(e.key, e.self_cpu_time_total / total, e.count // steps) for e in top],
-        "precision": str(trainer.precision.policy_compute),
+        "precision": f"{str(trainer.precision.policy_compute or trainer.precision.policy_weights)[6:]} compute",
         "layout": trainer.scorer.describe(),
     }
     Path(result_file).write_text(json.dumps(result))
@@ -277,7 +284,7 @@ def bench_profile(overrides: list[str], warmup: int, steps: int) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_dir = resolve_model_dir(SMOLLM2_HUB_ID, REPO_ROOT / ".cache")
     with tempfile.TemporaryDirectory() as tmp:
-        base = [*workload_overrides(model_dir, tmp, 256, 4), *overrides]
+        base = [*workload_overrides(model_dir, with_machine_rates(tmp), 256, 4), *overrides]
         result = worker_subprocess("profile_worker", str(Path(tmp) / "result.json"), overrides=base, warmup=warmup,
                                    steps=steps)  # fmt: skip
     print(
@@ -327,6 +334,16 @@ def workload_overrides(model_dir: str, cache_dir: str, max_length: int, batch: i
     ]
 
 
+def with_machine_rates(cache_dir: str) -> str:
+    """cache_dir holding this machine's measured matmul rates (precision_probe.json, measured once in ./.cache), so
+    that every run's MFU, and `auto`'s choice, rest on the same numbers rather than on a fresh, noisy probe each."""
+    from precision import cpu_matmul_flops
+
+    cpu_matmul_flops(REPO_ROOT / ".cache")
+    shutil.copy(REPO_ROOT / ".cache" / "precision_probe.json", cache_dir)
+    return cache_dir
+
+
 @contextlib.contextmanager
 def code_at(ref: str):
     """The project's code at git `ref`, checked out beside this tree (a detached worktree, removed afterwards), with
@@ -344,38 +361,42 @@ def code_at(ref: str):
 
 def bench_versus(ref: str, warmup: int, steps: int) -> None:
     """This tree's training step against the code at `ref`, on the default configuration at 256 x 4 and 512 x 8 and
-    in float32 (what `auto` picks on a CPU without fast bfloat16) at 256 x 4: each run in a fresh process, the two
-    versions alternating, 2 rounds."""
+    in float32 (what `auto` picks on a CPU without fast bfloat16; measured separately only where the default is
+    bfloat16) at 256 x 4: each run in a fresh process, the two versions alternating, 2 rounds."""
     from models import SMOLLM2_HUB_ID, resolve_model_dir
-    from precision import cpu_flags, cpu_matmul_flops, cpu_name
+    from precision import REQUIRED_SPEEDUP, cpu_flags, cpu_matmul_flops, cpu_name
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_dir = resolve_model_dir(SMOLLM2_HUB_ID, REPO_ROOT / ".cache")
     rates = cpu_matmul_flops(REPO_ROOT / ".cache")
+    peak_dtype = max(rates, key=rates.get)
     print(
         f"CPU: {cpu_name()}, {os.cpu_count()} cores, flags {' '.join(cpu_flags()) or 'none'}, oneDNN ISA limit "
         f"{os.environ.get('ONEDNN_MAX_CPU_ISA', 'none')}; matmul {rates['float32'] / 1e9:.0f} GFLOP/s float32, "
         f"{rates['bfloat16'] / 1e9:.0f} bfloat16; torch {torch.__version__}, {torch.get_num_threads()} threads\n"
         f"SmolLM2-135M-Instruct, first 48 pairs of {HH_FILE.name}, DPO beta 0.1, AdamW; {warmup} warm-up + {steps} "
-        f"timed steps; {ref} against this tree, alternating, each run in a fresh process"
+        f"timed steps; {ref} against this tree, alternating, each run in a fresh process; 'of peak': useful "
+        f"FLOP/s as a share of the faster matmul rate here ({peak_dtype})"
     )
-    workloads = [("default", 256, 4, []), ("default", 512, 8, []), ("float32", 256, 4, ["model.fsdp_policy_mp=null"])]
+    workloads = [("default", 256, 4, []), ("default", 512, 8, [])]
+    if rates["bfloat16"] >= REQUIRED_SPEEDUP * rates["float32"]:  # else the default is the float32 path already
+        workloads.append(("float32", 256, 4, ["model.fsdp_policy_mp=null"]))
     with code_at(ref) as old:
         for name, max_length, batch, extra in workloads:
             print(f"\n{name} at max_length {max_length} x {batch} pairs per step")
-            print(f"{'code':12s} {'pairs/s':>8s} {'MFU':>6s} {'of bf16':>8s} {'peak RSS':>9s}  precision")
+            print(f"{'code':12s} {'pairs/s':>8s} {'MFU':>6s} {'of peak':>8s} {'peak RSS':>9s}  precision")
             speeds = {ref: [], "this tree": []}
             for _ in range(2):
                 for label, root in ((ref, old), ("this tree", REPO_ROOT)):
                     with tempfile.TemporaryDirectory() as tmp:
-                        overrides = [*workload_overrides(model_dir, tmp, max_length, batch), *extra]
+                        overrides = [*workload_overrides(model_dir, with_machine_rates(tmp), max_length, batch), *extra]
                         result = worker_subprocess("lever_worker", str(Path(tmp) / "result.json"), root,
                                                    overrides=overrides, warmup=warmup, steps=steps)  # fmt: skip
                     speeds[label].append(result["pairs_per_second"])
-                    # useful FLOP/s as a share of the bfloat16 matmul rate (MFU is against the compute dtype's)
-                    of_bf16 = result["mfu"] * rates[result["precision"]] / rates["bfloat16"]
+                    # MFU is against the compute dtype's rate; "of peak" against the machine's fastest one
+                    of_peak = result["mfu"] * rates[result["precision"]] / rates[peak_dtype]
                     print(
-                        f"{label:12s} {result['pairs_per_second']:8.3f} {result['mfu']:6.1%} {of_bf16:8.1%} "
+                        f"{label:12s} {result['pairs_per_second']:8.3f} {result['mfu']:6.1%} {of_peak:8.1%} "
                         f"{result['peak_memory_gib']:7.2f} GiB  {result['precision']}",
                         flush=True,
                     )

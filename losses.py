@@ -144,6 +144,20 @@ class DPOPConfig(RatioLoss):
     dpop_lambda: float = ranged(NON_NEGATIVE)
 
 
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js", "alpha")
+
+
+@dataclass
+class FDPOConfig(RatioLoss):
+    f_divergence: str = MISSING  # one of F_DIVERGENCES
+    alpha: float = ranged(Range(0, 1, low_open=True, high_open=True))  # the alpha divergence's, Table 1's parameter
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.f_divergence not in F_DIVERGENCES:
+            raise UserError(f"loss.f_divergence={self.f_divergence} is not one of: {', '.join(F_DIVERGENCES)}")
+
+
 @dataclass
 class SimPOConfig(PreferenceLoss):
     gamma: float = ranged(Range())  # the target margin: any finite number
@@ -291,6 +305,31 @@ def dpop(s: PairStats, cfg: DPOPConfig, state: dict) -> LossOutput:
     return rewards(s, cfg.beta, -F.logsigmoid(cfg.beta * (s.margin - penalty)))
 
 
+EXPONENT_CAP = 80.0  # exp(80) ~ 5.5e34 stays finite in float32 (its largest is ~3.4e38): the cap TRL uses too
+
+
+def f_dpo(s: PairStats, cfg: FDPOConfig, state: dict) -> LossOutput:
+    """f-DPO (Wang et al. 2023, arXiv:2309.16240, Theorem 1 and Table 1): DPO with the reverse KL regulariser
+    replaced by an f-divergence, whose reward is beta f'(u) of the ratio u = exp(c):
+    -log sigma(beta (f'(e^c) - f'(e^r))), rewards beta f'(e^c) and beta f'(e^r) (0 where u = 1, as DPO's).
+    f'(u) is log u (reverse_kl: DPO), 1 - 1/u (forward_kl), log(2u / (1 + u)) = log 2 + log sigma(log u) (js), and
+    (1 - u^-alpha) / alpha (alpha, 0 < alpha < 1; alpha -> 0 is reverse KL, alpha -> 1 forward KL; TRL's
+    f_alpha_divergence_coef is 1 - alpha). Exponents are capped at EXPONENT_CAP so that a ratio far below the
+    reference's gives a large finite loss, not inf."""
+
+    def f_prime(logratio: torch.Tensor) -> torch.Tensor:
+        if cfg.f_divergence == "reverse_kl":
+            return logratio
+        if cfg.f_divergence == "forward_kl":
+            return -torch.expm1((-logratio).clamp(max=EXPONENT_CAP))  # 1 - 1/u without cancellation near u = 1
+        if cfg.f_divergence == "js":
+            return math.log(2) + F.logsigmoid(logratio)
+        return -torch.expm1((-cfg.alpha * logratio).clamp(max=EXPONENT_CAP)) / cfg.alpha
+
+    chosen, rejected = cfg.beta * f_prime(s.chosen_logratio), cfg.beta * f_prime(s.rejected_logratio)
+    return LossOutput(-F.logsigmoid(chosen - rejected), chosen.detach(), rejected.detach())
+
+
 def simpo(s: PairStats, cfg: SimPOConfig, state: dict) -> LossOutput:
     """SimPO (Meng et al. 2024, arXiv:2405.14734, eq. 6), reference-free on per-token means m = p / n:
     -log sigma(beta (mc - mr) - gamma). Rewards beta * mc and beta * mr."""
@@ -360,6 +399,7 @@ LOSSES = {
     "apo_down": LossComponent(RatioLoss, apo_down),
     "discopop": LossComponent(DiscoPOPConfig, discopop),
     "dpop": LossComponent(DPOPConfig, dpop),
+    "f_dpo": LossComponent(FDPOConfig, f_dpo),
     "simpo": LossComponent(SimPOConfig, simpo),
     "orpo": LossComponent(PreferenceLoss, orpo),
     "cpo": LossComponent(PreferenceLoss, cpo),

@@ -13,6 +13,7 @@ from losses import (
     DiscoPOPConfig,
     DPOConfig,
     DPOPConfig,
+    FDPOConfig,
     IPOConfig,
     PairStats,
     PreferenceLoss,
@@ -22,6 +23,7 @@ from losses import (
     compute,
 )
 from objective import PreferenceObjective
+from utils import UserError
 
 
 def softplus(x: float) -> float:
@@ -114,6 +116,53 @@ def test_closed_form(name, config, expected):
         assert (chosen_reward, rejected_reward) == pytest.approx((config.beta * 1, config.beta * -1))
 
 
+def f_dpo_config(f_divergence, alpha=0.5, beta=0.5):
+    return FDPOConfig(
+        name="f_dpo", beta=beta, nll_weight=0.0, length_normalized=False, f_divergence=f_divergence, alpha=alpha
+    )
+
+
+# f'(u) at u = e^c = e and u = e^r = 1/e, from Table 1 of Wang et al. 2023, and the loss
+# -log sigma(beta (f'(e^c) - f'(e^r))) with beta 0.5
+F_DPO_CLOSED_FORMS = [
+    ("reverse_kl", 1.0, -1.0),  # log u: DPO
+    ("forward_kl", 1 - 1 / math.e, 1 - math.e),  # 1 - 1/u
+    ("js", math.log(2 * math.e / (1 + math.e)), math.log(2 / (1 + math.e))),  # log(2u / (1 + u))
+    ("alpha", 2 * (1 - math.e**-0.5), 2 * (1 - math.e**0.5)),  # (1 - u^-alpha) / alpha, alpha = 1/2
+]
+
+
+@pytest.mark.parametrize("f_divergence,f_chosen,f_rejected", F_DPO_CLOSED_FORMS)
+def test_f_dpo_closed_form(f_divergence, f_chosen, f_rejected):
+    loss, chosen_reward, rejected_reward = loss_of("f_dpo", f_dpo_config(f_divergence))
+    assert loss == pytest.approx(softplus(-0.5 * (f_chosen - f_rejected)), abs=1e-6)
+    assert (chosen_reward, rejected_reward) == pytest.approx((0.5 * f_chosen, 0.5 * f_rejected), abs=1e-6)
+
+
+def test_f_dpo_reverse_kl_is_dpo_and_alpha_spans_reverse_to_forward_kl():
+    s = stats(pc=-1.3, pr=-2.1, rc=-1.7, rr=-1.2)
+    dpo = loss_of("dpo", dpo_config(0.5), s)[0]
+    assert loss_of("f_dpo", f_dpo_config("reverse_kl"), s)[0] == dpo
+    assert loss_of("f_dpo", f_dpo_config("alpha", alpha=1e-5), s)[0] == pytest.approx(dpo, abs=1e-4)
+    forward_kl = loss_of("f_dpo", f_dpo_config("forward_kl"), s)[0]
+    assert loss_of("f_dpo", f_dpo_config("alpha", alpha=1 - 1e-5), s)[0] == pytest.approx(forward_kl, abs=1e-4)
+
+
+def test_f_dpo_stays_finite_far_below_the_reference():
+    # c = -200: u^-1 = e^200 overflows float32; the exponent is capped, so the loss is large and finite
+    for f_divergence in ("forward_kl", "alpha"):
+        s = stats(pc=-202.0, requires_grad=True)
+        output = LOSSES["f_dpo"].function(s, f_dpo_config(f_divergence), {})
+        output.losses.sum().backward()
+        assert torch.isfinite(output.losses).all() and output.losses.item() > 1e30
+        assert torch.isfinite(s.policy_chosen.grad).all()
+
+
+def test_f_dpo_refuses_an_unknown_divergence():
+    with pytest.raises(UserError, match="loss.f_divergence=kl is not one of: reverse_kl, forward_kl, js, alpha"):
+        f_dpo_config("kl")
+
+
 def test_dpop_penalises_chosen_below_the_reference():
     # pc = -2.5 < rc = -2: c = -0.5, r = -1, h = 0.5, penalty 50 x 0.5; -log sigma(0.5 (0.5 - 25))
     config = DPOPConfig(name="dpop", beta=0.5, nll_weight=0.0, length_normalized=False, dpop_lambda=50.0)
@@ -195,10 +244,13 @@ GRADIENTS = [
     ("hinge", ratio(0.25), -0.25),
     ("sppo_hard", ratio(0.25), 2 * (1 - 2)),
     ("apo_zero", ratio(0.5), -0.5 * sigmoid(0.5) * sigmoid(-0.5)),
+    # f-DPO: -sigma(-x) beta f'' where x = beta (f'(e^c) - f'(e^r)) and f'' = d f'(e^c) / dc
+    ("f_dpo", f_dpo_config("js"), -sigmoid(-0.5) * 0.5 * sigmoid(-1)),  # f' = log 2 + log sigma(c), x = 0.5
+    ("f_dpo", f_dpo_config("forward_kl"), -sigmoid(-math.sinh(1)) * 0.5 * math.exp(-1)),  # f' = 1 - e^-c
 ]
 
 
-@pytest.mark.parametrize("name,config,expected", GRADIENTS, ids=[g[0] for g in GRADIENTS])
+@pytest.mark.parametrize("name,config,expected", GRADIENTS, ids=[f"{g[0]}-{i}" for i, g in enumerate(GRADIENTS)])
 def test_gradient_closed_form(name, config, expected):
     s = stats(requires_grad=True)
     output = LOSSES[name].function(s, config, {})
