@@ -98,12 +98,15 @@ def memory_estimate(
     logits = 0 if config.scored_logits_only else rows * vocab * (compute_bytes + 2 * 4)  # + float32 log-softmax
     reference_bytes = torch.finfo(precision.reference_weights).bits // 8
     autocast_copies = not parallelism.fsdp and compute != weights_dtype
+    states, fused = optimizer_states(config)
+    fused = fused and (parallelism.fsdp or tp == 1)  # tensor parallelism alone mixes DTensors and plain tensors
     parts = {
         "policy weights": n_parameters * element / shards,
         "gradients": n_trainable * element / shards,
-        f"{config.optimizer} state": optimizer_states(config) * n_trainable * element / shards,
-        # torch's multi-tensor (foreach) step holds an intermediate per parameter, e.g. AdamW's denominators
-        "optimizer step intermediates": n_trainable * element / shards,
+        f"{config.optimizer} state": states * n_trainable * element / shards,
+        # torch's multi-tensor (foreach) step holds an intermediate per parameter, e.g. AdamW's denominators; the
+        # fused one updates each element in place
+        "optimizer step intermediates": 0 if fused else n_trainable * element / shards,
         "reference weights": n_parameters * reference_bytes / shards if live_reference else 0,
         "gathered block (FSDP)": 2 * sum(p.numel() for p in block.parameters()) * compute_bytes
         if parallelism.fsdp
@@ -121,13 +124,14 @@ def memory_estimate(
     return header, parts
 
 
-def optimizer_states(config: DictConfig) -> int:
-    """Tensors the optimizer keeps per parameter tensor (AdamW: 2, SGD with momentum: 1), counted on a 2-element
-    parameter after one step."""
+def optimizer_states(config: DictConfig) -> tuple[int, bool]:
+    """(tensors the optimizer keeps per parameter tensor (AdamW: 2, SGD with momentum: 1), whether its step is
+    fused), as build_optimizer makes it for a plain 2-element parameter, counted after one step."""
     parameter = torch.nn.Parameter(torch.zeros(2))
     optimizer = build_optimizer(
         config.optimizer, [parameter], config.lr, OmegaConf.to_container(config.optimizer_kwargs)
     )
     parameter.grad = torch.ones(2)
     optimizer.step()
-    return sum(torch.is_tensor(v) and v.numel() == 2 for v in optimizer.state[parameter].values())
+    states = sum(torch.is_tensor(v) and v.numel() == 2 for v in optimizer.state[parameter].values())
+    return states, bool(optimizer.defaults.get("fused"))

@@ -96,10 +96,17 @@ def test_dry_run_checks_the_checkpoint_it_would_resume_from(make_config, tmp_pat
 
 
 @pytest.mark.parametrize(
-    "overrides, shards, optimizer_states",
-    [((), 1, 2), (("trainer=FSDPTrainer", "nproc=2"), 2, 2), (("optimizer=SGD",), 1, 0)],
+    "overrides, shards, optimizer_states, intermediates",
+    [
+        ((), 1, 2, 0),  # AdamW, fused by default: updated in place
+        (("trainer=FSDPTrainer", "nproc=2"), 2, 2, 0),
+        (("optimizer=SGD",), 1, 0, 0),
+        (("+optimizer_kwargs.foreach=true",), 1, 2, 1),  # the multi-tensor step: an intermediate per parameter
+    ],
 )
-def test_memory_estimate_counts_the_real_model(make_config, tiny_tokenizer, overrides, shards, optimizer_states):
+def test_memory_estimate_counts_the_real_model(
+    make_config, tiny_tokenizer, overrides, shards, optimizer_states, intermediates
+):
     config = make_config(*overrides)
     model = tiny_model()
     n_parameters = sum(p.numel() for p in model.parameters())
@@ -110,12 +117,23 @@ def test_memory_estimate_counts_the_real_model(make_config, tiny_tokenizer, over
     assert parts["policy weights"] == n_parameters * 4 / shards  # float32
     assert parts["gradients"] == n_parameters * 4 / shards
     assert parts[f"{config.optimizer} state"] == optimizer_states * n_parameters * 4 / shards
-    assert parts["optimizer step intermediates"] == n_parameters * 4 / shards
+    assert parts["optimizer step intermediates"] == intermediates * n_parameters * 4 / shards
     assert parts["reference weights"] == 0  # reference_cache=true: no reference model is held
     micro = 8 // shards  # packed: each example is 5 + (3 + 1) + (6 + 1) = 16 token positions
     hidden, layers = model.config.hidden_size, model.config.num_hidden_layers
     assert parts[f"activations ({16 * micro} token positions)"] == 16 * micro * 34 * hidden * 4 / 2 * layers
     assert parts["attention mask (packed, dense)"] == micro * 16 * 16 * (1 + 4)  # a row of 16 per pair, float32
+
+
+def test_tensor_parallel_memory_estimate_counts_the_unfused_step(make_config, tiny_tokenizer):
+    # tensor parallelism alone leaves norms and embeddings plain beside the DTensors: torch's default step, not fused
+    config = make_config("trainer=TensorParallelTrainer", "nproc=2")
+    n_parameters = sum(p.numel() for p in tiny_model().parameters())
+    precision = precision_of(config)
+    policy = build.meta_policy(config, precision, Path(config.local_dirs[0]))
+    examples = eight_examples(tiny_tokenizer, "q", "a", "b")
+    _, parts = report.memory_estimate(config, 2, policy, examples, [list(range(8))], precision, False)
+    assert parts["optimizer step intermediates"] == n_parameters * 4 / 2
 
 
 def test_memory_estimate_of_lora_counts_the_adapters(make_config, tiny_tokenizer):
