@@ -257,6 +257,7 @@ def profile_worker(overrides: list[str], warmup: int, steps: int, result_file: s
         for examples in batches[warmup:]:
             trainer.train_step(examples)
     seconds = (time.perf_counter() - start) / steps
+    compute_dtype = trainer.precision.policy_compute or trainer.precision.policy_weights
     events = profiler.key_averages()
     total = sum(event.self_cpu_time_total for event in events)
     operations = {name: sum(e.self_cpu_time_total for e in events if e.key.startswith(prefixes)) / total
@@ -269,7 +270,7 @@ def profile_worker(overrides: list[str], warmup: int, steps: int, result_file: s
         "operations": operations,
         "parts": parts,
         "top": [(e.key, e.self_cpu_time_total / total, e.count // steps) for e in top],
-        "precision": f"{str(trainer.precision.policy_compute or trainer.precision.policy_weights)[6:]} compute",
+        "precision": f"{str(compute_dtype).removeprefix('torch.')} compute",
         "layout": trainer.scorer.describe(),
     }
     Path(result_file).write_text(json.dumps(result))

@@ -81,8 +81,9 @@ class _ChunkedHeadLogps(torch.autograd.Function):
 
     @staticmethod
     @torch.profiler.record_function("fused head forward")
-    def forward(ctx, hidden, weight, bias, rows, targets, compute_dtype):
-        # hidden: [N, H]; weight: [V, H]; bias: [V] or None; rows, targets: [M]. Returns [M] float32.
+    def forward(ctx, hidden, weight, bias, rows, targets, compute_dtype, keep_probs):
+        # hidden: [N, H]; weight: [V, H]; bias: [V] or None; rows, targets: [M]. Returns [M] float32. keep_probs:
+        # a backward will follow (needs_input_grad cannot tell: it is set under no_grad too, as in the reference pass)
         step = chunk_rows(weight.shape[0], weight.device)
         token_logps = torch.empty(rows.numel(), dtype=torch.float32, device=hidden.device)
         logsumexp = torch.empty_like(token_logps)
@@ -94,10 +95,9 @@ class _ChunkedHeadLogps(torch.autograd.Function):
             logsumexp[start:end] = torch.logsumexp(logits, dim=-1)
             token_logps[start:end] = logits.gather(-1, targets[start:end, None]).squeeze(-1) - logsumexp[start:end]
             probs = logits
-        needs_grad = any(ctx.needs_input_grad[:3])
-        if needs_grad and probs is not None:  # the last chunk's softmax, in place: its logits are not needed again
+        if keep_probs and probs is not None:  # the last chunk's softmax, in place: its logits are not needed again
             probs.sub_(logsumexp[-probs.shape[0] :, None]).exp_()
-        ctx.save_for_backward(hidden, weight, bias, rows, targets, logsumexp, probs if needs_grad else None)
+        ctx.save_for_backward(hidden, weight, bias, rows, targets, logsumexp, probs if keep_probs else None)
         ctx.compute_dtype = compute_dtype
         return token_logps
 
@@ -136,7 +136,7 @@ class _ChunkedHeadLogps(torch.autograd.Function):
                 grad_bias.index_add_(0, chunk_targets, grad.float())
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -158,4 +158,5 @@ def token_logps_from_hidden(hidden, weight, bias, rows, targets) -> torch.Tensor
     predicts the first token of every response)."""
     device = hidden.device.type
     compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-    return _ChunkedHeadLogps.apply(hidden, weight, bias, rows, targets, compute_dtype)
+    trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    return _ChunkedHeadLogps.apply(hidden, weight, bias, rows, targets, compute_dtype, trains)

@@ -194,3 +194,25 @@ def test_the_last_chunk_of_logits_is_computed_once(chunk_rows_of, rows_per_chunk
     with LogitProducts():
         logprobs.token_logps_from_hidden(hidden, weight, None, rows, targets).sum().backward()
     assert LogitProducts.count == logits_computed
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_no_grad_passes_do_not_prepare_the_backward(chunk_rows_of, grad):
+    # The reference-cache pass and evals run under no_grad with weights that require grad: the forward then leaves
+    # its last chunk's logits as they are (no softmax pass over [C, V] for a backward that never comes).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class VocabularyExps(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.exp_.default, torch.ops.aten.exp.default) and args[0].shape[-1] == 40:
+                VocabularyExps.count += 1
+            return func(*args, **(kwargs or {}))
+
+    chunk_rows_of(4096, 40)
+    hidden = torch.randn(6, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    with VocabularyExps(), torch.set_grad_enabled(grad):
+        logprobs.token_logps_from_hidden(hidden, weight, None, torch.arange(6), torch.randint(0, 40, (6,)))
+    assert VocabularyExps.count == (1 if grad else 0)
