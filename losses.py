@@ -10,7 +10,7 @@ loss defines its own, always detached: they are metrics, not loss terms.
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -150,12 +150,19 @@ F_DIVERGENCES = ("reverse_kl", "forward_kl", "js", "alpha")
 @dataclass
 class FDPOConfig(RatioLoss):
     f_divergence: str = MISSING  # one of F_DIVERGENCES
-    alpha: float = ranged(Range(0, 1, low_open=True, high_open=True))  # the alpha divergence's, Table 1's parameter
+    # the alpha divergence's parameter (Table 1's), which only it reads
+    alpha: Optional[float] = ranged(Range(0, 1, low_open=True, high_open=True, null="unless f_divergence=alpha"))
 
     def __post_init__(self):
         super().__post_init__()
         if self.f_divergence not in F_DIVERGENCES:
             raise UserError(f"loss.f_divergence={self.f_divergence} is not one of: {', '.join(F_DIVERGENCES)}")
+        if (self.alpha is None) == (self.f_divergence == "alpha"):
+            raise UserError(
+                "loss.f_divergence=alpha needs loss.alpha in (0, 1)"
+                if self.alpha is None
+                else f"loss.alpha={self.alpha} is read only with loss.f_divergence=alpha (here {self.f_divergence})"
+            )
 
 
 @dataclass

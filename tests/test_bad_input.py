@@ -103,6 +103,8 @@ ERRORS = [
     ("n_examples=-5", "n_examples=-5 must be positive"),
     ("loss.beta=0", "loss.beta=0.0 must be positive"),
     ("loss.label_smoothing=0.6", "loss.label_smoothing=0.6 must be in [0, 0.5]"),
+    ("loss=f_dpo loss.f_divergence=alpha", "loss.f_divergence=alpha needs loss.alpha in (0, 1)"),
+    ("loss=f_dpo loss.alpha=0.3", "loss.alpha=0.3 is read only with loss.f_divergence=alpha (here js)"),
     ("batch_size=7 gradient_accumulation_steps=2", "batch_size=7 must be a positive multiple of"),
     ("eval_every=12", "eval_every=12 must be a positive multiple of batch_size=8"),
     ("save_every=12", "save_every=12 must be a positive multiple of batch_size=8, or null"),

@@ -116,7 +116,7 @@ def test_closed_form(name, config, expected):
         assert (chosen_reward, rejected_reward) == pytest.approx((config.beta * 1, config.beta * -1))
 
 
-def f_dpo_config(f_divergence, alpha=0.5, beta=0.5):
+def f_dpo_config(f_divergence, alpha=None, beta=0.5):
     return FDPOConfig(
         name="f_dpo", beta=beta, nll_weight=0.0, length_normalized=False, f_divergence=f_divergence, alpha=alpha
     )
@@ -125,16 +125,16 @@ def f_dpo_config(f_divergence, alpha=0.5, beta=0.5):
 # f'(u) at u = e^c = e and u = e^r = 1/e, from Table 1 of Wang et al. 2023, and the loss
 # -log sigma(beta (f'(e^c) - f'(e^r))) with beta 0.5
 F_DPO_CLOSED_FORMS = [
-    ("reverse_kl", 1.0, -1.0),  # log u: DPO
-    ("forward_kl", 1 - 1 / math.e, 1 - math.e),  # 1 - 1/u
-    ("js", math.log(2 * math.e / (1 + math.e)), math.log(2 / (1 + math.e))),  # log(2u / (1 + u))
-    ("alpha", 2 * (1 - math.e**-0.5), 2 * (1 - math.e**0.5)),  # (1 - u^-alpha) / alpha, alpha = 1/2
+    ("reverse_kl", None, 1.0, -1.0),  # log u: DPO
+    ("forward_kl", None, 1 - 1 / math.e, 1 - math.e),  # 1 - 1/u
+    ("js", None, math.log(2 * math.e / (1 + math.e)), math.log(2 / (1 + math.e))),  # log(2u / (1 + u))
+    ("alpha", 0.5, 2 * (1 - math.e**-0.5), 2 * (1 - math.e**0.5)),  # (1 - u^-alpha) / alpha
 ]
 
 
-@pytest.mark.parametrize("f_divergence,f_chosen,f_rejected", F_DPO_CLOSED_FORMS)
-def test_f_dpo_closed_form(f_divergence, f_chosen, f_rejected):
-    loss, chosen_reward, rejected_reward = loss_of("f_dpo", f_dpo_config(f_divergence))
+@pytest.mark.parametrize("f_divergence,alpha,f_chosen,f_rejected", F_DPO_CLOSED_FORMS)
+def test_f_dpo_closed_form(f_divergence, alpha, f_chosen, f_rejected):
+    loss, chosen_reward, rejected_reward = loss_of("f_dpo", f_dpo_config(f_divergence, alpha))
     assert loss == pytest.approx(softplus(-0.5 * (f_chosen - f_rejected)), abs=1e-6)
     assert (chosen_reward, rejected_reward) == pytest.approx((0.5 * f_chosen, 0.5 * f_rejected), abs=1e-6)
 
@@ -150,17 +150,23 @@ def test_f_dpo_reverse_kl_is_dpo_and_alpha_spans_reverse_to_forward_kl():
 
 def test_f_dpo_stays_finite_far_below_the_reference():
     # c = -200: u^-1 = e^200 overflows float32; the exponent is capped, so the loss is large and finite
-    for f_divergence in ("forward_kl", "alpha"):
+    for f_divergence, alpha in (("forward_kl", None), ("alpha", 0.5)):
         s = stats(pc=-202.0, requires_grad=True)
-        output = LOSSES["f_dpo"].function(s, f_dpo_config(f_divergence), {})
+        output = LOSSES["f_dpo"].function(s, f_dpo_config(f_divergence, alpha), {})
         output.losses.sum().backward()
         assert torch.isfinite(output.losses).all() and output.losses.item() > 1e30
         assert torch.isfinite(s.policy_chosen.grad).all()
 
 
-def test_f_dpo_refuses_an_unknown_divergence():
+def test_f_dpo_refuses_an_unknown_divergence_and_an_alpha_nothing_reads():
     with pytest.raises(UserError, match="loss.f_divergence=kl is not one of: reverse_kl, forward_kl, js, alpha"):
         f_dpo_config("kl")
+    with pytest.raises(UserError, match=r"^loss.f_divergence=alpha needs loss.alpha in \(0, 1\)$"):
+        f_dpo_config("alpha")
+    with pytest.raises(UserError, match=r"^loss.alpha=0.3 is read only with loss.f_divergence=alpha \(here js\)$"):
+        f_dpo_config("js", alpha=0.3)
+    with pytest.raises(UserError, match=r"^loss.alpha=1.5 must be"):
+        f_dpo_config("alpha", alpha=1.5)
 
 
 def test_dpop_penalises_chosen_below_the_reference():
