@@ -145,7 +145,9 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     weights_dtype = next(policy.parameters()).dtype
     policy = place(policy, config, topology, precision.policy_compute, is_policy=True)
     # The layout, attention and head checks run on the placed model: on its device, once, decided by rank 0.
-    scorer = Scorer.create(policy, config, tokenizer.pad_token_id, topology, autocast, precision.policy_compute)
+    scorer = Scorer.create(
+        policy, config, tokenizer.pad_token_id, topology, autocast, precision.policy_compute, objective.tail_weight
+    )
 
     def load_reference() -> torch.nn.Module:  # placed, frozen; never with LoRA (AdaptersDisabled serves)
         model = load_model(config.model, precision.reference_weights, cache_dir, config.seed)

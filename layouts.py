@@ -39,6 +39,8 @@ class ModelBatch:
     score_positions:  [N] flat index into R * T of the same hidden state
     score_targets:    [N] the scored token ids
     sequence_lengths: [S] scored tokens of each sequence
+    shared_lengths:   [S] of those, the ones within its example's shortest response (the first min over responses
+                      of sequence_lengths; the rest is the response's tail, which LD-DPO weighs down)
     """
 
     input_ids: torch.Tensor
@@ -51,6 +53,7 @@ class ModelBatch:
     score_positions: torch.Tensor
     score_targets: torch.Tensor
     sequence_lengths: torch.Tensor
+    shared_lengths: torch.Tensor
 
     def to(self, device: torch.device) -> "ModelBatch":
         return ModelBatch(**{name: to_device(v, device) if torch.is_tensor(v) else v for name, v in vars(self).items()})
@@ -101,22 +104,25 @@ def scored_tokens(prompt_end: int, prompt_length: int, response: list[int], offs
     return [(p, token) for p, token in zip(predictors, response) if p >= 0]
 
 
-def scored_fields(scored: list[tuple[int, int, int, int]], n_sequences: int, shape: tuple[int, int]) -> dict:
-    """The scored-token fields of a ModelBatch of `shape` (rows, length) from (sequence, row, position, token)."""
+def scored_fields(scored: list[tuple[int, int, int, int]], n_examples: int, n_responses: int, shape) -> dict:
+    """The scored-token fields of a ModelBatch of `shape` (rows, length) from (sequence, row, position, token),
+    sequences numbered response-major."""
     scored = sorted(scored, key=lambda s: s[0])  # grouped by sequence (a stable sort keeps each one's token order)
     n_rows, length = shape
     kept = [sorted({p for _, row, p, _ in scored if row == r}) or [0] for r in range(n_rows)]
     width = max(map(len, kept))
     column = [{p: i for i, p in enumerate(positions)} for positions in kept]
-    lengths = [0] * n_sequences
+    lengths = torch.zeros(n_responses * n_examples, dtype=torch.long)
     for sequence, _, _, _ in scored:
         lengths[sequence] += 1
+    shared = lengths.view(n_responses, n_examples).min(dim=0).values.repeat(n_responses)
     return dict(
         keep_positions=torch.tensor([positions + positions[-1:] * (width - len(positions)) for positions in kept]),
         score_rows=torch.tensor([row * width + column[row][p] for _, row, p, _ in scored], dtype=torch.long),
         score_positions=torch.tensor([row * length + p for _, row, p, _ in scored], dtype=torch.long),
         score_targets=torch.tensor([token for _, _, _, token in scored], dtype=torch.long),
-        sequence_lengths=torch.tensor(lengths, dtype=torch.long),
+        sequence_lengths=lengths,
+        shared_lengths=shared,
     )
 
 
@@ -132,7 +138,7 @@ def pad(examples: list[dict], pad_token_id: int) -> ModelBatch:
         input_ids[row, : len(tokens)] = torch.tensor(tokens)
         attention_mask[row, : len(tokens)] = 1
         scored += [(row, row, p, token) for p, token in scored_tokens(len(prompt), len(prompt), response, len(prompt))]
-    fields = scored_fields(scored, len(sequences), tuple(input_ids.shape))
+    fields = scored_fields(scored, len(examples), len(examples[0]["responses"]), tuple(input_ids.shape))
     return ModelBatch(input_ids, None, attention_mask, None, None, **fields)
 
 
@@ -200,7 +206,7 @@ def pack(examples: list[dict], pad_token_id: int, row_tokens: int | None = None,
                 scored += [(r * n_examples + index, row, p, token) for p, token in tokens]
                 offset += len(response)
             start += lengths[index]
-    fields = scored_fields(scored, len(examples[0]["responses"]) * n_examples, tuple(input_ids.shape))
+    fields = scored_fields(scored, n_examples, len(examples[0]["responses"]), tuple(input_ids.shape))
     return ModelBatch(input_ids, position_ids, None, segment_ids, branch_ids, **fields)
 
 

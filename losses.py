@@ -99,6 +99,10 @@ class PreferenceLoss:
         """What the loss function sees."""
         return stats
 
+    def tail_weight(self) -> float:
+        """How the tokens of a response beyond the pair's shorter one count in its summed log-probs (1: fully)."""
+        return 1.0
+
     def __post_init__(self):
         check_ranges(self, "loss.")  # the keys of its subclasses too
 
@@ -120,6 +124,16 @@ class RatioLoss(PreferenceLoss):
 class DPOConfig(RatioLoss):
     label_smoothing: float = ranged(Range(0, 0.5))
     reference_free: bool = MISSING  # a uniform reference: zeros for rc and rr, and no reference model
+
+
+@dataclass
+class LDDPOConfig(DPOConfig):
+    """LD-DPO: DPO on length-desensitized log-probs (scoring.response_sums), policy and reference alike."""
+
+    ld_alpha: float = ranged(Range(0, 1))  # 1: DPO; 0: only the tokens within the shorter response count
+
+    def tail_weight(self) -> float:
+        return self.ld_alpha
 
 
 @dataclass
@@ -189,6 +203,9 @@ class NLLConfig:
     def statistics(self, stats: PairStats) -> PairStats:
         return stats
 
+    def tail_weight(self) -> float:
+        return 1.0
+
 
 @dataclass
 class WeightedConfig:
@@ -213,6 +230,8 @@ class WeightedConfig:
                 config = OmegaConf.to_object(OmegaConf.merge(schema, {**values, "name": term}))
             except (OmegaConfBaseException, UserError) as error:
                 raise UserError(f"loss.terms.{term}: {str(error).splitlines()[0]}") from None
+            if config.tail_weight() != 1.0:  # it changes how every term's log-probs are summed
+                raise UserError(f"loss.terms.{term} weighs response tails for every term: use loss={term} alone")
             self.components[term] = (float(weight), config)
 
     def needs_reference(self) -> bool:
@@ -220,6 +239,9 @@ class WeightedConfig:
 
     def statistics(self, stats: PairStats) -> PairStats:
         return stats  # each term applies its own
+
+    def tail_weight(self) -> float:
+        return 1.0  # no term may change it (__post_init__)
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -407,6 +429,7 @@ LOSSES = {
     "discopop": LossComponent(DiscoPOPConfig, discopop),
     "dpop": LossComponent(DPOPConfig, dpop),
     "f_dpo": LossComponent(FDPOConfig, f_dpo),
+    "ld_dpo": LossComponent(LDDPOConfig, dpo),  # DPO on the sums its tail_weight asks the scorer for
     "simpo": LossComponent(SimPOConfig, simpo),
     "orpo": LossComponent(PreferenceLoss, orpo),
     "cpo": LossComponent(PreferenceLoss, cpo),

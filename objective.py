@@ -17,6 +17,7 @@ class PreferenceObjective:
     def __init__(self, loss):
         self.loss = loss
         self.needs_reference = loss.needs_reference()
+        self.tail_weight = loss.tail_weight()  # how the scorer sums each response (LD-DPO)
         self.state = {"reward_mean": 0.0, "rewards_seen": 0} if running_reward_mean(loss) else {}
 
     def __call__(self, policy_logps, reference_logps, n_tokens, split: str):
@@ -61,6 +62,7 @@ class SFTObjective:
 
     sft_targets = True
     needs_reference = False
+    tail_weight = 1.0
 
     def __init__(self, loss):
         self.loss = loss

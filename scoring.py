@@ -88,6 +88,7 @@ def sequence_logps(
     mask_dtype: torch.dtype,
     scored_head: bool,
     attention: str = "dense",
+    tail_weight: float = 1.0,
 ) -> torch.Tensor:
     """[S] float32 summed log-probs of each sequence's scored tokens, in one forward pass of `model`.
 
@@ -96,7 +97,8 @@ def sequence_logps(
     scored_head: the head runs only on the hidden states that predict a scored token, fused with the float32
     log-softmax; otherwise the model returns all [R, T, V] logits and the log-softmax is chunked over them.
     attention: for a packed batch whose mask is not built yet (see Scorer.batch), "dense" ([R, 1, T, T] additive
-    mask, SDPA) or "block" (FlexAttention)."""
+    mask, SDPA) or "block" (FlexAttention).
+    tail_weight: the weight of the tokens beyond the example's shortest response (response_sums)."""
     mask = batch.attention_mask if batch.attention_mask is not None else packed_mask(batch, attention)
     flex = not torch.is_tensor(mask)  # a BlockMask
     if not flex and mask.dim() == 4:
@@ -111,8 +113,20 @@ def sequence_logps(
         else:
             logits = model(**inputs).logits
             token_logps = token_logps_from_logits(logits.flatten(0, 1), batch.score_positions, batch.score_targets)
-    lengths = batch.sequence_lengths
-    return torch.segment_reduce(token_logps.float().view(-1), "sum", lengths=lengths, unsafe=True, initial=0)
+    return response_sums(token_logps.float().view(-1), batch, tail_weight)
+
+
+def response_sums(token_values: torch.Tensor, batch: ModelBatch, tail_weight: float = 1.0) -> torch.Tensor:
+    """[S] sums of [N] per-token values over each sequence's scored tokens. With tail_weight alpha != 1, LD-DPO's
+    length-desensitized sum (Liu et al. 2024, arXiv:2409.06411): the tokens within the example's shortest
+    response count fully and the rest (the longer response's tail) alpha times, so that the likelihood no longer
+    grows with the length difference alone. A policy and its reference sum alike."""
+    if tail_weight == 1.0:
+        return torch.segment_reduce(token_values, "sum", lengths=batch.sequence_lengths, unsafe=True, initial=0)
+    shared, lengths = batch.shared_lengths, batch.sequence_lengths
+    parts = torch.stack([shared, lengths - shared], dim=1).view(-1)  # [2S]: shared part, then tail, per sequence
+    sums = torch.segment_reduce(token_values, "sum", lengths=parts, unsafe=True, initial=0).view(-1, 2)
+    return sums[:, 0] + tail_weight * sums[:, 1]
 
 
 def probe_tolerance(dtype: torch.dtype) -> float:
@@ -197,6 +211,7 @@ class Scorer:
     device: torch.device
     autocast: bool
     row_tokens: int | None = None
+    tail_weight: float = 1.0  # LD-DPO's alpha (response_sums); 1: plain sums
 
     @classmethod
     def create(
@@ -207,10 +222,12 @@ class Scorer:
         topology,
         autocast: bool,
         compute: torch.dtype | None,
+        tail_weight: float = 1.0,
     ) -> "Scorer":
         """As configured (settings: the run's config) where the model allows, checked on the placed model by every
         rank (sharded models need them all in each forward) and decided by rank 0; each fallback is one line
-        saying why. compute: the policy's compute dtype (None: its weights')."""
+        saying why. compute: the policy's compute dtype (None: its weights'); tail_weight: the objective's
+        (response_sums)."""
         weights = next(model.parameters()).dtype
         probe_dtype = weights if autocast else (compute or weights)  # probes run without autocast: exact in float32
         device = topology.device
@@ -233,7 +250,8 @@ class Scorer:
             notes.append(f"logits: computed at every position, not only where a token is scored: {problem}")
             scored_head = False
         layout, attention, scored_head, notes = topology.broadcast((layout, attention, scored_head, notes))
-        scorer = cls(layout, attention, scored_head, pad_token_id, device, autocast, settings.pack_row_tokens)
+        row_tokens = settings.pack_row_tokens
+        scorer = cls(layout, attention, scored_head, pad_token_id, device, autocast, row_tokens, tail_weight)
         for note in notes:
             print(note)
         print(f"scoring: {scorer.describe()}")
@@ -241,7 +259,8 @@ class Scorer:
 
     def describe(self) -> str:
         attention = f" ({self.attention} attention)" if self.layout == "packed" else ""
-        return f"{self.layout} layout{attention}, {'scored' if self.scored_head else 'all'} logits"
+        tails = f", response tails weighted {self.tail_weight:g}" if self.tail_weight != 1.0 else ""
+        return f"{self.layout} layout{attention}, {'scored' if self.scored_head else 'all'} logits{tails}"
 
     def row_budget(self, examples: list[dict]) -> int | None:
         """Tokens per packed row: `pack_row_tokens` when set; with a block mask the whole micro-batch in one row
@@ -266,4 +285,4 @@ class Scorer:
         ones), in one forward pass; compute: the model's compute dtype, or None for its weights'."""
         autocast = compute if self.autocast else None
         mask_dtype = compute or next(model.parameters()).dtype
-        return sequence_logps(model, batch, autocast, mask_dtype, self.scored_head, self.attention)
+        return sequence_logps(model, batch, autocast, mask_dtype, self.scored_head, self.attention, self.tail_weight)

@@ -80,6 +80,11 @@ def test_pad_scores_the_same_tokens_as_pack():
     assert packed.score_targets.tolist() == padded.score_targets.tolist()
     assert padded.position_ids is None and padded.attention_mask.tolist()[2:] == [[1] * 6, [1] + [0] * 5]
     assert torch.equal(padded.input_ids.flatten()[padded.score_positions + 1], padded.score_targets)
+    # LD-DPO's shared part: scored tokens within each example's shorter response (2 of 2 and 3; 0 of 1 and 0)
+    for batch in (padded, packed):
+        assert batch.sequence_lengths.tolist() == [2, 1, 3, 0] and batch.shared_lengths.tolist() == [2, 0, 2, 0]
+    sft = [{**ex, "responses": ex["responses"][:1]} for ex in examples]
+    assert pad(sft, 0).shared_lengths.tolist() == pack(sft, 0).shared_lengths.tolist() == [2, 1]  # no tail
 
 
 def test_masks_and_scored_tokens_come_from_lengths_when_pad_is_eos(tiny_tokenizer):

@@ -3,6 +3,7 @@ exact losses out. One pair throughout: pc = -1, pr = -3, rc = rr = -2, so c = 1,
 tokens and rejected 4."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from losses import (
     compute,
 )
 from objective import PreferenceObjective
+from scoring import response_sums
 from utils import UserError
 
 
@@ -56,11 +58,11 @@ def dpo_config(beta, label_smoothing=0.0, length_normalized=False):
     )
 
 
-def preset(name: str):
-    """The loss's config as config/loss/<name>.yaml sets it, built into its schema's dataclass."""
+def preset(name: str, *overrides: str):
+    """The loss's config as config/loss/<name>.yaml sets it (and any overrides), built into its schema's dataclass."""
     import config
 
-    return OmegaConf.to_object(config.load(["model=tiny", f"loss={name}"]).loss)
+    return OmegaConf.to_object(config.load(["model=tiny", f"loss={name}", *overrides]).loss)
 
 
 def loss_of(name, config, s=None, state=None):
@@ -167,6 +169,33 @@ def test_f_dpo_refuses_an_unknown_divergence_and_an_alpha_nothing_reads():
         f_dpo_config("js", alpha=0.3)
     with pytest.raises(UserError, match=r"^loss.alpha=1.5 must be"):
         f_dpo_config("alpha", alpha=1.5)
+
+
+def test_ld_dpo_closed_form_from_token_log_probs():
+    # LD-DPO (Liu et al. 2024): chosen 2 scored tokens, rejected 4, so 2 shared and a tail of 2 on rejected, weighed
+    # by ld_alpha = 0.5 (the preset) in the policy's and the reference's sums alike:
+    # pc = -0.5 - 0.25 = -0.75, pr = -0.5 - 0.5 + 0.5 (-1 - 2) = -2.5, rc = -2, rr = -0.5 + 0.5 (-1) = -1;
+    # c = 1.25, r = -1.5, h = 2.75: loss -log sigma(0.1 x 2.75), rewards 0.125 and -0.15.
+    config = preset("ld_dpo")
+    assert config.tail_weight() == 0.5
+    lengths = SimpleNamespace(sequence_lengths=torch.tensor([2, 4]), shared_lengths=torch.tensor([2, 2]))
+    policy = response_sums(torch.tensor([-0.5, -0.25, -0.5, -0.5, -1.0, -2.0]), lengths, config.tail_weight())
+    reference = response_sums(torch.tensor([-1.0, -1.0, -0.25, -0.25, -0.5, -0.5]), lengths, config.tail_weight())
+    assert policy.tolist() == [-0.75, -2.5] and reference.tolist() == [-2.0, -1.0]
+    loss, metrics = PreferenceObjective(config)(policy, reference, lengths.sequence_lengths, "train")
+    assert loss.item() == pytest.approx(softplus(-0.275), abs=1e-7)
+    assert metrics["rewards_train/chosen"].item() == pytest.approx(0.125)
+    assert metrics["rewards_train/rejected"].item() == pytest.approx(-0.15)
+    full = response_sums(torch.tensor([-0.5, -0.25, -0.5, -0.5, -1.0, -2.0]), lengths, 1.0)
+    assert full.tolist() == [-0.75, -4.0]  # ld_alpha = 1: the plain sums, DPO
+
+
+def test_a_loss_that_weighs_tails_is_not_a_weighted_term():
+    # ld_alpha changes how the scorer sums every response: as one term of several it would change the others too
+    keys = "beta: 0.1, nll_weight: 0, length_normalized: false, label_smoothing: 0, reference_free: false"
+    with pytest.raises(UserError, match="loss.terms.ld_dpo weighs response tails for every term"):
+        preset("mpo", f"+loss.terms.ld_dpo={{weight: 1.0, {keys}, ld_alpha: 0.5}}")
+    assert preset("mpo", f"+loss.terms.ld_dpo={{weight: 1.0, {keys}, ld_alpha: 1.0}}").tail_weight() == 1.0
 
 
 def test_dpop_penalises_chosen_below_the_reference():

@@ -104,6 +104,28 @@ def test_cached_reference_equals_live_reference_and_is_reused(make_config, tmp_p
     assert len(list((tmp_path / "reference_logps").glob("*.pt"))) == 3
 
 
+def test_length_desensitized_reference_is_cached_under_its_own_key(make_config, tmp_path, capsys):
+    # LD-DPO sums the reference like the policy (tails weighed by ld_alpha): the cached numbers equal the live
+    # reference's, in a file of their own, apart from DPO's plain sums.
+    ld = ("loss=ld_dpo", "loss.ld_alpha=0.25")
+    plain = build_trainer(make_config(f"local_run_dir={tmp_path / 'dpo'}"))
+    cached = build_trainer(make_config(f"local_run_dir={tmp_path / 'cached'}", *ld))
+    assert capsys.readouterr().out.count("computing 35 of 35 pairs") == 2
+    assert len(list((tmp_path / "reference_logps").glob("*.pt"))) == 2
+    live = build_trainer(make_config(f"local_run_dir={tmp_path / 'live'}", "reference_cache=false", *ld))
+    train = live.data.train_examples
+    examples = train.take(range(len(train)))
+    with torch.no_grad():
+        expected = live.scorer(live.reference_model, live.scorer.batch(examples), None).view(2, -1).T
+    keys = [ex["key"] for ex in examples]
+    torch.testing.assert_close(
+        torch.from_numpy(cached.batch_loss.reference.table.lookup(keys)), expected, rtol=0, atol=1e-6
+    )
+    unequal = np.array([len(ex["responses"][0]) != len(ex["responses"][1]) for ex in examples])
+    differs = (cached.batch_loss.reference.table.lookup(keys) != plain.batch_loss.reference.table.lookup(keys)).any(1)
+    assert unequal.any() and (differs == unequal).all()  # only pairs of unequal lengths have a tail
+
+
 def assert_same_table(a: reference_cache.ReferenceTable, b: reference_cache.ReferenceTable) -> None:
     np.testing.assert_array_equal(a.keys, b.keys)
     np.testing.assert_array_equal(a.logps, b.logps)

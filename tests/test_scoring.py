@@ -67,9 +67,11 @@ def examples() -> list[dict]:
     return examples
 
 
-def logps_and_gradients(model, batch, scored_head: bool, autocast=None, dtype=torch.float32, attention="dense"):
+def logps_and_gradients(
+    model, batch, scored_head: bool, autocast=None, dtype=torch.float32, attention="dense", tail_weight=1.0
+):
     model.zero_grad(set_to_none=True)
-    logps = sequence_logps(model, batch, autocast, dtype, scored_head, attention)
+    logps = sequence_logps(model, batch, autocast, dtype, scored_head, attention, tail_weight)
     weights = torch.linspace(
         -1, 1, logps.numel(), device=logps.device
     )  # any weighting: every sequence's gradient counts separately
@@ -103,6 +105,30 @@ def test_layouts_and_heads_equal_padded_full_logits(examples, architecture, atte
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
     if layout == "packed":
         assert batch.n_tokens < pad(examples, 0).n_tokens  # each prompt once, less padding
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("scored_head", [True, False])
+def test_length_desensitized_sums_weigh_the_tail_beyond_the_shorter_response(examples, layout, scored_head):
+    # LD-DPO: in each pair the tokens within the shorter response count fully and the longer one's rest alpha
+    # times; written out token by token from the padded layout's full float32 log-softmax.
+    alpha, n_examples = 0.3, len(examples)
+    model = tiny_model("llama", "sdpa")
+    padded = pad(examples, 0)
+    with torch.no_grad():
+        logits = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask).logits.flatten(0, 1)
+    token_logps = torch.log_softmax(logits.float(), -1)[padded.score_positions, padded.score_targets].tolist()
+    lengths, expected, start = padded.sequence_lengths.tolist(), [], 0
+    for sequence, length in enumerate(lengths):
+        shared = min(lengths[sequence % n_examples], lengths[sequence % n_examples + n_examples])
+        values, start = token_logps[start : start + length], start + length
+        expected.append(sum(values[:shared]) + alpha * sum(values[shared:]))
+    assert sum(length != min(lengths[i % n_examples :: n_examples]) for i, length in enumerate(lengths)) >= 3
+    logps, grads = logps_and_gradients(model, LAYOUTS[layout](examples), scored_head, tail_weight=alpha)
+    torch.testing.assert_close(logps, torch.tensor(expected), rtol=0, atol=1e-5)
+    _, padded_grads = logps_and_gradients(model, padded, scored_head=False, tail_weight=alpha)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_probes_accept_models_that_take_both():
