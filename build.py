@@ -56,9 +56,11 @@ class BatchLoss:
         """batch: the examples already laid out, else they are laid out here (once: policy and a live reference
         share it)."""
         batch = batch or self.scorer.batch(examples)
-        policy_logps = self.scorer(self.policy, batch, self.policy_compute)
+        with_sum_sq = self.objective.reads_sum_sq
+        scores = self.scorer(self.policy, batch, self.policy_compute, with_sum_sq)
+        policy_logps, log_sum_sq = scores if with_sum_sq else (scores, None)
         reference_logps = self.reference(examples, batch) if self.reference is not None else None
-        return self.objective(policy_logps, reference_logps, batch.sequence_lengths, split)
+        return self.objective(policy_logps, reference_logps, batch.sequence_lengths, split, log_sum_sq)
 
 
 @dataclass

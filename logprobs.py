@@ -26,21 +26,26 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # logits: [N, V] any float dtype; rows, targets: [M] long. Returns [M] float32.
+    def forward(ctx, logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, with_sum_sq: bool):
+        # logits: [N, V] any float dtype; rows, targets: [M] long. Returns ([M] float32 log-probs, [M] float32
+        # log sum_v p_v^2 of each row, or [0] unless with_sum_sq).
         step = chunk_rows(logits.shape[-1], logits.device)
         token_logps = torch.empty(rows.numel(), dtype=torch.float32, device=logits.device)
         logsumexp = torch.empty_like(token_logps)
+        log_sum_sq = torch.empty(rows.numel() if with_sum_sq else 0, dtype=torch.float32, device=logits.device)
         for start in range(0, rows.numel(), step):
             end = start + step
-            chunk = logits[rows[start:end]].float()
+            chunk = logits[rows[start:end]].float()  # a copy (indexed rows)
             logsumexp[start:end] = torch.logsumexp(chunk, dim=-1)
             token_logps[start:end] = chunk.gather(-1, targets[start:end, None]).squeeze(-1) - logsumexp[start:end]
+            if with_sum_sq:
+                log_sum_sq[start:end] = log_sum_squares(chunk.sub_(logsumexp[start:end, None]).exp_())
         ctx.save_for_backward(logits, rows, targets, logsumexp)
-        return token_logps
+        ctx.mark_non_differentiable(log_sum_sq)
+        return token_logps, log_sum_sq
 
     @staticmethod
-    def backward(ctx, grad_token_logps: torch.Tensor):
+    def backward(ctx, grad_token_logps: torch.Tensor, _):
         logits, rows, targets, logsumexp = ctx.saved_tensors
         step = chunk_rows(logits.shape[-1], logits.device)
         grad_logits = torch.zeros_like(logits)
@@ -49,7 +54,13 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             softmax = torch.exp(logits[rows[start:end]].float() - logsumexp[start:end, None])
             chunk_grad = log_softmax_grad(softmax, targets[start:end], grad_token_logps[start:end])
             grad_logits.index_add_(0, rows[start:end], chunk_grad.to(logits.dtype))
-        return grad_logits, None, None
+        return grad_logits, None, None, None
+
+
+def log_sum_squares(probs: torch.Tensor) -> torch.Tensor:
+    """[C] log sum_v p_v^2 of [C, V] probabilities, as 2 log ||p||: no [C, V] temporary. It lies in
+    [-log V, 0] (uniform to one-hot), so it neither under- nor overflows in float32."""
+    return torch.linalg.vector_norm(probs, dim=-1).log_().mul_(2)
 
 
 def log_softmax_grad(softmax: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -57,9 +68,11 @@ def log_softmax_grad(softmax: torch.Tensor, targets: torch.Tensor, grad: torch.T
     return (-grad[:, None] * softmax).scatter_add_(-1, targets[:, None], grad[:, None])
 
 
-def token_logps_from_logits(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """[M] float32 log_softmax(logits[rows].float())[targets]; logits: [N, V], rows and targets: [M]."""
-    return _ChunkedTokenLogps.apply(logits, rows, targets)
+def token_logps_from_logits(logits, rows, targets, with_sum_sq: bool = False):
+    """[M] float32 log_softmax(logits[rows].float())[targets]; logits: [N, V], rows and targets: [M]. with_sum_sq:
+    also [M] log sum_v p_v^2 of each row (no gradient), computed in the same pass: (token_logps, log_sum_sq)."""
+    token_logps, log_sum_sq = _ChunkedTokenLogps.apply(logits, rows, targets, with_sum_sq)
+    return (token_logps, log_sum_sq) if with_sum_sq else token_logps
 
 
 class _ChunkedHeadLogps(torch.autograd.Function):
@@ -81,12 +94,14 @@ class _ChunkedHeadLogps(torch.autograd.Function):
 
     @staticmethod
     @torch.profiler.record_function("fused head forward")
-    def forward(ctx, hidden, weight, bias, rows, targets, compute_dtype, keep_probs):
-        # hidden: [N, H]; weight: [V, H]; bias: [V] or None; rows, targets: [M]. Returns [M] float32. keep_probs:
-        # a backward will follow (needs_input_grad cannot tell: it is set under no_grad too, as in the reference pass)
+    def forward(ctx, hidden, weight, bias, rows, targets, compute_dtype, keep_probs, with_sum_sq):
+        # hidden: [N, H]; weight: [V, H]; bias: [V] or None; rows, targets: [M]. Returns ([M] float32 log-probs,
+        # [M] float32 log sum_v p_v^2 of each row, or [0] unless with_sum_sq). keep_probs: a backward will follow
+        # (needs_input_grad cannot tell: it is set under no_grad too, as in the reference pass).
         step = chunk_rows(weight.shape[0], weight.device)
         token_logps = torch.empty(rows.numel(), dtype=torch.float32, device=hidden.device)
         logsumexp = torch.empty_like(token_logps)
+        log_sum_sq = torch.empty(rows.numel() if with_sum_sq else 0, dtype=torch.float32, device=hidden.device)
         weight_c, bias_c = cast(weight, compute_dtype), cast(bias, compute_dtype)  # once, not per chunk
         probs = None
         for start in range(0, rows.numel(), step):
@@ -94,16 +109,19 @@ class _ChunkedHeadLogps(torch.autograd.Function):
             logits = head_logits(hidden[rows[start:end]], weight_c, bias_c, compute_dtype).float()
             logsumexp[start:end] = torch.logsumexp(logits, dim=-1)
             token_logps[start:end] = logits.gather(-1, targets[start:end, None]).squeeze(-1) - logsumexp[start:end]
-            probs = logits
-        if keep_probs and probs is not None:  # the last chunk's softmax, in place: its logits are not needed again
-            probs.sub_(logsumexp[-probs.shape[0] :, None]).exp_()
+            last = end >= rows.numel()
+            if with_sum_sq or (keep_probs and last):  # the softmax, in place: these logits are not needed again
+                probs = logits.sub_(logsumexp[start:end, None]).exp_()
+                if with_sum_sq:
+                    log_sum_sq[start:end] = log_sum_squares(probs)
         ctx.save_for_backward(hidden, weight, bias, rows, targets, logsumexp, probs if keep_probs else None)
         ctx.compute_dtype = compute_dtype
-        return token_logps
+        ctx.mark_non_differentiable(log_sum_sq)
+        return token_logps, log_sum_sq
 
     @staticmethod
     @torch.profiler.record_function("fused head backward")
-    def backward(ctx, grad_token_logps):
+    def backward(ctx, grad_token_logps, _):
         hidden, weight, bias, rows, targets, logsumexp, last_probs = ctx.saved_tensors
         dtype = ctx.compute_dtype
         step = chunk_rows(weight.shape[0], weight.device)
@@ -136,7 +154,7 @@ class _ChunkedHeadLogps(torch.autograd.Function):
                 grad_bias.index_add_(0, chunk_targets, grad.float())
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -151,12 +169,16 @@ def head_logits(
         return torch.nn.functional.linear(hidden.to(dtype), weight, bias)
 
 
-def token_logps_from_hidden(hidden, weight, bias, rows, targets) -> torch.Tensor:
+def token_logps_from_hidden(hidden, weight, bias, rows, targets, with_sum_sq: bool = False):
     """[M] float32 log-probs of `targets` under the LM head applied to hidden[rows], never holding [M, V] logits.
 
     hidden: [N, H]; weight: [V, H]; bias: [V] or None; rows, targets: [M] (rows may repeat: the last prompt token
-    predicts the first token of every response)."""
+    predicts the first token of every response). with_sum_sq: also [M] log sum_v p_v^2 of each row (no gradient),
+    from the same logits: (token_logps, log_sum_sq)."""
     device = hidden.device.type
     compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    return _ChunkedHeadLogps.apply(hidden, weight, bias, rows, targets, compute_dtype, trains)
+    token_logps, log_sum_sq = _ChunkedHeadLogps.apply(
+        hidden, weight, bias, rows, targets, compute_dtype, trains, with_sum_sq
+    )
+    return (token_logps, log_sum_sq) if with_sum_sq else token_logps

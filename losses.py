@@ -3,7 +3,8 @@ checked by itself; values and comments in config/loss/<name>.yaml) and a functio
 per-pair losses and rewards. objective.py applies them; nothing else knows a loss by name.
 
 Notation, all [B] float32, one entry per pair: pc, pr = the policy's summed log-probs of chosen and rejected;
-rc, rr = the reference's (zeros without a reference); nc, nr = their numbers of scored tokens. Log-ratios
+rc, rr = the reference's (zeros without a reference); nc, nr = their numbers of scored tokens; sc, sr = the sums
+over their tokens of the policy's log sum_v p_v^2 (only for a loss that reads them: WPO). Log-ratios
 c = pc - rc and r = pr - rr, h = c - r; sigma is the logistic function. Rewards are beta * c and beta * r unless a
 loss defines its own, always detached: they are metrics, not loss terms.
 """
@@ -22,7 +23,8 @@ from utils import NON_NEGATIVE, POSITIVE, Range, UserError, check_ranges, ranged
 
 @dataclass
 class PairStats:
-    """What a loss may read: summed log-probs of policy and reference, and scored-token counts; all [B]."""
+    """What a loss may read: summed log-probs of policy and reference, and scored-token counts; all [B]. The sums
+    of log sum_v p_v^2 are there only where the loss asks for them (PreferenceLoss.reads_sum_sq)."""
 
     policy_chosen: torch.Tensor
     policy_rejected: torch.Tensor
@@ -30,6 +32,8 @@ class PairStats:
     reference_rejected: torch.Tensor
     chosen_tokens: torch.Tensor
     rejected_tokens: torch.Tensor
+    chosen_log_sum_sq: torch.Tensor | None = None
+    rejected_log_sum_sq: torch.Tensor | None = None
 
     @property
     def chosen_logratio(self) -> torch.Tensor:
@@ -54,6 +58,8 @@ class PairStats:
             self.reference_rejected / nr,
             self.chosen_tokens,
             self.rejected_tokens,
+            self.chosen_log_sum_sq,  # only WPO reads them, from the sums (wpo)
+            self.rejected_log_sum_sq,
         )
 
 
@@ -103,6 +109,10 @@ class PreferenceLoss:
         """How the tokens of a response beyond the pair's shorter one count in its summed log-probs (1: fully)."""
         return 1.0
 
+    def reads_sum_sq(self) -> bool:
+        """Whether the loss reads the policy's sums of log sum_v p_v^2 (PairStats)."""
+        return False
+
     def __post_init__(self):
         check_ranges(self, "loss.")  # the keys of its subclasses too
 
@@ -134,6 +144,17 @@ class LDDPOConfig(DPOConfig):
 
     def tail_weight(self) -> float:
         return self.ld_alpha
+
+
+@dataclass
+class WPOConfig(DPOConfig):
+    """WPO: DPO with each pair weighted by the policy's probability of sampling it (wpo)."""
+
+    def reads_sum_sq(self) -> bool:
+        return True
+
+    def statistics(self, stats: PairStats) -> PairStats:
+        return stats  # the weight needs the sums; wpo applies length_normalized to the DPO term itself
 
 
 @dataclass
@@ -206,6 +227,9 @@ class NLLConfig:
     def tail_weight(self) -> float:
         return 1.0
 
+    def reads_sum_sq(self) -> bool:
+        return False
+
 
 @dataclass
 class WeightedConfig:
@@ -243,6 +267,9 @@ class WeightedConfig:
     def tail_weight(self) -> float:
         return 1.0  # no term may change it (__post_init__)
 
+    def reads_sum_sq(self) -> bool:
+        return any(config.reads_sum_sq() for _, config in self.components.values())
+
 
 # -------------------------------------------------------------------------------------------------------------
 # Losses: (stats, config, state) -> LossOutput. `state` is the objective's running state (see bco_pair).
@@ -253,6 +280,21 @@ def dpo(s: PairStats, cfg: DPOConfig, state: dict) -> LossOutput:
     conservative DPO (Mitchell 2023): -(1 - eps) log sigma(beta h) - eps log sigma(-beta h)."""
     x, eps = cfg.beta * s.margin, cfg.label_smoothing
     return rewards(s, cfg.beta, -(1 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x))
+
+
+def wpo(s: PairStats, cfg: WPOConfig, state: dict) -> LossOutput:
+    """WPO (Zhou et al. 2024, arXiv:2406.11827): off-policy pairs reweighted towards on-policy ones, DPO's loss
+    times w(chosen) w(rejected), detached. w(y) = exp(mean over y's tokens of log(p_t / sum_v p_v^2)): each token's
+    probability relative to sum_v p_v^2, the expected probability of a token the policy samples itself (the
+    paper's weight alignment, as TRL 1.16 computes it), so w = exp((pc - sc) / nc) for chosen, likewise for
+    rejected. Logged as `wpo_weight`."""
+    nc, nr = s.chosen_tokens.clamp(min=1), s.rejected_tokens.clamp(min=1)
+    log_weight = (s.policy_chosen - s.chosen_log_sum_sq) / nc + (s.policy_rejected - s.rejected_log_sum_sq) / nr
+    weight = log_weight.detach().exp()
+    output = dpo(s.per_token() if cfg.length_normalized else s, cfg, state)
+    output.losses = weight * output.losses
+    output.terms = {"wpo_weight": weight}
+    return output
 
 
 def ipo(s: PairStats, cfg: IPOConfig, state: dict) -> LossOutput:
@@ -429,7 +471,8 @@ LOSSES = {
     "discopop": LossComponent(DiscoPOPConfig, discopop),
     "dpop": LossComponent(DPOPConfig, dpop),
     "f_dpo": LossComponent(FDPOConfig, f_dpo),
-    "ld_dpo": LossComponent(LDDPOConfig, dpo),  # DPO on the sums its tail_weight asks the scorer for
+    "ld_dpo": LossComponent(LDDPOConfig, dpo),
+    "wpo": LossComponent(WPOConfig, wpo),  # DPO on the sums its tail_weight asks the scorer for
     "simpo": LossComponent(SimPOConfig, simpo),
     "orpo": LossComponent(PreferenceLoss, orpo),
     "cpo": LossComponent(PreferenceLoss, cpo),

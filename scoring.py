@@ -70,13 +70,23 @@ def attention_implementation(model: torch.nn.Module, name: str | None):
 
 
 @contextlib.contextmanager
-def head_returns_token_logps(model: torch.nn.Module, rows: torch.Tensor, targets: torch.Tensor):
+def head_returns_token_logps(model: torch.nn.Module, rows: torch.Tensor, targets: torch.Tensor, with_sum_sq: bool):
     """For the forwards inside this block, the model's LM head maps the kept hidden states [R, K, H] to the
-    float32 log-probs [M] of `targets` at flat kept rows `rows` (chunked: no [M, V] logits)."""
-    head = model.get_output_embeddings()
-    head.forward = lambda hidden: token_logps_from_hidden(hidden.flatten(0, -2), head.weight, head.bias, rows, targets)
+    float32 log-probs [M] of `targets` at flat kept rows `rows` (chunked: no [M, V] logits). with_sum_sq: the
+    block yields a dict that the forward fills with "log_sum_sq", [M] log sum_v p_v^2 (the model returns one
+    tensor, its head's)."""
+    head, extras = model.get_output_embeddings(), {}
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        out = token_logps_from_hidden(hidden.flatten(0, -2), head.weight, head.bias, rows, targets, with_sum_sq)
+        if not with_sum_sq:
+            return out
+        extras["log_sum_sq"] = out[1]
+        return out[0]
+
+    head.forward = forward
     try:
-        yield
+        yield extras
     finally:
         del head.forward
 
@@ -89,7 +99,8 @@ def sequence_logps(
     scored_head: bool,
     attention: str = "dense",
     tail_weight: float = 1.0,
-) -> torch.Tensor:
+    with_sum_sq: bool = False,
+):
     """[S] float32 summed log-probs of each sequence's scored tokens, in one forward pass of `model`.
 
     autocast_dtype: run the forward under torch.autocast in this dtype (None: no autocast).
@@ -98,7 +109,9 @@ def sequence_logps(
     log-softmax; otherwise the model returns all [R, T, V] logits and the log-softmax is chunked over them.
     attention: for a packed batch whose mask is not built yet (see Scorer.batch), "dense" ([R, 1, T, T] additive
     mask, SDPA) or "block" (FlexAttention).
-    tail_weight: the weight of the tokens beyond the example's shortest response (response_sums)."""
+    tail_weight: the weight of the tokens beyond the example's shortest response (response_sums).
+    with_sum_sq: also [S] sums of log sum_v p_v^2 over each sequence's scored tokens (WPO), no gradient, from the
+    same logits: (logps, log_sum_sq)."""
     mask = batch.attention_mask if batch.attention_mask is not None else packed_mask(batch, attention)
     flex = not torch.is_tensor(mask)  # a BlockMask
     if not flex and mask.dim() == 4:
@@ -108,12 +121,15 @@ def sequence_logps(
     autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
     with autocast, attention_implementation(model, "flex_attention" if flex else None):
         if scored_head:
-            with head_returns_token_logps(model, batch.score_rows, batch.score_targets):
+            with head_returns_token_logps(model, batch.score_rows, batch.score_targets, with_sum_sq) as extras:
                 token_logps = model(**inputs, logits_to_keep=batch.keep_positions).logits
+            log_sum_sq = extras.get("log_sum_sq")
         else:
-            logits = model(**inputs).logits
-            token_logps = token_logps_from_logits(logits.flatten(0, 1), batch.score_positions, batch.score_targets)
-    return response_sums(token_logps.float().view(-1), batch, tail_weight)
+            logits = model(**inputs).logits.flatten(0, 1)
+            out = token_logps_from_logits(logits, batch.score_positions, batch.score_targets, with_sum_sq)
+            token_logps, log_sum_sq = out if with_sum_sq else (out, None)
+    logps = response_sums(token_logps.float().view(-1), batch, tail_weight)
+    return (logps, response_sums(log_sum_sq.view(-1), batch)) if with_sum_sq else logps
 
 
 def response_sums(token_values: torch.Tensor, batch: ModelBatch, tail_weight: float = 1.0) -> torch.Tensor:
@@ -280,9 +296,12 @@ class Scorer:
             batch.attention_mask = packed_mask(batch, self.attention)
         return batch
 
-    def __call__(self, model: torch.nn.Module, batch: ModelBatch, compute: torch.dtype | None) -> torch.Tensor:
+    def __call__(self, model: torch.nn.Module, batch: ModelBatch, compute: torch.dtype | None, with_sum_sq=False):
         """[R * B] float32 summed log-probs of each example's responses (all first responses, then all second
-        ones), in one forward pass; compute: the model's compute dtype, or None for its weights'."""
+        ones), in one forward pass; compute: the model's compute dtype, or None for its weights'. with_sum_sq: and
+        their sums of log sum_v p_v^2 (sequence_logps)."""
         autocast = compute if self.autocast else None
         mask_dtype = compute or next(model.parameters()).dtype
-        return sequence_logps(model, batch, autocast, mask_dtype, self.scored_head, self.attention, self.tail_weight)
+        return sequence_logps(
+            model, batch, autocast, mask_dtype, self.scored_head, self.attention, self.tail_weight, with_sum_sq
+        )

@@ -275,10 +275,12 @@ def test_shards_pad_short_shares_and_micro_batches_cut_them():
     assert Topology().gather({"x": [1, 2]}) == {"x": [1, 2]} and Topology().broadcast("a") == "a"
 
 
-@pytest.mark.parametrize("trainer,loss", [("FSDPTrainer", "bco_pair"), ("TensorParallelTrainer", "simpo")])
+@pytest.mark.parametrize(
+    "trainer,loss", [("FSDPTrainer", "bco_pair"), ("TensorParallelTrainer", "simpo"), ("FSDPTrainer", "wpo")]
+)
 def test_other_losses_match_basic_trainer_across_processes(tmp_path, pairs_file, trainer, loss):
     # bco_pair's running reward mean is folded from the gathered batch: the same on every rank as on one process.
-    # simpo reads no reference.
+    # simpo reads no reference. wpo reads a second output of the fused head, inside FSDP's root forward.
     launch(tmp_path / "basic", pairs_file, "trainer=BasicTrainer", f"loss={loss}")
     launch(tmp_path / "run", pairs_file, f"trainer={trainer}", f"loss={loss}")
     assert_same_metrics(

@@ -216,3 +216,45 @@ def test_no_grad_passes_do_not_prepare_the_backward(chunk_rows_of, grad):
     with VocabularyExps(), torch.set_grad_enabled(grad):
         logprobs.token_logps_from_hidden(hidden, weight, None, torch.arange(6), torch.randint(0, 40, (6,)))
     assert VocabularyExps.count == (1 if grad else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows_per_chunk", [3, 4096])
+def test_log_sum_of_squared_probs_comes_with_the_log_probs(dtype, rows_per_chunk, chunk_rows_of):
+    # WPO's log sum_v p_v^2 per scored token, from the fused head and from existing logits, equals
+    # logsumexp(2 log_softmax(logits.float())), and asking for it changes neither the log-probs nor their gradients.
+    chunk_rows_of(rows_per_chunk, 40)
+    torch.manual_seed(3)
+    hidden = torch.randn(6, 16) * 2
+    head = torch.nn.Linear(16, 40)
+    rows = torch.tensor([0, 2, 2, 3, 5, 5, 5, 1])
+    targets = torch.randint(0, 40, (8,))
+    weights = torch.randn(8)
+    autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+    with autocast:
+        logits = head(hidden)
+    expected = torch.logsumexp(2 * logits.float().log_softmax(-1), dim=-1)[rows]
+    assert expected.min() < -0.5 and expected.max() > -3.7  # neither uniform (-log 40) nor one-hot (0)
+
+    def fused(with_sum_sq):
+        leaf = hidden.clone().requires_grad_()
+        head.zero_grad(set_to_none=True)
+        with autocast:
+            out = logprobs.token_logps_from_hidden(leaf, head.weight, head.bias, rows, targets, with_sum_sq)
+        token_logps = out[0] if with_sum_sq else out
+        (token_logps * weights).sum().backward()
+        return out, [leaf.grad, head.weight.grad, head.bias.grad]
+
+    (token_logps, log_sum_sq), grads = fused(True)
+    plain, plain_grads = fused(False)
+    assert not log_sum_sq.requires_grad and log_sum_sq.dtype == torch.float32
+    torch.testing.assert_close(log_sum_sq, expected, rtol=0, atol=1e-5)
+    assert torch.equal(token_logps, plain)
+    for a, b in zip(grads, plain_grads):
+        assert torch.equal(a, b)
+    with_sum_sq, plain = logits.detach().requires_grad_(), logits.detach().requires_grad_()
+    token_logps, log_sum_sq = logprobs.token_logps_from_logits(with_sum_sq, rows, targets, with_sum_sq=True)
+    torch.testing.assert_close(log_sum_sq, expected, rtol=0, atol=1e-5)
+    (token_logps * weights).sum().backward()
+    (logprobs.token_logps_from_logits(plain, rows, targets) * weights).sum().backward()
+    assert torch.equal(with_sum_sq.grad, plain.grad)

@@ -37,9 +37,10 @@ def sigmoid(x: float) -> float:
     return 1 / (1 + math.exp(-x))
 
 
-def stats(pc=-1.0, pr=-3.0, rc=-2.0, rr=-2.0, nc=2, nr=4, requires_grad=False) -> PairStats:
+def stats(pc=-1.0, pr=-3.0, rc=-2.0, rr=-2.0, nc=2, nr=4, sc=-2.0, sr=-2.0, requires_grad=False) -> PairStats:
+    """sc, sr: the policy's sums of log sum_v p_v^2 over chosen's and rejected's tokens (WPO's)."""
     policy_chosen = torch.tensor([pc], requires_grad=requires_grad)
-    tensors = [torch.tensor([v]) for v in (pr, rc, rr, nc, nr)]
+    tensors = [torch.tensor([v]) for v in (pr, rc, rr, nc, nr, sc, sr)]
     return PairStats(policy_chosen, *tensors)
 
 
@@ -196,6 +197,26 @@ def test_a_loss_that_weighs_tails_is_not_a_weighted_term():
     with pytest.raises(UserError, match="loss.terms.ld_dpo weighs response tails for every term"):
         preset("mpo", f"+loss.terms.ld_dpo={{weight: 1.0, {keys}, ld_alpha: 0.5}}")
     assert preset("mpo", f"+loss.terms.ld_dpo={{weight: 1.0, {keys}, ld_alpha: 1.0}}").tail_weight() == 1.0
+
+
+def test_wpo_weighs_dpo_by_the_aligned_sampling_probability():
+    # WPO (Zhou et al. 2024): w = exp((pc - sc)/nc + (pr - sr)/nr) = exp((-1 + 2)/2 + (-3 + 2)/4) = exp(1/4), detached;
+    # the loss is w times DPO's, so its gradient is w times DPO's: -w beta sigma(-beta h) at beta 0.5, h = 2.
+    config = preset("wpo", "loss.beta=0.5")
+    assert config.reads_sum_sq() and not preset("dpo").reads_sum_sq()
+    s = stats(requires_grad=True)
+    output = compute(config, s, {})
+    weight = math.exp(0.25)
+    assert output.losses.item() == pytest.approx(weight * softplus(-1), abs=1e-6)
+    assert output.terms["wpo_weight"].item() == pytest.approx(weight)
+    assert (output.chosen_rewards.item(), output.rejected_rewards.item()) == pytest.approx((0.5, -0.5))
+    output.losses.sum().backward()
+    assert s.policy_chosen.grad.item() == pytest.approx(-weight * 0.5 * sigmoid(-1), abs=1e-6)
+    # length_normalized: the DPO term on per-token means (h = 0.75), the weight as before
+    normalized = compute(preset("wpo", "loss.beta=0.5", "loss.length_normalized=true"), stats(), {})
+    assert normalized.losses.item() == pytest.approx(weight * softplus(-0.375), abs=1e-6)
+    # a policy sure of every token (p_t = 1, so sum p^2 = 1) has weight 1
+    assert compute(config, stats(pc=0.0, pr=0.0, sc=0.0, sr=0.0), {}).terms["wpo_weight"].item() == 1.0
 
 
 def test_dpop_penalises_chosen_below_the_reference():

@@ -131,6 +131,29 @@ def test_length_desensitized_sums_weigh_the_tail_beyond_the_shorter_response(exa
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("scored_head", [True, False])
+def test_sums_of_log_sum_squared_probs_equal_the_padded_full_logits(examples, layout, scored_head):
+    # WPO reads, per sequence, the sum over its scored tokens of log sum_v p_v^2; every layout and head gives the
+    # padded layout's, from its full float32 softmax, with the log-probs and their gradients unchanged.
+    model = tiny_model("gpt2", "sdpa")
+    padded = pad(examples, 0)
+    with torch.no_grad():
+        logits = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask).logits.flatten(0, 1)
+    per_token = torch.logsumexp(2 * torch.log_softmax(logits.float(), -1), dim=-1)[padded.score_positions]
+    expected = torch.segment_reduce(per_token, "sum", lengths=padded.sequence_lengths, unsafe=True, initial=0)
+    batch = LAYOUTS[layout](examples)
+    plain, plain_grads = logps_and_gradients(model, batch, scored_head)
+    model.zero_grad(set_to_none=True)
+    logps, log_sum_sq = sequence_logps(model, batch, None, torch.float32, scored_head, with_sum_sq=True)
+    (logps * torch.linspace(-1, 1, logps.numel())).sum().backward()
+    torch.testing.assert_close(log_sum_sq, expected, rtol=1e-6, atol=1e-5)
+    assert not log_sum_sq.requires_grad and (expected < -1).all()  # far from one-hot: a real sum of many tokens
+    torch.testing.assert_close(logps.detach(), plain, rtol=0, atol=0)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, plain_grads[name], rtol=0, atol=0, msg=name)
+
+
 def test_probes_accept_models_that_take_both():
     for architecture in ("llama", "gpt2"):
         for attention in ("sdpa", "eager"):
