@@ -19,6 +19,7 @@ from adapters import AdaptersDisabled, apply_lora, is_adapted, quantization_conf
 from distributed import TRAINERS, Topology
 from evaluation import Evaluator
 from layouts import ModelBatch
+from losses import PairStats
 from models import load_model, load_tokenizer, resolve_model_dir
 from objective import build_objective
 from optim import build_optimizer, build_scheduler
@@ -42,6 +43,20 @@ class Data:
 
 
 @dataclass
+class CoupledBatch:
+    """A batch (an optimizer step's, or an eval batch) for a loss whose pairs depend on each other (aot): every
+    pair's statistics, detached, in batch order on every rank, and for each of this rank's micro-batches where its
+    pairs are in it and its reference log-probs (computed once, here)."""
+
+    stats: PairStats  # [G]
+    positions: list[torch.Tensor]  # [b] per micro-batch
+    reference_logps: list[torch.Tensor | None]  # [2b] per micro-batch
+
+    def part(self, index: int) -> tuple[PairStats, torch.Tensor, torch.Tensor | None]:
+        return self.stats, self.positions[index], self.reference_logps[index]
+
+
+@dataclass
 class BatchLoss:
     """The objective on a micro-batch: the policy's log-probs (scored as the Scorer decided), the reference's, and the
     loss. Returns (mean loss, {name: [B] per-example metric on the device}), metrics named as in the DPO reference."""
@@ -51,16 +66,47 @@ class BatchLoss:
     policy: torch.nn.Module
     policy_compute: torch.dtype | None
     reference: object | None  # reference_cache.LiveReference or CachedReference; None for a loss without one
+    topology: Topology
 
-    def __call__(self, examples: list[dict], split: str, batch: ModelBatch | None = None):
+    def __call__(self, examples: list[dict], split: str, batch: ModelBatch | None = None, coupled=None):
         """batch: the examples already laid out, else they are laid out here (once: policy and a live reference
-        share it)."""
+        share it). coupled: CoupledBatch.part of this micro-batch, for a loss that couples pairs."""
         batch = batch or self.scorer.batch(examples)
         with_sum_sq = self.objective.reads_sum_sq
         scores = self.scorer(self.policy, batch, self.policy_compute, with_sum_sq)
         policy_logps, log_sum_sq = scores if with_sum_sq else (scores, None)
-        reference_logps = self.reference(examples, batch) if self.reference is not None else None
-        return self.objective(policy_logps, reference_logps, batch.sequence_lengths, split, log_sum_sq)
+        whole_batch = None
+        if coupled is not None:
+            *whole_batch, reference_logps = coupled
+        elif self.reference is not None:
+            reference_logps = self.reference(examples, batch)
+        else:
+            reference_logps = None
+        return self.objective(policy_logps, reference_logps, batch.sequence_lengths, split, log_sum_sq, whole_batch)
+
+    def couple(self, micro_batches: list[list[dict]], n_real: int, n_examples: int) -> CoupledBatch | None:
+        """For a loss that couples the pairs of a batch, when the batch is more than one micro-batch (accumulation or
+        ranks): a no-grad pass of the policy over this rank's micro-batches, gathered over ranks (the sort of aot needs
+        every pair before any backward; one forward more per step). n_real: how many of this rank's examples are
+        real (Topology.micro_batches); n_examples: the batch's. None otherwise."""
+        if not self.objective.couples_pairs or (len(micro_batches) == 1 and self.topology.dp_size == 1):
+            return None
+        columns, references, positions = [], [], []
+        share_start, index = self.topology.dp_rank * -(-n_examples // self.topology.dp_size), 0
+        with torch.no_grad():
+            for examples in micro_batches:
+                batch = self.scorer.batch(examples)
+                policy = self.scorer(self.policy, batch, self.policy_compute)
+                reference = self.reference(examples, batch) if self.reference is not None else None
+                references.append(reference)
+                reference = torch.zeros_like(policy) if reference is None else reference
+                lengths = batch.sequence_lengths.to(policy)
+                columns.append(torch.stack([*policy.chunk(2), *reference.chunk(2), *lengths.chunk(2)]))
+                local = torch.arange(index, index + len(examples))  # a padding copy (past n_real) is items[0]
+                positions.append(torch.where(local < n_real, share_start + local, 0).to(policy.device))
+                index += len(examples)
+        stats = PairStats(*self.topology.gather_columns(torch.cat(columns, dim=1), n_examples))
+        return CoupledBatch(stats, positions, references)
 
 
 @dataclass
@@ -181,7 +227,7 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     optimizer = build_optimizer(config.optimizer, trainable, config.lr, OmegaConf.to_container(config.optimizer_kwargs))
     scheduler = build_scheduler(optimizer, config.warmup_steps)
-    batch_loss = BatchLoss(objective, scorer, policy, precision.policy_compute, reference)
+    batch_loss = BatchLoss(objective, scorer, policy, precision.policy_compute, reference, topology)
     evaluator = Evaluator(config, topology, tokenizer, data.eval_batches, batch_loss)
     return RunParts(
         config, topology, tokenizer, objective, precision, data, policy, scorer, reference, reference_model,

@@ -1,7 +1,6 @@
 """Evaluation on the held-out examples, and samples from policy and reference on their prompts."""
 
 from collections import defaultdict
-from typing import Callable
 
 import torch
 import tqdm
@@ -13,9 +12,10 @@ from layouts import left_padded_prompts
 class Evaluator:
     """Evaluates on fixed eval batches, each rank on its share in the training micro-batch budget.
 
-    batch_metrics(examples, split) -> (mean loss, {name: [B] metric}): the objective on a micro-batch."""
+    batch_metrics: build.BatchLoss, the objective on a micro-batch: (examples, split, batch, coupled part) ->
+    (mean loss, {name: [B] metric}), and its `couple` for a loss whose pairs depend on each other."""
 
-    def __init__(self, config, topology: Topology, tokenizer, eval_batches: list[list[dict]], batch_metrics: Callable):
+    def __init__(self, config, topology: Topology, tokenizer, eval_batches: list[list[dict]], batch_metrics):
         self.config, self.topology, self.tokenizer = config, topology, tokenizer
         self.eval_batches, self.batch_metrics = eval_batches, batch_metrics
 
@@ -29,12 +29,15 @@ class Evaluator:
         )
         for batch in batches:
             # The training micro-batch budget: a rank's share goes through in gradient_accumulation_steps parts.
-            micro_batches, _ = self.topology.micro_batches(
+            micro_batches, n_real = self.topology.micro_batches(
                 batch, self.config.eval_batch_size, self.config.gradient_accumulation_steps
             )
+            coupled = self.batch_metrics.couple(micro_batches, n_real, len(batch))  # for a loss coupling pairs
             columns = defaultdict(list)
-            for micro_batch in micro_batches:
-                for name, metric in self.batch_metrics(micro_batch, "eval")[1].items():
+            for index, micro_batch in enumerate(micro_batches):
+                for name, metric in self.batch_metrics(micro_batch, "eval", None, coupled and coupled.part(index))[
+                    1
+                ].items():
                     columns[name].append(metric.detach().float())
             names = sorted(columns)
             local = torch.stack([torch.cat(columns[name]) for name in names])

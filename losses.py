@@ -34,6 +34,10 @@ class PairStats:
     rejected_tokens: torch.Tensor
     chosen_log_sum_sq: torch.Tensor | None = None
     rejected_log_sum_sq: torch.Tensor | None = None
+    # For a loss that couples the pairs of a batch (aot): every pair of the optimizer step (or eval batch), [G] and
+    # detached, and where these B pairs are in it ([B] long). None: these pairs are the whole batch.
+    batch: "PairStats | None" = None
+    batch_positions: torch.Tensor | None = None
 
     @property
     def chosen_logratio(self) -> torch.Tensor:
@@ -60,7 +64,18 @@ class PairStats:
             self.rejected_tokens,
             self.chosen_log_sum_sq,  # only WPO reads them, from the sums (wpo)
             self.rejected_log_sum_sq,
+            self.batch.per_token() if self.batch is not None else None,
+            self.batch_positions,
         )
+
+    def whole_batch(self) -> tuple["PairStats", torch.Tensor]:
+        """(the batch these pairs belong to, detached, and their positions in it)."""
+        if self.batch is not None:
+            return self.batch, self.batch_positions
+        policy = (self.policy_chosen.detach(), self.policy_rejected.detach())
+        reference = (self.reference_chosen, self.reference_rejected)
+        alone = PairStats(*policy, *reference, self.chosen_tokens, self.rejected_tokens)
+        return alone, torch.arange(self.policy_chosen.numel(), device=self.policy_chosen.device)
 
 
 @dataclass
@@ -109,6 +124,10 @@ class PreferenceLoss:
         """How the tokens of a response beyond the pair's shorter one count in its summed log-probs (1: fully)."""
         return 1.0
 
+    def couples_pairs(self) -> bool:
+        """Whether a pair's loss depends on the other pairs of its batch (PairStats.batch)."""
+        return False
+
     def reads_sum_sq(self) -> bool:
         """Whether the loss reads the policy's sums of log sum_v p_v^2 (PairStats)."""
         return False
@@ -155,6 +174,16 @@ class WPOConfig(DPOConfig):
 
     def statistics(self, stats: PairStats) -> PairStats:
         return stats  # the weight needs the sums; wpo applies length_normalized to the DPO term itself
+
+
+@dataclass
+class AOTConfig(RatioLoss):
+    """AOT: the pairs of a batch matched by rank (aot)."""
+
+    label_smoothing: float = ranged(Range(0, 0.5))
+
+    def couples_pairs(self) -> bool:
+        return True
 
 
 @dataclass
@@ -230,6 +259,9 @@ class NLLConfig:
     def reads_sum_sq(self) -> bool:
         return False
 
+    def couples_pairs(self) -> bool:
+        return False
+
 
 @dataclass
 class WeightedConfig:
@@ -270,6 +302,9 @@ class WeightedConfig:
     def reads_sum_sq(self) -> bool:
         return any(config.reads_sum_sq() for _, config in self.components.values())
 
+    def couples_pairs(self) -> bool:
+        return any(config.couples_pairs() for _, config in self.components.values())
+
 
 # -------------------------------------------------------------------------------------------------------------
 # Losses: (stats, config, state) -> LossOutput. `state` is the objective's running state (see bco_pair).
@@ -295,6 +330,45 @@ def wpo(s: PairStats, cfg: WPOConfig, state: dict) -> LossOutput:
     output.losses = weight * output.losses
     output.terms = {"wpo_weight": weight}
     return output
+
+
+def aot(s: PairStats, cfg: AOTConfig, state: dict) -> LossOutput:
+    """AOT for paired data (Melnyk et al. 2024, arXiv:2406.05882): distributional alignment by optimal transport in
+    one dimension, which matches sorted samples: the policy's margins pc - pr of the batch, sorted, each against the
+    reference margin rc - rr of the same rank, under cDPO's loss: with d_k = sort(pc - pr)_k - sort(rc - rr)_k,
+    mean_k -(1 - eps) log sigma(beta d_k) - eps log sigma(-beta d_k). (TRL 1.16's `aot`.)"""
+    batch, positions = s.whole_batch()
+    own = s.policy_chosen - s.policy_rejected
+    x = (batch.policy_chosen - batch.policy_rejected).index_put((positions,), own)
+    y = batch.reference_chosen - batch.reference_rejected
+    return rewards(s, cfg.beta, sorted_match_losses(x, y, positions, cfg))
+
+
+def aot_unpaired(s: PairStats, cfg: AOTConfig, state: dict) -> LossOutput:
+    """AOT for unpaired data (Melnyk et al. 2024, arXiv:2406.05882): the chosen log-ratios c of the batch, sorted,
+    each against the rejected log-ratio r of the same rank: d_k = sort(c)_k - sort(r)_k, under cDPO's loss as in
+    aot. (TRL 1.16's `aot_unpaired`.)"""
+    batch, positions = s.whole_batch()
+    x = batch.chosen_logratio.index_put((positions,), s.chosen_logratio)
+    y = batch.rejected_logratio.index_put((positions,), s.rejected_logratio)
+    return rewards(s, cfg.beta, sorted_match_losses(x, y, positions, cfg))
+
+
+def sorted_match_losses(x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor, cfg: AOTConfig) -> torch.Tensor:
+    """[B] per-pair losses of the batch loss L = mean_k l(beta (sort(x)_k - sort(y)_k)), l cDPO's, for the B pairs at
+    `positions` of the batch's G; x, y: [G], live (differentiable) at those positions and detached elsewhere.
+
+    Each pair is charged the term of the rank its x sorts to (a permutation: the G charges average to L). Its
+    gradient is that of L through these pairs' entries, scaled by G / B: the trainer averages micro-batch means
+    over micro-batches and ranks, so summed it gives exactly the gradient of L, for any accumulation and rank
+    count (stable sorts: every rank ranks ties alike)."""
+    x_sorted, x_order = torch.sort(x, stable=True)
+    d = cfg.beta * (x_sorted - torch.sort(y, stable=True).values)
+    eps = cfg.label_smoothing
+    terms = -(1 - eps) * F.logsigmoid(d) - eps * F.logsigmoid(-d)  # [G]
+    rank = torch.empty_like(x_order).scatter_(0, x_order, torch.arange(x.numel(), device=x.device))
+    surrogate = terms.mean() * (x.numel() / positions.numel())
+    return terms.detach()[rank[positions]] + (surrogate - surrogate.detach())
 
 
 def ipo(s: PairStats, cfg: IPOConfig, state: dict) -> LossOutput:
@@ -472,7 +546,9 @@ LOSSES = {
     "dpop": LossComponent(DPOPConfig, dpop),
     "f_dpo": LossComponent(FDPOConfig, f_dpo),
     "ld_dpo": LossComponent(LDDPOConfig, dpo),
-    "wpo": LossComponent(WPOConfig, wpo),  # DPO on the sums its tail_weight asks the scorer for
+    "wpo": LossComponent(WPOConfig, wpo),
+    "aot": LossComponent(AOTConfig, aot),
+    "aot_unpaired": LossComponent(AOTConfig, aot_unpaired),  # DPO on the sums its tail_weight asks the scorer for
     "simpo": LossComponent(SimPOConfig, simpo),
     "orpo": LossComponent(PreferenceLoss, orpo),
     "cpo": LossComponent(PreferenceLoss, cpo),

@@ -92,9 +92,11 @@ class Trainer:
         torch.manual_seed(self.config.seed + self.batch_counter)
         accumulation = self.config.gradient_accumulation_steps
         columns = defaultdict(list)
-        for micro_batch in self.topology.micro_batches(examples, self.config.batch_size, accumulation)[0]:
+        micro_batches, n_real = self.topology.micro_batches(examples, self.config.batch_size, accumulation)
+        coupled = self.batch_loss.couple(micro_batches, n_real, len(examples))  # None unless the loss couples pairs
+        for index, micro_batch in enumerate(micro_batches):
             batch = self.scorer.batch(micro_batch)
-            loss, batch_metrics = self.batch_loss(micro_batch, "train", batch)
+            loss, batch_metrics = self.batch_loss(micro_batch, "train", batch, coupled and coupled.part(index))
             # Each rank's loss is the mean over its share; averaging gradients over ranks gives the batch mean.
             (loss / accumulation).backward()
             for name, values in batch_metrics.items():

@@ -211,10 +211,11 @@ def record_micro_batches(trainer, rank: int) -> list[tuple[int, bool]]:
 
     batch_loss = trainer.batch_loss
 
-    def recording(examples, split, batch=None):
+    def recording(examples, split, batch=None, coupled=None):
         record(len(examples))
-        return batch_loss(examples, split, batch)
+        return batch_loss(examples, split, batch, coupled)
 
+    recording.couple = batch_loss.couple
     trainer.batch_loss = recording
     step = trainer.optimizer.step
     trainer.optimizer.step = lambda: (record(0), step())[1]
@@ -276,11 +277,13 @@ def test_shards_pad_short_shares_and_micro_batches_cut_them():
 
 
 @pytest.mark.parametrize(
-    "trainer,loss", [("FSDPTrainer", "bco_pair"), ("TensorParallelTrainer", "simpo"), ("FSDPTrainer", "wpo")]
+    "trainer,loss",
+    [("FSDPTrainer", "bco_pair"), ("TensorParallelTrainer", "simpo"), ("FSDPTrainer", "wpo"), ("FSDPTrainer", "aot")],
 )
 def test_other_losses_match_basic_trainer_across_processes(tmp_path, pairs_file, trainer, loss):
     # bco_pair's running reward mean is folded from the gathered batch: the same on every rank as on one process.
-    # simpo reads no reference. wpo reads a second output of the fused head, inside FSDP's root forward.
+    # simpo reads no reference. wpo reads a second output of the fused head, inside FSDP's root forward. aot sorts
+    # the whole batch: each rank's micro-batches see the other rank's pairs, in training and in evals.
     launch(tmp_path / "basic", pairs_file, "trainer=BasicTrainer", f"loss={loss}")
     launch(tmp_path / "run", pairs_file, f"trainer={trainer}", f"loss={loss}")
     assert_same_metrics(

@@ -219,6 +219,63 @@ def test_wpo_weighs_dpo_by_the_aligned_sampling_probability():
     assert compute(config, stats(pc=0.0, pr=0.0, sc=0.0, sr=0.0), {}).terms["wpo_weight"].item() == 1.0
 
 
+# (pc, pr, rc, rr): policy margins x = pc - pr = 2, -1, 1 and reference margins y = rc - rr = 0, 3, -1; chosen
+# log-ratios c = 1, -4, 1.5 and rejected r = -1, 0, -0.5
+AOT_PAIRS = [(-1.0, -3.0, -2.0, -2.0), (-5.0, -4.0, -1.0, -4.0), (-1.5, -2.5, -3.0, -2.0)]
+
+
+@pytest.mark.parametrize(
+    "name,charges",
+    [
+        # sort(x) = -1, 1, 2 against sort(y) = -1, 0, 3: d = 0, 1, -1; pair 1's x sorts last, pair 2's first
+        ("aot", [softplus(1), math.log(2), softplus(-1)]),
+        # sort(c) = -4, 1, 1.5 against sort(r) = -1, -0.5, 0: d = -3, 1.5, 1.5
+        ("aot_unpaired", [softplus(-1.5), softplus(3), softplus(-1.5)]),
+    ],
+)
+def test_aot_matches_sorted_samples_closed_form(name, charges):
+    # AOT (Melnyk et al. 2024) at beta 1: each pair is charged -log sigma(d) of the rank its x (aot) or c
+    # (aot_unpaired) sorts to; the charges average to the batch loss, whose gradient they carry.
+    config = preset(name, "loss.beta=1.0")
+    assert config.couples_pairs() and not preset("dpo").couples_pairs()
+    s = batch(*AOT_PAIRS)
+    s.policy_chosen.requires_grad_()
+    output = compute(config, s, {})
+    assert output.losses.tolist() == pytest.approx(charges, abs=1e-6)
+    output.losses.mean().backward()
+    # d L / d pc of pair 1: its x (aot) sorts to d = -1, its c (aot_unpaired) to d = 1.5; l'(d) = -sigma(-d), / 3
+    expected = -sigmoid(1) / 3 if name == "aot" else -sigmoid(-1.5) / 3
+    assert s.policy_chosen.grad[0].item() == pytest.approx(expected, abs=1e-6)
+    assert output.chosen_rewards.tolist() == pytest.approx([1.0, -4.0, 1.5])  # beta c, as DPO's
+
+
+@pytest.mark.parametrize("name", ["aot", "aot_unpaired"])
+def test_aot_over_micro_batches_equals_the_whole_batch(name):
+    # The batch split in micro-batches that see the whole batch detached (build.BatchLoss.couple) gives the same
+    # per-pair charges, and the trainer's average of micro-batch means gives the whole batch's gradient.
+    config = preset(name, "loss.label_smoothing=0.1")
+    torch.manual_seed(0)
+    columns = [torch.randn(8) * 10 for _ in range(4)] + [torch.randint(1, 9, (8,)).float() for _ in range(2)]
+
+    def leaves():
+        return [column.clone().requires_grad_(i < 2) for i, column in enumerate(columns)]
+
+    whole = leaves()
+    full = compute(config, PairStats(*whole), {})
+    full.losses.mean().backward()
+    split, charges = leaves(), []
+    detached = PairStats(*(column.detach() for column in split))
+    for positions in (torch.tensor([4, 5, 6, 7]), torch.tensor([0, 1, 2, 3])):
+        part = PairStats(*(column[positions] for column in split), batch=detached, batch_positions=positions)
+        output = compute(config, part, {})
+        (output.losses.mean() / 2).backward()
+        charges.append(output.losses.detach())
+    torch.testing.assert_close(torch.cat(charges[::-1]), full.losses.detach(), rtol=0, atol=1e-6)
+    for a, b in zip(split[:2], whole[:2]):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+    assert whole[0].grad.abs().min() > 0  # every pair moves
+
+
 def test_dpop_penalises_chosen_below_the_reference():
     # pc = -2.5 < rc = -2: c = -0.5, r = -1, h = 0.5, penalty 50 x 0.5; -log sigma(0.5 (0.5 - 25))
     config = DPOPConfig(name="dpop", beta=0.5, nll_weight=0.0, length_normalized=False, dpop_lambda=50.0)

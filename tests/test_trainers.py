@@ -46,9 +46,11 @@ def test_warmup_is_linear_in_optimizer_steps(make_config):
     assert rates == pytest.approx([c * trainer.config.lr for c in (1 / 4, 2 / 4, 3 / 4, 1, 1)])
 
 
-def test_gradient_accumulation_matches_full_batch(make_config):
+@pytest.mark.parametrize("loss", ["dpo", "aot", "aot_unpaired"])
+def test_gradient_accumulation_matches_full_batch(make_config, loss):
+    # aot's pairs depend on each other through the batch's sort: accumulated, each micro-batch sees the whole batch
     # With SGD at lr 1 and no clipping, the update equals the gradient, so equal parameters mean equal gradients.
-    base = ("optimizer=SGD", "lr=1.0", "max_grad_norm=1e9")
+    base = ("optimizer=SGD", "lr=1.0", "max_grad_norm=1e9", f"loss={loss}")
     full = build_trainer(make_config(*base))
     accumulated = build_trainer(
         make_config(*base, "gradient_accumulation_steps=4", "local_run_dir=" + str(full.run_dir) + "_ga")
@@ -250,10 +252,11 @@ def poison_training_from(step: int):
             return train_step(self, examples)
         batch_loss = self.batch_loss
 
-        def nan_loss(examples, split, batch=None):
-            loss, metrics = batch_loss(examples, split, batch)
+        def nan_loss(examples, split, batch=None, coupled=None):
+            loss, metrics = batch_loss(examples, split, batch, coupled)
             return loss * float("nan"), metrics
 
+        nan_loss.couple = batch_loss.couple
         self.batch_loss = nan_loss
         try:
             return train_step(self, examples)
