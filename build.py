@@ -29,7 +29,7 @@ from preference_datasets import PreferencePair, batch_schedule
 from report import GIB, data_report, memory_estimate
 from scoring import Scorer
 from telemetry import ModelFlops, peak_flops
-from tokenized import Examples, Tokenization, first_of_each_group, load_examples, tokenize_pairs
+from tokenized import Examples, Tokenization, first_of_each_group, load_examples, mismatched, tokenize_pairs
 from utils import get_local_dir
 
 
@@ -44,16 +44,19 @@ class Data:
 
 @dataclass
 class CoupledBatch:
-    """A batch (an optimizer step's, or an eval batch) for a loss whose pairs depend on each other (aot): every
-    pair's statistics, detached, in batch order on every rank, and for each of this rank's micro-batches where its
-    pairs are in it and its reference log-probs (computed once, here)."""
+    """What a loss reads from the whole batch (an optimizer step's, or an eval batch), computed before its first
+    micro-batch: for aot every pair's statistics, detached, in batch order on every rank, with where each of this
+    rank's micro-batches sits in it and its reference log-probs (computed once, here); for kto the KL estimate."""
 
-    stats: PairStats  # [G]
-    positions: list[torch.Tensor]  # [b] per micro-batch
+    stats: PairStats | None  # [G]
+    positions: list[torch.Tensor | None]  # [b] per micro-batch
     reference_logps: list[torch.Tensor | None]  # [2b] per micro-batch
+    kl_estimate: torch.Tensor | None  # [] float32
 
-    def part(self, index: int) -> tuple[PairStats, torch.Tensor, torch.Tensor | None]:
-        return self.stats, self.positions[index], self.reference_logps[index]
+    def part(self, index: int) -> tuple[dict, torch.Tensor | None]:
+        """(the PairStats fields of micro-batch `index`, its reference log-probs if computed here)."""
+        fields = {"batch": self.stats, "batch_positions": self.positions[index], "kl_estimate": self.kl_estimate}
+        return fields, self.reference_logps[index]
 
 
 @dataclass
@@ -67,46 +70,83 @@ class BatchLoss:
     policy_compute: torch.dtype | None
     reference: object | None  # reference_cache.LiveReference or CachedReference; None for a loss without one
     topology: Topology
+    max_lengths: tuple[int, int]  # max_length, max_prompt_length: of KTO's mismatched examples
 
     def __call__(self, examples: list[dict], split: str, batch: ModelBatch | None = None, coupled=None):
         """batch: the examples already laid out, else they are laid out here (once: policy and a live reference
-        share it). coupled: CoupledBatch.part of this micro-batch, for a loss that couples pairs."""
+        share it). coupled: CoupledBatch.part of this micro-batch, for a loss that reads the whole batch."""
         batch = batch or self.scorer.batch(examples)
         with_sum_sq = self.objective.reads_sum_sq
         scores = self.scorer(self.policy, batch, self.policy_compute, with_sum_sq)
         policy_logps, log_sum_sq = scores if with_sum_sq else (scores, None)
-        whole_batch = None
-        if coupled is not None:
-            *whole_batch, reference_logps = coupled
-        elif self.reference is not None:
+        fields, reference_logps = coupled or ({}, None)
+        if reference_logps is None and self.reference is not None:
             reference_logps = self.reference(examples, batch)
-        else:
-            reference_logps = None
-        return self.objective(policy_logps, reference_logps, batch.sequence_lengths, split, log_sum_sq, whole_batch)
+        return self.objective(policy_logps, reference_logps, batch.sequence_lengths, split, log_sum_sq, fields)
 
-    def couple(self, micro_batches: list[list[dict]], n_real: int, n_examples: int) -> CoupledBatch | None:
-        """For a loss that couples the pairs of a batch, when the batch is more than one micro-batch (accumulation or
-        ranks): a no-grad pass of the policy over this rank's micro-batches, gathered over ranks (the sort of aot needs
-        every pair before any backward; one forward more per step). n_real: how many of this rank's examples are
-        real (Topology.micro_batches); n_examples: the batch's. None otherwise."""
-        if not self.objective.couples_pairs or (len(micro_batches) == 1 and self.topology.dp_size == 1):
+    def couple(self, examples: list[dict], batch_size: int, accumulation: int) -> CoupledBatch | None:
+        """What the loss reads from the whole batch `examples` (cut into micro-batches as Topology.micro_batches
+        cuts it), or None if nothing: no-grad passes before the step, gathered over ranks.
+        - aot, where the batch is more than one micro-batch (accumulation or ranks): the policy over this rank's
+          micro-batches (its sort needs every pair before any backward): one forward more per step.
+        - kto: the policy and the reference over the batch's mismatched examples (tokenized.mismatched): KTO's
+          reference point z0 = max(0, mean over their responses of log pi / pi_ref), the same for any
+          accumulation and rank count."""
+        micro_batches, n_real = self.topology.micro_batches(examples, batch_size, accumulation)
+        several = len(micro_batches) > 1 or self.topology.dp_size > 1
+        pairs = self.objective.couples_pairs and several
+        if not pairs and not self.objective.needs_kl_estimate:
             return None
+        stats, kl = None, None
+        positions, references = [None] * len(micro_batches), [None] * len(micro_batches)
+        with torch.no_grad():
+            if pairs:
+                stats, positions, references = self.batch_statistics(micro_batches, n_real, len(examples))
+            if self.objective.needs_kl_estimate:
+                kl = self.kl_estimate(mismatched(examples, *self.max_lengths), batch_size, accumulation)
+        return CoupledBatch(stats, positions, references, kl)
+
+    def batch_statistics(self, micro_batches: list[list[dict]], n_real: int, n_examples: int):
+        """(PairStats [G] of the whole batch, where each micro-batch's pairs are in it, their reference log-probs)."""
         columns, references, positions = [], [], []
         share_start, index = self.topology.dp_rank * -(-n_examples // self.topology.dp_size), 0
-        with torch.no_grad():
-            for examples in micro_batches:
-                batch = self.scorer.batch(examples)
-                policy = self.scorer(self.policy, batch, self.policy_compute)
-                reference = self.reference(examples, batch) if self.reference is not None else None
-                references.append(reference)
-                reference = torch.zeros_like(policy) if reference is None else reference
-                lengths = batch.sequence_lengths.to(policy)
-                columns.append(torch.stack([*policy.chunk(2), *reference.chunk(2), *lengths.chunk(2)]))
-                local = torch.arange(index, index + len(examples))  # a padding copy (past n_real) is items[0]
-                positions.append(torch.where(local < n_real, share_start + local, 0).to(policy.device))
-                index += len(examples)
+        for examples in micro_batches:
+            policy, reference, batch = self.scores(examples)
+            references.append(reference)
+            reference = torch.zeros_like(policy) if reference is None else reference
+            lengths = batch.sequence_lengths.to(policy)
+            columns.append(torch.stack([*policy.chunk(2), *reference.chunk(2), *lengths.chunk(2)]))
+            local = torch.arange(index, index + len(examples))  # a padding copy (past n_real) is items[0]
+            positions.append(torch.where(local < n_real, share_start + local, 0).to(policy.device))
+            index += len(examples)
         stats = PairStats(*self.topology.gather_columns(torch.cat(columns, dim=1), n_examples))
-        return CoupledBatch(stats, positions, references)
+        return stats, positions, references
+
+    def kl_estimate(self, examples: list[dict], batch_size: int, accumulation: int) -> torch.Tensor:
+        """[] max(0, mean over every response of `examples` of policy - reference log-prob), over all ranks."""
+        micro_batches, _ = self.topology.micro_batches(examples, batch_size, accumulation)
+        columns = []
+        for micro_batch in micro_batches:
+            policy, reference, _ = self.scores(micro_batch)
+            columns.append((policy - reference).view(-1, len(micro_batch)).sum(0, keepdim=True))  # [1, b]
+        log_ratios = self.topology.gather_columns(torch.cat(columns, dim=1), len(examples))  # [1, G]
+        n_responses = len(examples[0]["responses"])
+        return (log_ratios.sum() / (n_responses * len(examples))).clamp(min=0)
+
+    def reference_keys(self, data: "Data") -> list:
+        """The keys of every example whose reference log-probs training on `data` reads: its training examples, its
+        eval batches' and, for kto, the mismatched examples of each step and eval batch."""
+        keys = [*data.train_examples.keys, *(ex["key"] for batch in data.eval_batches for ex in batch)]
+        if self.objective.needs_kl_estimate:
+            batches = [data.train_examples.take(indices) for indices in data.schedule] + data.eval_batches
+            keys += [ex["key"] for batch in batches for ex in mismatched(batch, *self.max_lengths)]
+        return keys
+
+    def scores(self, examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor | None, ModelBatch]:
+        """(policy log-probs, reference log-probs or None, the batch laid out), without gradients."""
+        batch = self.scorer.batch(examples)
+        policy = self.scorer(self.policy, batch, self.policy_compute)
+        return policy, self.reference(examples, batch) if self.reference is not None else None, batch
 
 
 @dataclass
@@ -210,7 +250,9 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
         compute_with = (
             like_policy if precision.reference_like_policy else lambda: (load_reference(), precision.reference_compute)
         )
-        entries = fill_reference_cache(config, topology, data, scorer, path, initial_weights, computation, compute_with)
+        entries = fill_reference_cache(
+            config, topology, data, objective, scorer, path, initial_weights, computation, compute_with
+        )
         reference = reference_cache.CachedReference(entries, topology.device)
     if objective.needs_reference and is_adapted(policy):  # LoRA: the base model, the policy with adapters disabled
         reference_model = AdaptersDisabled(policy)
@@ -227,7 +269,8 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     optimizer = build_optimizer(config.optimizer, trainable, config.lr, OmegaConf.to_container(config.optimizer_kwargs))
     scheduler = build_scheduler(optimizer, config.warmup_steps)
-    batch_loss = BatchLoss(objective, scorer, policy, precision.policy_compute, reference, topology)
+    max_lengths = (config.max_length, config.max_prompt_length)
+    batch_loss = BatchLoss(objective, scorer, policy, precision.policy_compute, reference, topology, max_lengths)
     evaluator = Evaluator(config, topology, tokenizer, data.eval_batches, batch_loss)
     return RunParts(
         config, topology, tokenizer, objective, precision, data, policy, scorer, reference, reference_model,
@@ -255,20 +298,29 @@ def reference_computation(config: DictConfig, precision: Precision, scorer: Scor
     )
 
 
-def fill_reference_cache(config, topology, data: Data, scorer, path, weights, computation, compute_with) -> dict:
+def fill_reference_cache(
+    config, topology, data: Data, objective, scorer, path, weights, computation, compute_with
+) -> dict:
     """Reference log-probs of every pair that training and eval use, by pair key (reference_cache.fill), computed on
     the same micro-batches as the first epoch's steps and the evals, so that at step 0 a reference computing like the
-    policy agrees with it to the last bit. compute_with() gives (model, compute dtype), called only if any is
-    missing."""
+    policy agrees with it to the last bit; for KTO also the mismatched examples (tokenized.mismatched) of every step
+    and eval batch, as its KL estimate scores them. compute_with() gives (model, compute dtype), called only if any
+    is missing."""
     first_use = list(dict.fromkeys(i for indices in data.schedule for i in indices))
+    batches = [(batch, config.eval_batch_size) for batch in data.eval_batches]
+    if objective.needs_kl_estimate:
+        lengths = (config.max_length, config.max_prompt_length)
+        steps = [data.train_examples.take(indices) for indices in data.schedule]
+        batches += [(mismatched(examples, *lengths), config.batch_size) for examples in steps]
+        batches += [(mismatched(batch, *lengths), config.eval_batch_size) for batch in data.eval_batches]
     return reference_cache.fill(
         path,
         weights,
         computation,
         data.train_examples,
         first_use,
-        data.eval_batches,
-        (config.batch_size, config.eval_batch_size),
+        batches,
+        config.batch_size,
         config.gradient_accumulation_steps,
         compute_with,
         scorer,

@@ -29,10 +29,9 @@ class Evaluator:
         )
         for batch in batches:
             # The training micro-batch budget: a rank's share goes through in gradient_accumulation_steps parts.
-            micro_batches, n_real = self.topology.micro_batches(
-                batch, self.config.eval_batch_size, self.config.gradient_accumulation_steps
-            )
-            coupled = self.batch_metrics.couple(micro_batches, n_real, len(batch))  # for a loss coupling pairs
+            sizes = (self.config.eval_batch_size, self.config.gradient_accumulation_steps)
+            micro_batches, _ = self.topology.micro_batches(batch, *sizes)
+            coupled = self.batch_metrics.couple(batch, *sizes)  # what the loss reads of the whole batch
             columns = defaultdict(list)
             for index, micro_batch in enumerate(micro_batches):
                 for name, metric in self.batch_metrics(micro_batch, "eval", None, coupled and coupled.part(index))[

@@ -38,6 +38,7 @@ class PairStats:
     # detached, and where these B pairs are in it ([B] long). None: these pairs are the whole batch.
     batch: "PairStats | None" = None
     batch_positions: torch.Tensor | None = None
+    kl_estimate: torch.Tensor | None = None  # [] KTO's reference point z0 of the whole batch, detached
 
     @property
     def chosen_logratio(self) -> torch.Tensor:
@@ -66,6 +67,7 @@ class PairStats:
             self.rejected_log_sum_sq,
             self.batch.per_token() if self.batch is not None else None,
             self.batch_positions,
+            self.kl_estimate,
         )
 
     def whole_batch(self) -> tuple["PairStats", torch.Tensor]:
@@ -128,6 +130,10 @@ class PreferenceLoss:
         """Whether a pair's loss depends on the other pairs of its batch (PairStats.batch)."""
         return False
 
+    def needs_kl_estimate(self) -> bool:
+        """Whether the loss reads the batch's KL estimate (PairStats.kl_estimate)."""
+        return False
+
     def reads_sum_sq(self) -> bool:
         """Whether the loss reads the policy's sums of log sum_v p_v^2 (PairStats)."""
         return False
@@ -183,6 +189,20 @@ class AOTConfig(RatioLoss):
     label_smoothing: float = ranged(Range(0, 0.5))
 
     def couples_pairs(self) -> bool:
+        return True
+
+
+@dataclass
+class KTOConfig(PreferenceLoss):
+    """KTO on paired data: chosen desirable, rejected undesirable (kto)."""
+
+    desirable_weight: float = ranged(POSITIVE)  # lambda_D
+    undesirable_weight: float = ranged(POSITIVE)  # lambda_U
+
+    def needs_reference(self) -> bool:
+        return True
+
+    def needs_kl_estimate(self) -> bool:
         return True
 
 
@@ -262,6 +282,9 @@ class NLLConfig:
     def couples_pairs(self) -> bool:
         return False
 
+    def needs_kl_estimate(self) -> bool:
+        return False
+
 
 @dataclass
 class WeightedConfig:
@@ -304,6 +327,9 @@ class WeightedConfig:
 
     def couples_pairs(self) -> bool:
         return any(config.couples_pairs() for _, config in self.components.values())
+
+    def needs_kl_estimate(self) -> bool:
+        return any(config.needs_kl_estimate() for _, config in self.components.values())
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -369,6 +395,28 @@ def sorted_match_losses(x: torch.Tensor, y: torch.Tensor, positions: torch.Tenso
     rank = torch.empty_like(x_order).scatter_(0, x_order, torch.arange(x.numel(), device=x.device))
     surrogate = terms.mean() * (x.numel() / positions.numel())
     return terms.detach()[rank[positions]] + (surrogate - surrogate.detach())
+
+
+def kto_losses(logratios: torch.Tensor, desirable: torch.Tensor, kl_estimate: torch.Tensor, cfg: KTOConfig):
+    """KTO (Ethayarajh et al. 2024, arXiv:2402.01306): per response, lambda_y - v(x, y) with
+    v = lambda_D sigma(beta (r - z0)) for a desirable response and lambda_U sigma(beta (z0 - r)) for an undesirable
+    one; r = log pi / pi_ref of the response, z0 the batch's KL estimate (detached). logratios, desirable: [N]."""
+    x = cfg.beta * (logratios - kl_estimate)
+    return torch.where(
+        desirable, cfg.desirable_weight * (1 - torch.sigmoid(x)), cfg.undesirable_weight * (1 - torch.sigmoid(-x))
+    )
+
+
+def kto(s: PairStats, cfg: KTOConfig, state: dict) -> LossOutput:
+    """KTO on pairs unpaired: the chosen response desirable, the rejected undesirable, each pair's loss the mean of
+    their two (so that the mean over pairs is the mean over responses, as KTO's). z0 = max(0, mean log-ratio of
+    mismatched prompt and response pairs of the whole batch) (build.BatchLoss.kl_estimate), logged as `kl`."""
+    if s.kl_estimate is None:
+        raise ValueError("kto reads the batch's KL estimate (PairStats.kl_estimate)")
+    logratios = torch.stack([s.chosen_logratio, s.rejected_logratio])  # [2, B]
+    desirable = torch.tensor([[True], [False]], device=logratios.device)
+    losses = kto_losses(logratios, desirable, s.kl_estimate, cfg).mean(dim=0)
+    return rewards(s, cfg.beta, losses, kl=s.kl_estimate.expand_as(losses))
 
 
 def ipo(s: PairStats, cfg: IPOConfig, state: dict) -> LossOutput:
@@ -548,7 +596,8 @@ LOSSES = {
     "ld_dpo": LossComponent(LDDPOConfig, dpo),
     "wpo": LossComponent(WPOConfig, wpo),
     "aot": LossComponent(AOTConfig, aot),
-    "aot_unpaired": LossComponent(AOTConfig, aot_unpaired),  # DPO on the sums its tail_weight asks the scorer for
+    "aot_unpaired": LossComponent(AOTConfig, aot_unpaired),
+    "kto": LossComponent(KTOConfig, kto),  # DPO on the sums its tail_weight asks the scorer for
     "simpo": LossComponent(SimPOConfig, simpo),
     "orpo": LossComponent(PreferenceLoss, orpo),
     "cpo": LossComponent(PreferenceLoss, cpo),

@@ -20,19 +20,20 @@ class PreferenceObjective:
         self.tail_weight = loss.tail_weight()  # how the scorer sums each response (LD-DPO)
         self.reads_sum_sq = loss.reads_sum_sq()  # the policy's sums of log sum_v p_v^2 (WPO)
         self.couples_pairs = loss.couples_pairs()  # a pair's loss depends on the rest of its batch (aot)
+        self.needs_kl_estimate = loss.needs_kl_estimate()  # KTO's reference point
         self.state = {"reward_mean": 0.0, "rewards_seen": 0} if running_reward_mean(loss) else {}
 
-    def __call__(self, policy_logps, reference_logps, n_tokens, split: str, log_sum_sq=None, whole_batch=None):
+    def __call__(self, policy_logps, reference_logps, n_tokens, split: str, log_sum_sq=None, batch_fields=None):
         """policy_logps, reference_logps (None: no reference, zeros), n_tokens, log_sum_sq (the policy's sums of
-        log sum_v p_v^2, where reads_sum_sq): [2B], all chosen then all rejected. whole_batch: (PairStats of the
-        batch these pairs are part of, their [B] positions in it), where couples_pairs and the batch is larger.
-        Returns the mean loss and [B] metrics named as in the DPO reference."""
+        log sum_v p_v^2, where reads_sum_sq): [2B], all chosen then all rejected. batch_fields: the PairStats
+        fields read from the whole batch (build.CoupledBatch.part). Returns the mean loss and [B] metrics named as
+        in the DPO reference."""
         reference_logps = torch.zeros_like(policy_logps) if reference_logps is None else reference_logps
         stats = PairStats(*policy_logps.chunk(2), *reference_logps.chunk(2), *n_tokens.to(policy_logps).chunk(2))
         if log_sum_sq is not None:
             stats.chosen_log_sum_sq, stats.rejected_log_sum_sq = log_sum_sq.chunk(2)
-        if whole_batch is not None:
-            stats.batch, stats.batch_positions = whole_batch
+        for name, value in (batch_fields or {}).items():
+            setattr(stats, name, value)
         output = compute(self.loss, stats, self.state)
         metrics = {
             f"rewards_{split}/chosen": output.chosen_rewards,
@@ -73,12 +74,13 @@ class SFTObjective:
     tail_weight = 1.0
     reads_sum_sq = False
     couples_pairs = False
+    needs_kl_estimate = False
 
     def __init__(self, loss):
         self.loss = loss
         self.state = {}
 
-    def __call__(self, policy_logps, reference_logps, n_tokens, split: str, log_sum_sq=None, whole_batch=None):
+    def __call__(self, policy_logps, reference_logps, n_tokens, split: str, log_sum_sq=None, batch_fields=None):
         losses = -policy_logps
         return losses.mean(), {f"logps_{split}/chosen": policy_logps.detach(), f"loss/{split}": losses.detach()}
 

@@ -183,28 +183,29 @@ def fill(
     computation: str,
     train: "Examples",
     first_use: list[int],
-    eval_batches: list[list[dict]],
-    batch_sizes: tuple[int, int],
+    batches: list[tuple[list[dict], int]],
+    batch_size: int,
     accumulation: int,
     load_model: Callable[[], tuple],
     scorer: "Scorer",
     topology: "Topology",
 ) -> ReferenceTable:
     """Reference log-probs of the training examples at `first_use` (indices, in the order training first uses them)
-    and of the eval batches, by pair key: from the file where it has them; the others are computed now, in batches
-    of batch_sizes (train, eval) cut into the run's micro-batches, and added to it. load_model() gives (model,
-    compute dtype), called only if any is missing."""
+    and of the examples of `batches` ((examples, the batch size they are cut by): the eval batches, KTO's mismatched
+    examples), by pair key: from the file where it has them; the others are computed now, in batches of
+    batch_size (the training examples) or their own, cut into the run's micro-batches, and added to it.
+    load_model() gives (model, compute dtype), called only if any is missing."""
     table, why = topology.run_on_main(lambda: load(path, weights, computation)) or (None, None)
     table = topology.broadcast(table)
     if why:
         print(f"reference log-probs: recomputing, since {why}")
     first_use = np.asarray(first_use, dtype=np.int64)
-    eval_keys = np.array([ex["key"] for batch in eval_batches for ex in batch], dtype="S16")
+    eval_keys = np.array([ex["key"] for batch, _ in batches for ex in batch], dtype="S16")
     needed = len(np.unique(np.concatenate([train.keys[first_use], eval_keys])))
     train_missing = first_use[table.missing(train.keys[first_use])]
-    evals = [[ex for ex in batch if table.missing([ex["key"]])[0]] for batch in eval_batches]
-    evals = [batch for batch in evals if batch]
-    missing_keys = [train.keys[train_missing], np.array([ex["key"] for b in evals for ex in b], dtype="S16")]
+    evals = [([ex for ex in batch if table.missing([ex["key"]])[0]], size) for batch, size in batches]
+    evals = [(batch, size) for batch, size in evals if batch]
+    missing_keys = [train.keys[train_missing], np.array([ex["key"] for b, _ in evals for ex in b], dtype="S16")]
     missing = len(np.unique(np.concatenate(missing_keys)))
     if not missing:
         print(f"reference log-probs: all {needed} pairs from {path}")
@@ -213,11 +214,11 @@ def fill(
     model, compute = load_model()
     mode = model.training
     model.eval()
-    size = batch_sizes[0]
+    size = batch_size
     groups = [(train_missing[i : i + size], size) for i in range(0, len(train_missing), size)]
-    groups += [(batch, batch_sizes[1]) for batch in evals]
+    groups += evals
     progress = tqdm.tqdm(
-        total=len(train_missing) + sum(map(len, evals)),
+        total=len(train_missing) + sum(len(batch) for batch, _ in evals),
         desc="reference log-probs",
         unit="pair",
         disable=not topology.is_main,

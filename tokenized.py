@@ -189,6 +189,23 @@ def example_keys(tokens: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -
     return keys
 
 
+def mismatched(examples: list[dict], max_length: int, max_prompt_length: int) -> list[dict]:
+    """KTO's KL examples (Ethayarajh et al. 2024): each example's prompt with the next one's responses (the last
+    with the first's), truncated by the tokenization's rule with the prompt's end kept (nearest the responses), and
+    keyed like every example (example_keys), so that the reference cache holds them as it holds pairs."""
+    result = []
+    for index, example in enumerate(examples):
+        prompt, responses = example["prompt"], examples[(index + 1) % len(examples)]["responses"]
+        full = np.array([[len(prompt), *map(len, responses)]])
+        kept = truncated(full, max_length, max_prompt_length)[0].astype(np.int32)
+        prompt = prompt[len(prompt) - kept[0] :]
+        responses = [response[:n] for response, n in zip(responses, kept[1:].tolist())]
+        tokens = np.array([*prompt, *(t for response in responses for t in response)], dtype=np.int32)
+        key = example_keys(tokens, np.zeros(1, np.int64), kept[None])[0:1].tobytes()
+        result.append({"prompt": prompt, "responses": responses, "key": key})
+    return result
+
+
 def text_group(text: str) -> int:
     """A 64-bit digest of a prompt's text (lone surrogates, which JSON can hold, included)."""
     digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()

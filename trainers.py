@@ -92,8 +92,8 @@ class Trainer:
         torch.manual_seed(self.config.seed + self.batch_counter)
         accumulation = self.config.gradient_accumulation_steps
         columns = defaultdict(list)
-        micro_batches, n_real = self.topology.micro_batches(examples, self.config.batch_size, accumulation)
-        coupled = self.batch_loss.couple(micro_batches, n_real, len(examples))  # None unless the loss couples pairs
+        micro_batches, _ = self.topology.micro_batches(examples, self.config.batch_size, accumulation)
+        coupled = self.batch_loss.couple(examples, self.config.batch_size, accumulation)  # what it reads of the batch
         for index, micro_batch in enumerate(micro_batches):
             batch = self.scorer.batch(micro_batch)
             loss, batch_metrics = self.batch_loss(micro_batch, "train", batch, coupled and coupled.part(index))
@@ -139,8 +139,7 @@ class Trainer:
         current step, with a checkpoint."""
         if data is not None:
             if isinstance(self.batch_loss.reference, reference_cache.CachedReference):
-                eval_keys = [ex["key"] for batch in data.eval_batches for ex in batch]
-                self.batch_loss.reference.require([*data.train_examples.keys, *eval_keys])
+                self.batch_loss.reference.require(self.batch_loss.reference_keys(data))
             self.data, self.round_start = data, self.batch_counter
             self.evaluator.eval_batches = data.eval_batches
         if self.finished:

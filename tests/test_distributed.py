@@ -278,12 +278,19 @@ def test_shards_pad_short_shares_and_micro_batches_cut_them():
 
 @pytest.mark.parametrize(
     "trainer,loss",
-    [("FSDPTrainer", "bco_pair"), ("TensorParallelTrainer", "simpo"), ("FSDPTrainer", "wpo"), ("FSDPTrainer", "aot")],
+    [
+        ("FSDPTrainer", "bco_pair"),
+        ("TensorParallelTrainer", "simpo"),
+        ("FSDPTrainer", "wpo"),
+        ("FSDPTrainer", "aot"),
+        ("FSDPTrainer", "kto"),
+    ],
 )
 def test_other_losses_match_basic_trainer_across_processes(tmp_path, pairs_file, trainer, loss):
     # bco_pair's running reward mean is folded from the gathered batch: the same on every rank as on one process.
     # simpo reads no reference. wpo reads a second output of the fused head, inside FSDP's root forward. aot sorts
-    # the whole batch: each rank's micro-batches see the other rank's pairs, in training and in evals.
+    # the whole batch: each rank's micro-batches see the other rank's pairs, in training and in evals; so does kto's
+    # KL estimate, over mismatched examples that cross the ranks' shares.
     launch(tmp_path / "basic", pairs_file, "trainer=BasicTrainer", f"loss={loss}")
     launch(tmp_path / "run", pairs_file, f"trainer={trainer}", f"loss={loss}")
     assert_same_metrics(

@@ -276,6 +276,27 @@ def test_aot_over_micro_batches_equals_the_whole_batch(name):
     assert whole[0].grad.abs().min() > 0  # every pair moves
 
 
+def test_kto_closed_form_on_pairs():
+    # KTO (Ethayarajh et al. 2024) with c = 1, r = -1, z0 = 0.5, beta 0.5, lambda_D = 1, lambda_U = 1.5: chosen
+    # 1 - sigma(0.5 (1 - 0.5)), rejected 1.5 (1 - sigma(0.5 (0.5 + 1))); the pair's loss is their mean. Its gradient
+    # in pc: -beta sigma(x) sigma(-x) / 2 at x = 0.25 (z0 is a constant).
+    config = preset("kto", "loss.beta=0.5", "loss.undesirable_weight=1.5")
+    assert config.needs_kl_estimate() and config.needs_reference() and not preset("dpo").needs_kl_estimate()
+    s = stats(requires_grad=True)
+    s.kl_estimate = torch.tensor(0.5)
+    output = compute(config, s, {})
+    expected = ((1 - sigmoid(0.25)) + 1.5 * (1 - sigmoid(0.75))) / 2
+    assert output.losses.item() == pytest.approx(expected, abs=1e-7)
+    assert output.terms["kl"].item() == 0.5
+    assert (output.chosen_rewards.item(), output.rejected_rewards.item()) == pytest.approx((0.5, -0.5))
+    output.losses.sum().backward()
+    assert s.policy_chosen.grad.item() == pytest.approx(-0.5 * sigmoid(0.25) * sigmoid(-0.25) / 2, abs=1e-7)
+    # policy equal to reference, z0 = 0: every response scores 1/2, weighted
+    s = stats(pc=-3.0, pr=-5.0, rc=-3.0, rr=-5.0)
+    s.kl_estimate = torch.tensor(0.0)
+    assert compute(config, s, {}).losses.item() == pytest.approx((0.5 + 1.5 * 0.5) / 2)
+
+
 def test_dpop_penalises_chosen_below_the_reference():
     # pc = -2.5 < rc = -2: c = -0.5, r = -1, h = 0.5, penalty 50 x 0.5; -log sigma(0.5 (0.5 - 25))
     config = DPOPConfig(name="dpop", beta=0.5, nll_weight=0.0, length_normalized=False, dpop_lambda=50.0)

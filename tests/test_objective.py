@@ -17,6 +17,18 @@ def test_ipo_first_eval_matches_closed_form(make_config):
     assert first["loss/eval"] == pytest.approx(1 / (2 * 0.25) ** 2)  # (0 - 1/(2 beta))^2 when policy == reference
 
 
+@pytest.mark.parametrize("cached", [True, False])
+def test_kto_starts_at_its_closed_form_with_a_zero_kl_estimate(make_config, cached):
+    # At step 0 the policy is the reference: z0 = 0 on the mismatched examples (exactly, their cached reference
+    # log-probs computed as the policy computes them), and every response scores lambda / 2: (1 + 3) / 4 per pair.
+    overrides = ("loss=kto", "loss.undesirable_weight=3.0", "n_examples=8", f"reference_cache={str(cached).lower()}")
+    config = make_config(*overrides)
+    train.run(config)
+    evals = records(train.Path(config.local_run_dir), "eval")
+    assert evals[0]["kl/eval"] == 0.0 and evals[0]["loss/eval"] == pytest.approx(1.0, abs=1e-7)
+    assert evals[-1]["loss/eval"] < evals[0]["loss/eval"]
+
+
 def test_sft_trains_on_chosen_and_needs_no_reference(make_config):
     config = make_config("loss=sft", "n_examples=16")
     train.run(config)

@@ -108,6 +108,25 @@ def test_keys_depend_on_every_token_and_on_where_responses_split(tiny_tokenizer)
     assert len(set(keys[:4])) == 4 and keys[4] == keys[0]  # the same ids, the same key
 
 
+def test_mismatched_examples_pair_each_prompt_with_the_next_responses(tiny_tokenizer):
+    # KTO's KL examples: prompt i with the responses of i + 1 (the last with the first's), truncated with the
+    # prompt's end kept, keyed as the tokenized example with the same ids would be.
+    settings = Tokenization(max_length=20, max_prompt_length=8, sft=False)
+    pairs = [PreferencePair("Same prompt:", f" chosen {i}", f" rejected {i}", "", "keep_start") for i in range(3)]
+    examples = tokenize_pairs(pairs, tiny_tokenizer, settings).take(range(3))
+    kl = tokenized.mismatched(examples, settings.max_length, settings.max_prompt_length)
+    for i, example in enumerate(kl):  # one prompt: each mismatched example is the next tokenized one, key and all
+        assert example == examples[(i + 1) % 3]
+    long = PreferencePair("Fifteen chars!!", " x", " y", "", "keep_start")
+    short = PreferencePair("Q", " a response 12", " no", "", "keep_start")
+    a, b = tokenize_pairs([long, short], tiny_tokenizer, settings).take(range(2))
+    assert len(a["prompt"]) == 15 and [len(r) for r in b["responses"]] == [15, 4]  # EOS included; all kept
+    first = tokenized.mismatched([a, b], settings.max_length, settings.max_prompt_length)[0]
+    # 15 + 15 > 20: the prompt's last 8 ids, then 8 + 15 > 20: the responses' first 12
+    assert first["prompt"] == a["prompt"][-8:] and first["responses"] == [b["responses"][0][:12], b["responses"][1]]
+    assert first["key"] != tokenized.mismatched([a, b], 20, 7)[0]["key"]
+
+
 def test_many_chunks_equal_one(tiny_tokenizer, monkeypatch):
     pairs = [pair(f"q{i % 7}", f" a{i}", f" b{i % 3}", "keep_end" if i % 2 else "keep_start") for i in range(50)]
     whole = tokenize_pairs(pairs, tiny_tokenizer, PAIRS)
