@@ -30,7 +30,7 @@ from report import GIB, data_report, memory_estimate
 from scoring import Scorer
 from telemetry import ModelFlops, peak_flops
 from tokenized import Examples, Tokenization, first_of_each_group, load_examples, mismatched, tokenize_pairs
-from utils import get_local_dir
+from utils import UserError, get_local_dir
 
 
 @dataclass
@@ -82,7 +82,11 @@ class BatchLoss:
         fields, reference_logps = coupled or ({}, None)
         if reference_logps is None and self.reference is not None:
             reference_logps = self.reference(examples, batch)
-        return self.objective(policy_logps, reference_logps, batch.sequence_lengths, split, log_sum_sq, fields)
+        labels = None
+        if "label" in examples[0]:  # labelled completions
+            labels = torch.tensor([ex["label"] for ex in examples]).to(policy_logps.device, non_blocking=True)
+        lengths = batch.sequence_lengths
+        return self.objective(policy_logps, reference_logps, lengths, split, log_sum_sq, fields, labels)
 
     def couple(self, examples: list[dict], batch_size: int, accumulation: int) -> CoupledBatch | None:
         """What the loss reads from the whole batch `examples` (cut into micro-batches as Topology.micro_batches
@@ -185,6 +189,11 @@ def load_data(
     if settings.sft:
         splits = {split: first_of_each_group(examples) for split, examples in splits.items()}
     train, evals = splits["train"], splits["test"]
+    if train.labelled and not objective.reads_labels:
+        raise UserError(
+            f"datasets={list(config.datasets)} hold labelled completions (prompt, completion, label): "
+            "only loss=kto trains on them"
+        )
     evals = evals.select(range(min(len(evals), config.n_eval_examples or len(evals))))
     schedule = batch_schedule(len(train), config.batch_size, config.seed, config.n_epochs, config.n_examples)
     if report:

@@ -134,6 +134,10 @@ class PreferenceLoss:
         """Whether the loss reads the batch's KL estimate (PairStats.kl_estimate)."""
         return False
 
+    def reads_labels(self) -> bool:
+        """Whether the loss trains on labelled completions (unpaired data) as well as on pairs."""
+        return False
+
     def reads_sum_sq(self) -> bool:
         """Whether the loss reads the policy's sums of log sum_v p_v^2 (PairStats)."""
         return False
@@ -203,6 +207,9 @@ class KTOConfig(PreferenceLoss):
         return True
 
     def needs_kl_estimate(self) -> bool:
+        return True
+
+    def reads_labels(self) -> bool:
         return True
 
 
@@ -285,6 +292,9 @@ class NLLConfig:
     def needs_kl_estimate(self) -> bool:
         return False
 
+    def reads_labels(self) -> bool:
+        return False
+
 
 @dataclass
 class WeightedConfig:
@@ -330,6 +340,9 @@ class WeightedConfig:
 
     def needs_kl_estimate(self) -> bool:
         return any(config.needs_kl_estimate() for _, config in self.components.values())
+
+    def reads_labels(self) -> bool:
+        return False  # labelled completions have no pairs for its other terms
 
 
 # -------------------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ DPO reference."""
 import torch
 from omegaconf import OmegaConf
 
-from losses import LOSSES, PairStats, compute, running_reward_mean
+from losses import LOSSES, PairStats, compute, kto_losses, running_reward_mean
 
 
 class PreferenceObjective:
@@ -21,14 +21,20 @@ class PreferenceObjective:
         self.reads_sum_sq = loss.reads_sum_sq()  # the policy's sums of log sum_v p_v^2 (WPO)
         self.couples_pairs = loss.couples_pairs()  # a pair's loss depends on the rest of its batch (aot)
         self.needs_kl_estimate = loss.needs_kl_estimate()  # KTO's reference point
+        self.reads_labels = loss.reads_labels()  # trains on labelled completions too (KTO)
         self.state = {"reward_mean": 0.0, "rewards_seen": 0} if running_reward_mean(loss) else {}
 
-    def __call__(self, policy_logps, reference_logps, n_tokens, split: str, log_sum_sq=None, batch_fields=None):
+    def __call__(
+        self, policy_logps, reference_logps, n_tokens, split: str, log_sum_sq=None, batch_fields=None, labels=None
+    ):
         """policy_logps, reference_logps (None: no reference, zeros), n_tokens, log_sum_sq (the policy's sums of
         log sum_v p_v^2, where reads_sum_sq): [2B], all chosen then all rejected. batch_fields: the PairStats
-        fields read from the whole batch (build.CoupledBatch.part). Returns the mean loss and [B] metrics named as
-        in the DPO reference."""
+        fields read from the whole batch (build.CoupledBatch.part). labels: [B] bool for labelled completions
+        (one response each: [B] inputs; see labelled). Returns the mean loss and [B] metrics named as in the DPO
+        reference."""
         reference_logps = torch.zeros_like(policy_logps) if reference_logps is None else reference_logps
+        if labels is not None:
+            return self.labelled(policy_logps, reference_logps, n_tokens, split, batch_fields["kl_estimate"], labels)
         stats = PairStats(*policy_logps.chunk(2), *reference_logps.chunk(2), *n_tokens.to(policy_logps).chunk(2))
         if log_sum_sq is not None:
             stats.chosen_log_sum_sq, stats.rejected_log_sum_sq = log_sum_sq.chunk(2)
@@ -47,6 +53,28 @@ class PreferenceObjective:
             metrics[f"{name}/{split}"] = term
         metrics[f"loss/{split}"] = output.losses.detach()
         return output.losses.mean(), metrics
+
+    def labelled(self, policy_logps, reference_logps, n_tokens, split: str, kl_estimate, labels):
+        """KTO on labelled completions (losses.kto_losses): one response per example, desirable or not; the
+        chosen_nll term of nll_weight on desirable ones. Rewards beta r are logged as TRL's KTO logs them:
+        rewards_<split>/chosen over the desirable examples, /rejected over the others (NaN elsewhere, left out of
+        the means)."""
+        logratios = policy_logps - reference_logps
+        losses = kto_losses(logratios, labels, kl_estimate, self.loss)
+        if self.loss.nll_weight:
+            nll = -policy_logps / n_tokens.to(policy_logps).clamp(min=1)  # per-token, as losses.chosen_nll
+            losses = losses + self.loss.nll_weight * torch.where(labels, nll, 0.0)
+        rewards, logps = self.loss.beta * logratios.detach(), policy_logps.detach()
+        nan = torch.full_like(rewards, float("nan"))
+        metrics = {
+            f"rewards_{split}/chosen": torch.where(labels, rewards, nan),
+            f"rewards_{split}/rejected": torch.where(labels, nan, rewards),
+            f"logps_{split}/chosen": torch.where(labels, logps, nan),
+            f"logps_{split}/rejected": torch.where(labels, nan, logps),
+            f"kl/{split}": kl_estimate.expand_as(rewards),
+            f"loss/{split}": losses.detach(),
+        }
+        return losses.mean(), metrics
 
     def state_dict(self) -> dict:
         """The running state, for checkpoints (checkpoint.py: a stateful part)."""
@@ -75,12 +103,15 @@ class SFTObjective:
     reads_sum_sq = False
     couples_pairs = False
     needs_kl_estimate = False
+    reads_labels = False
 
     def __init__(self, loss):
         self.loss = loss
         self.state = {}
 
-    def __call__(self, policy_logps, reference_logps, n_tokens, split: str, log_sum_sq=None, batch_fields=None):
+    def __call__(
+        self, policy_logps, reference_logps, n_tokens, split: str, log_sum_sq=None, batch_fields=None, labels=None
+    ):
         losses = -policy_logps
         return losses.mean(), {f"logps_{split}/chosen": policy_logps.detach(), f"loss/{split}": losses.detach()}
 

@@ -9,6 +9,8 @@ Every source becomes a stream of `PreferencePair`s. Formats are recognised by th
                                                tokenizer's chat template
   shp:            history, human_ref_A, human_ref_B, labels, score_A, score_B   (Stanford SHP)
   se:             question, answers[{text, pm_score}]                           (Stack Exchange preferences)
+and labelled completions (thumbs up or down on single answers, for KTO) become `LabelledCompletion`s:
+  unpaired:       prompt, completion, label    strings, or message lists (conversational), and true/false
 """
 
 import codecs
@@ -50,6 +52,16 @@ class PreferencePair:
     rejected: str
     sft_target: str  # the response SFT trains on for this prompt
     truncation_mode: str  # "keep_end" keeps the end of an over-long prompt, "keep_start" its start
+
+
+@dataclass(frozen=True)
+class LabelledCompletion:
+    """One response to a prompt, desirable (label true) or not: unpaired feedback."""
+
+    prompt: str
+    completion: str
+    label: bool
+    truncation_mode: str
 
 
 class RowSkipped(Exception):
@@ -95,6 +107,26 @@ def parse_conversational(row: dict, chat_template: Callable[[list[dict]], str]) 
         if not conversation or conversation[-1].get("role") != "assistant":
             raise ValueError(f"the last message of {name} is not an assistant message")
     return [make_pair(chat_template(messages), chosen[-1]["content"], rejected[-1]["content"], "keep_start")]
+
+
+def parse_unpaired(row: dict, chat_template: Callable[[list[dict]], str]) -> list[LabelledCompletion]:
+    """prompt, completion, label: strings, or lists of messages (the completion's last one the assistant's answer,
+    the prompt rendered with the chat template); label a JSON boolean."""
+    prompt, completion, label = row["prompt"], row["completion"], row["label"]
+    if not isinstance(label, bool):
+        raise ValueError(f"label is {label!r}, expected true or false")
+    if isinstance(completion, list):
+        if not isinstance(prompt, list) or not all(isinstance(m, dict) for m in [*prompt, *completion]):
+            raise ValueError("conversational rows hold lists of {'role': ..., 'content': ...} in prompt and completion")
+        if not completion or completion[-1].get("role") != "assistant":
+            raise ValueError("the last message of completion is not an assistant message")
+        prompt, completion = chat_template(prompt + completion[:-1]), completion[-1]["content"]
+    for name, value in (("prompt", prompt), ("completion", completion)):
+        if not isinstance(value, str):
+            raise ValueError(f"{name} is a {type(value).__name__}, expected a string")
+    if not completion.strip():
+        raise RowSkipped("empty response")
+    return [LabelledCompletion(prompt, completion, label, "keep_start")]
 
 
 def parse_shp(row: dict) -> list[PreferencePair]:
@@ -160,13 +192,16 @@ def detect_parser(row: dict, tokenizer) -> Callable[[dict], list[PreferencePair]
         return parse_shp
     if {"question", "answers"} <= columns:
         return parse_se
+    if {"prompt", "completion", "label"} <= columns:
+        return lambda r: parse_unpaired(r, lambda messages: render_chat(tokenizer, messages))
     if {"chosen", "rejected"} <= columns:
         if isinstance(row["chosen"], list):
             return lambda r: parse_conversational(r, lambda messages: render_chat(tokenizer, messages))
         return parse_explicit if "prompt" in columns else parse_hh
     raise ValueError(
         f"unrecognised columns {sorted(columns)}; expected chosen+rejected (+prompt), "
-        "SHP's history/human_ref_A/human_ref_B/labels/score_A/score_B, or SE's question/answers"
+        "SHP's history/human_ref_A/human_ref_B/labels/score_A/score_B, SE's question/answers, "
+        "or prompt/completion/label (labelled completions, for loss=kto)"
     )
 
 
@@ -182,11 +217,12 @@ class RowCounts:
     def __init__(self, source: str):
         self.source, self.pairs, self.rows = source, 0, 0
         self.skipped, self.first_skipped = Counter(), {}
+        self.kind = "pairs"  # or "labelled completions"
 
     def line(self) -> str:
         """The data line every run prints per source."""
         reasons = self.reasons()
-        return f"data: {self.source}: {self.pairs} pairs from {self.rows} rows" + (
+        return f"data: {self.source}: {self.pairs} {self.kind} from {self.rows} rows" + (
             f"; skipped {sum(self.skipped.values())} rows: {reasons}" if self.skipped else ""
         )
 
@@ -220,6 +256,8 @@ def iter_pairs(rows: Iterable[tuple[str, Any]], tokenizer, counts: RowCounts) ->
         except (ValueError, TypeError, AttributeError) as error:
             raise UserError(f"{location}: {error}") from None
         counts.pairs += len(pairs)
+        if pairs and isinstance(pairs[0], LabelledCompletion):
+            counts.kind = "labelled completions"
         yield from pairs
 
 

@@ -23,8 +23,13 @@ def data_report(train: Examples, evals: Examples, tokenizer, max_length: int, ma
     full = np.concatenate([train.full_lengths, evals.full_lengths])
     kept = np.concatenate([train.lengths, evals.lengths])
     names = ["prompt", "chosen", "rejected"] if full.shape[1] == 3 else ["prompt", "target"]
+    kind = ""
+    if train.labelled:
+        names = ["prompt", "response"]  # the completion (8 letters: the columns stay aligned)
+        desirable = int((train.labels == 1).sum())
+        kind = f" (labelled completions: {desirable} desirable, {len(train) - desirable} undesirable in training)"
     lines = [
-        f"data report: {len(train)} training and {len(evals)} eval examples",
+        f"data report: {len(train)} training and {len(evals)} eval examples{kind}",
         "  tokens     p50    p90    p99    max",
     ]
     for i, name in enumerate(names):

@@ -1,6 +1,7 @@
 """Tokenized examples: every source tokenized once per machine, held in flat arrays, and cached on disk across runs.
 
-An example is a prompt and its responses (chosen and rejected for a preference pair; the sft_target alone for SFT),
+An example is a prompt and its responses (chosen and rejected for a preference pair; the sft_target alone for SFT;
+one completion and its label for labelled completions, KTO's unpaired data),
 tokenized without special tokens (tokenizers disagree on BOS), EOS ending each response, and truncated as the DPO
 reference does: when prompt plus the longer response exceed max_length, the prompt is cut to max_prompt_length (its
 end kept for HH dialogues, its start otherwise), then the responses to max_length - max_prompt_length.
@@ -34,12 +35,20 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from preference_datasets import PreferencePair, RowCounts, Source, dataset_sources, eval_split, iter_pairs
+from preference_datasets import (
+    LabelledCompletion,
+    PreferencePair,
+    RowCounts,
+    Source,
+    dataset_sources,
+    eval_split,
+    iter_pairs,
+)
 from utils import UserError, first_line, release_free_memory
 
-FORMAT = 1
+FORMAT = 2
 CHUNK_PAIRS = 2048  # pairs per batch call to the tokenizer, and the text a build holds at a time
-PER_EXAMPLE = ("offsets", "lengths", "full_lengths", "keys", "groups")  # the arrays besides the token ids
+PER_EXAMPLE = ("offsets", "lengths", "full_lengths", "keys", "groups", "labels")  # the arrays besides the token ids
 # tokenizer_config.json entries that say where a tokenizer was loaded from, not what it is
 LOADED_FROM = ("name_or_path", "is_local", "local_files_only", "_commit_hash")
 
@@ -52,8 +61,10 @@ class Tokenization:
     max_prompt_length: int
     sft: bool  # one response per example, the pair's sft_target; else chosen and rejected
 
-    def texts(self, pair: PreferencePair) -> list[str]:
-        """The prompt and the responses of a pair's example."""
+    def texts(self, pair: PreferencePair | LabelledCompletion) -> list[str]:
+        """The prompt and the responses of a pair's (or a labelled completion's) example."""
+        if isinstance(pair, LabelledCompletion):
+            return [pair.prompt, pair.completion]
         return [pair.prompt, pair.sft_target] if self.sft else [pair.prompt, pair.chosen, pair.rejected]
 
     def describe(self) -> str:
@@ -72,6 +83,7 @@ class Examples:
     full_lengths: [n, 1 + R] int32, the same before truncation
     keys:         [n] S16, a digest of the kept ids and their lengths: the reference cache's key
     groups:       [n] int64, a digest of the prompt's text: a prompt's pairs are held out together, SFT takes one
+    labels:       [n] int8, a labelled completion's label (1 desirable, 0 not); -1 for a pair
     """
 
     token_parts: list[np.ndarray]
@@ -81,18 +93,28 @@ class Examples:
     full_lengths: np.ndarray
     keys: np.ndarray
     groups: np.ndarray
+    labels: np.ndarray
 
     def __len__(self) -> int:
         return len(self.part)
 
     def __getitem__(self, i: int) -> dict:
-        """{"prompt": ids, "responses": [ids, ...], "key": 16 bytes}: an example as the layouts take it."""
+        """{"prompt": ids, "responses": [ids, ...], "key": 16 bytes} (and "label": bool for a labelled completion):
+        an example as the layouts take it."""
         lengths = self.lengths[i].tolist()
         start = int(self.offsets[i])
         ids = self.token_parts[self.part[i]][start : start + sum(lengths)].tolist()
         bounds = list(itertools.accumulate(lengths, initial=0))
         prompt, *responses = [ids[a:b] for a, b in zip(bounds, bounds[1:])]
-        return {"prompt": prompt, "responses": responses, "key": self.keys[i : i + 1].tobytes()}
+        example = {"prompt": prompt, "responses": responses, "key": self.keys[i : i + 1].tobytes()}
+        if self.labels[i] >= 0:
+            example["label"] = bool(self.labels[i])
+        return example
+
+    @property
+    def labelled(self) -> bool:
+        """Whether these are labelled completions (KTO's unpaired data), not pairs."""
+        return bool(len(self.labels)) and bool(self.labels[0] >= 0)
 
     def take(self, indices: Iterable[int]) -> list[dict]:
         return [self[i] for i in indices]
@@ -117,7 +139,8 @@ class Examples:
     @staticmethod
     def empty(n_responses: int) -> "Examples":
         lengths = np.zeros((0, 1 + n_responses), np.int32)
-        return Examples([], np.zeros(0, np.int32), np.zeros(0, np.int64), lengths, lengths, empty_keys(0), no_groups())
+        nothing = (np.zeros(0, np.int32), np.zeros(0, np.int64), lengths, lengths, empty_keys(0), no_groups())
+        return Examples([], *nothing, np.zeros(0, np.int8))
 
     @staticmethod
     def concatenate(parts: Sequence["Examples"], n_responses: int) -> "Examples":
@@ -128,6 +151,8 @@ class Examples:
             token_parts.extend(examples.token_parts)
         if not parts:
             return Examples.empty(n_responses)
+        if len({(p.lengths.shape[1], p.labelled) for p in parts if len(p)}) > 1:
+            raise UserError("the datasets mix preference pairs and labelled completions: train on one kind at a time")
         per_example = {name: np.concatenate([getattr(p, name) for p in parts]) for name in PER_EXAMPLE}
         return Examples(token_parts, np.concatenate(which).astype(np.int32), **per_example)
 
@@ -240,7 +265,8 @@ def tokenize_chunk(pairs: list[PreferencePair], encode, eos_id: int, settings: T
     kept, full = kept.astype(np.int32), full.astype(np.int32)
     keys = example_keys(tokens, offsets, kept)
     groups = np.fromiter((text_group(pair.prompt) for pair in pairs), np.int64, len(pairs))
-    return Examples([tokens], np.zeros(len(pairs), np.int32), offsets, kept, full, keys, groups)
+    labels = np.array([getattr(pair, "label", -1) for pair in pairs], dtype=np.int8)
+    return Examples([tokens], np.zeros(len(pairs), np.int32), offsets, kept, full, keys, groups, labels)
 
 
 def chunks(items: Iterable, size: int) -> Iterator[list]:
@@ -432,4 +458,6 @@ def load_examples(
             examples = {"train": examples["train"].select(~held), "test": examples["train"].select(held)}
         for split, value in examples.items():
             splits[split].append(value)
+    shapes = [part.lengths.shape[1] - 1 for parts in splits.values() for part in parts]  # responses per example
+    n_responses = shapes[0] if shapes else n_responses
     return {split: Examples.concatenate(parts, n_responses) for split, parts in splits.items()}

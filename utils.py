@@ -113,6 +113,13 @@ def get_local_run_dir(exp_name: str, local_dirs: list[str]) -> Path:
     return get_local_dir(local_dirs) / getpass.getuser() / f"{exp_name}_{timestamp}"
 
 
+def defined_mean(values: list[float]) -> float:
+    """The mean of the values that are not NaN: a per-example metric that does not apply to an example (a KTO
+    reward of the other label) is NaN for it. NaN when none applies."""
+    defined = [value for value in values if not math.isnan(value)]
+    return sum(defined) / len(defined) if defined else math.nan
+
+
 def append_jsonl(path: Path, record: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")

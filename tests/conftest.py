@@ -34,6 +34,15 @@ def arithmetic_pairs(n: int) -> list[dict]:
     ]
 
 
+def labelled_completions(n_pairs: int) -> list[dict]:
+    """arithmetic_pairs unpaired: each pair's chosen answer desirable, its rejected one not (KTO's data)."""
+    rows = []
+    for pair in arithmetic_pairs(n_pairs):
+        rows.append({"prompt": pair["prompt"], "completion": pair["chosen"], "label": True})
+        rows.append({"prompt": pair["prompt"], "completion": pair["rejected"], "label": False})
+    return rows
+
+
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         for item in items:
@@ -51,6 +60,12 @@ def tiny_tokenizer():
 @pytest.fixture
 def pairs_file(tmp_path) -> Path:
     return write_jsonl(tmp_path / "pairs.jsonl", arithmetic_pairs(48))
+
+
+@pytest.fixture
+def labelled_file(tmp_path) -> Path:
+    """48 labelled completions: 24 pairs unpaired."""
+    return write_jsonl(tmp_path / "labelled.jsonl", labelled_completions(24))
 
 
 def tiny_run_overrides(tmp_path: Path, pairs_file: Path) -> list[str]:

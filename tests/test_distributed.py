@@ -299,6 +299,20 @@ def test_other_losses_match_basic_trainer_across_processes(tmp_path, pairs_file,
     assert_same_weights(tmp_path / "basic", tmp_path / "run")
 
 
+@pytest.mark.parametrize("trainer", ["FSDPTrainer", "TensorParallelTrainer"])
+def test_kto_on_labelled_completions_matches_basic_trainer_across_processes(
+    tmp_path, pairs_file, labelled_file, trainer
+):
+    # unpaired data: each rank's labels, and the KL estimate over mismatched completions of both ranks' shares
+    data = (f"datasets=[{labelled_file}]", "loss=kto")
+    launch(tmp_path / "basic", pairs_file, "trainer=BasicTrainer", *data)
+    launch(tmp_path / "run", pairs_file, f"trainer={trainer}", *data)
+    basic, run = read_jsonl(tmp_path / "basic" / "metrics.jsonl"), read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert any(r.get("kl/train", 0) > 0 for r in basic) and "rewards_eval/chosen" in basic[-1]
+    assert_same_metrics(basic, run)
+    assert_same_weights(tmp_path / "basic", tmp_path / "run")
+
+
 def test_fsdp_lora_matches_basic_trainer_lora(tmp_path, pairs_file):
     # FSDP2 over a peft model (frozen base, trainable adapters in the same blocks), with activation checkpointing.
     lora = ("lora.enabled=true", "lora.rank=4", "lora.alpha=8", "lora.dropout=0")

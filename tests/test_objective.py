@@ -8,6 +8,7 @@ import torch
 import train
 from config import group_options
 from conftest import assert_resume_matches_uninterrupted, records, run_cli
+from utils import UserError
 
 
 def test_ipo_first_eval_matches_closed_form(make_config):
@@ -27,6 +28,27 @@ def test_kto_starts_at_its_closed_form_with_a_zero_kl_estimate(make_config, cach
     evals = records(train.Path(config.local_run_dir), "eval")
     assert evals[0]["kl/eval"] == 0.0 and evals[0]["loss/eval"] == pytest.approx(1.0, abs=1e-7)
     assert evals[-1]["loss/eval"] < evals[0]["loss/eval"]
+
+
+@pytest.mark.parametrize("reference", ["cached", "live", "LoRA's base"])
+def test_kto_on_labelled_completions_starts_at_its_closed_form(make_config, labelled_file, reference):
+    # Thumbs up or down on single answers: at step 0, z0 = 0 and each completion scores lambda / 2: 1/2 for the
+    # desirable half of the held-out prompts' completions and 3/2 for the other half, 1 on average; rewards 0.
+    how = {"cached": (), "live": ("reference_cache=false",), "LoRA's base": ("lora.enabled=true", "lr=1e-2")}
+    overrides = ("loss=kto", "loss.undesirable_weight=3.0", *how[reference])
+    config = make_config(f"datasets=[{labelled_file}]", "n_examples=16", *overrides)
+    train.run(config)
+    evals = records(train.Path(config.local_run_dir), "eval")
+    assert evals[0]["kl/eval"] == 0.0 and evals[0]["loss/eval"] == pytest.approx(1.0, abs=1e-7)
+    assert evals[0]["rewards_eval/chosen"] == 0.0 and evals[0]["rewards_eval/rejected"] == 0.0
+    assert evals[-1]["loss/eval"] < evals[0]["loss/eval"]
+    # desirable answers end above undesirable ones: each column averaged over its own examples only (NaN elsewhere)
+    assert evals[-1]["rewards_eval/chosen"] > evals[-1]["rewards_eval/rejected"]
+
+
+def test_labelled_completions_train_only_kto(make_config, labelled_file):
+    with pytest.raises(UserError, match=r"hold labelled completions \(prompt, completion, label\): only loss=kto"):
+        train.run(make_config(f"datasets=[{labelled_file}]", "loss=dpo"))
 
 
 def test_sft_trains_on_chosen_and_needs_no_reference(make_config):

@@ -5,8 +5,9 @@ import pyarrow
 import pyarrow.parquet
 import pytest
 
-from conftest import HH_TEST_FILE, arithmetic_pairs, write_jsonl
+from conftest import HH_TEST_FILE, arithmetic_pairs, labelled_completions, write_jsonl
 from preference_datasets import (
+    LabelledCompletion,
     batch_schedule,
     get_dataset,
     split_hh_dialogue,
@@ -87,6 +88,31 @@ def test_conversational_json_uses_chat_template(tmp_path, tiny_tokenizer):
     assert pairs["yes 0"].prompt == "<|im_start|>user\nq0<|im_end|>\n<|im_start|>assistant\n"
     assert pairs["yes 9"].prompt == "<|im_start|>user\nq9<|im_end|>\n<|im_start|>assistant\n"
     assert pairs["yes 9"].rejected == "no 9"
+
+
+def test_labelled_completions_in_text_and_conversational_rows(tmp_path, tiny_tokenizer, capsys):
+    # KTO's unpaired data: prompt, completion, label; messages rendered with the chat template; empty ones skipped
+    rows = labelled_completions(3) + [
+        {
+            "prompt": [{"role": "user", "content": "q9"}],
+            "completion": [{"role": "assistant", "content": "yes 9"}],
+            "label": False,
+        },
+        {"prompt": "Q", "completion": " ", "label": True},
+    ]
+    data = load(write_jsonl(tmp_path / "kto.jsonl", rows), tiny_tokenizer, n_eval=0)
+    completions = {c.completion: c for c in data["train"]}
+    assert all(isinstance(c, LabelledCompletion) for c in completions.values()) and len(completions) == 7
+    first = rows[0]
+    assert completions[first["completion"]] == LabelledCompletion(
+        first["prompt"], first["completion"], True, "keep_start"
+    )
+    assert completions["yes 9"].prompt == "<|im_start|>user\nq9<|im_end|>\n<|im_start|>assistant\n"
+    assert completions["yes 9"].label is False
+    assert "7 labelled completions from 8 rows; skipped 1 rows: 1 empty response" in capsys.readouterr().out
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "Q", "completion": " a", "label": "yes"}])
+    with pytest.raises(UserError, match=r"bad.jsonl:1: label is 'yes', expected true or false"):
+        load(path, tiny_tokenizer, n_eval=0)
 
 
 def test_shp_parquet_keeps_pairs_with_score_ratio_at_least_2(tmp_path, tiny_tokenizer):

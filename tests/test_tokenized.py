@@ -16,7 +16,7 @@ import pytest
 import transformers
 
 import tokenized
-from conftest import REPO_ROOT, TINY_DIR, arithmetic_pairs, write_jsonl
+from conftest import REPO_ROOT, TINY_DIR, arithmetic_pairs, labelled_completions, write_jsonl
 from preference_datasets import PreferencePair, get_dataset
 from tokenized import Tokenization, first_of_each_group, load_examples, tokenize_pairs, truncated
 from utils import UserError
@@ -125,6 +125,22 @@ def test_mismatched_examples_pair_each_prompt_with_the_next_responses(tiny_token
     # 15 + 15 > 20: the prompt's last 8 ids, then 8 + 15 > 20: the responses' first 12
     assert first["prompt"] == a["prompt"][-8:] and first["responses"] == [b["responses"][0][:12], b["responses"][1]]
     assert first["key"] != tokenized.mismatched([a, b], 20, 7)[0]["key"]
+
+
+def test_labelled_completions_are_one_response_and_their_label_cached(tmp_path, tiny_tokenizer):
+    settings = Tokenization(max_length=64, max_prompt_length=32, sft=False)
+    path = write_jsonl(tmp_path / "kto.jsonl", labelled_completions(6))
+    for _ in range(2):  # built, then read from the cache
+        splits = load_examples([str(path)], tiny_tokenizer, settings, 0, 2, tmp_path)
+        train = splits["train"]
+        assert train.labelled and train.lengths.shape[1] == 2 and len(train) + len(splits["test"]) == 12
+        examples = train.take(range(len(train)))
+        assert [ex["label"] for ex in examples] == (train.labels == 1).tolist() and 0 < train.labels.sum() < len(train)
+        assert all(len(ex["responses"]) == 1 for ex in examples)
+    [cached] = [d for d in (tmp_path / "tokenized").iterdir() if (d / "labels.npy").exists()]  # read back above
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", arithmetic_pairs(6))
+    with pytest.raises(UserError, match="the datasets mix preference pairs and labelled completions"):
+        load_examples([str(path), str(pairs)], tiny_tokenizer, settings, 0, 2, tmp_path)
 
 
 def test_many_chunks_equal_one(tiny_tokenizer, monkeypatch):

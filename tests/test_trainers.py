@@ -46,12 +46,13 @@ def test_warmup_is_linear_in_optimizer_steps(make_config):
     assert rates == pytest.approx([c * trainer.config.lr for c in (1 / 4, 2 / 4, 3 / 4, 1, 1)])
 
 
-@pytest.mark.parametrize("loss", ["dpo", "aot", "aot_unpaired", "kto"])
-def test_gradient_accumulation_matches_full_batch(make_config, loss):
+@pytest.mark.parametrize("loss", ["dpo", "aot", "aot_unpaired", "kto", "kto on labelled completions"])
+def test_gradient_accumulation_matches_full_batch(make_config, labelled_file, loss):
     # aot's pairs depend on each other through the batch's sort, kto's through its KL estimate: accumulated, each
     # micro-batch reads them from the whole batch
     # With SGD at lr 1 and no clipping, the update equals the gradient, so equal parameters mean equal gradients.
-    base = ("optimizer=SGD", "lr=1.0", "max_grad_norm=1e9", f"loss={loss}")
+    data = (f"datasets=[{labelled_file}]",) if "labelled" in loss else ()
+    base = ("optimizer=SGD", "lr=1.0", "max_grad_norm=1e9", f"loss={loss.split()[0]}", *data)
     full = build_trainer(make_config(*base))
     accumulated = build_trainer(
         make_config(*base, "gradient_accumulation_steps=4", "local_run_dir=" + str(full.run_dir) + "_ga")
