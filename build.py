@@ -18,7 +18,7 @@ import reference_cache
 from adapters import AdaptersDisabled, apply_lora, is_adapted, quantization_config
 from distributed import TRAINERS, Topology
 from evaluation import Evaluator
-from layouts import ModelBatch
+from layouts import ModelBatch, to_device
 from losses import PairStats
 from models import load_model, load_tokenizer, resolve_model_dir
 from objective import build_objective
@@ -84,7 +84,7 @@ class BatchLoss:
             reference_logps = self.reference(examples, batch)
         labels = None
         if "label" in examples[0]:  # labelled completions
-            labels = torch.tensor([ex["label"] for ex in examples]).to(policy_logps.device, non_blocking=True)
+            labels = to_device(torch.tensor([ex["label"] for ex in examples]), policy_logps.device)
         lengths = batch.sequence_lengths
         return self.objective(policy_logps, reference_logps, lengths, split, log_sum_sq, fields, labels)
 
@@ -121,7 +121,7 @@ class BatchLoss:
             lengths = batch.sequence_lengths.to(policy)
             columns.append(torch.stack([*policy.chunk(2), *reference.chunk(2), *lengths.chunk(2)]))
             local = torch.arange(index, index + len(examples))  # a padding copy (past n_real) is items[0]
-            positions.append(torch.where(local < n_real, share_start + local, 0).to(policy.device))
+            positions.append(to_device(torch.where(local < n_real, share_start + local, 0), policy.device))
             index += len(examples)
         stats = PairStats(*self.topology.gather_columns(torch.cat(columns, dim=1), n_examples))
         return stats, positions, references
@@ -194,12 +194,19 @@ def load_data(
             f"datasets={list(config.datasets)} hold labelled completions (prompt, completion, label): "
             "only loss=kto trains on them"
         )
+    if objective.needs_kl_estimate and config.batch_size < 2:
+        raise UserError(
+            f"batch_size={config.batch_size}: loss=kto estimates its reference point from each batch's mismatched "
+            "prompts and responses, which takes at least 2 examples"
+        )
     evals = evals.select(range(min(len(evals), config.n_eval_examples or len(evals))))
     schedule = batch_schedule(len(train), config.batch_size, config.seed, config.n_epochs, config.n_examples)
     if report:
         print(data_report(train, evals, tokenizer, config.max_length, config.max_prompt_length))
     size = config.eval_batch_size
     eval_batches = [evals.take(range(i, min(i + size, len(evals)))) for i in range(0, len(evals), size)]
+    if objective.needs_kl_estimate and len(eval_batches) > 1 and len(eval_batches[-1]) == 1:
+        eval_batches[-2:] = [eval_batches[-2] + eval_batches[-1]]  # one example has no mismatched partner
     return Data(train, eval_batches, schedule)
 
 
@@ -252,7 +259,8 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
 
     reference = reference_model = None
     if objective.needs_reference and config.reference_cache:
-        computation = reference_computation(config, precision, scorer, topology)
+        n_responses = data.train_examples.lengths.shape[1] - 1
+        computation = reference_computation(config, precision, scorer, topology, n_responses)
         path = reference_cache.cache_path(cache_dir, initial_weights, computation)
         # the initial policy itself computes them where the reference computes like it: no reference is loaded
         like_policy = lambda: (policy, precision.policy_compute)  # noqa: E731
@@ -294,16 +302,20 @@ def place(model: torch.nn.Module, config: DictConfig, topology: Topology, comput
     return parallelize(model, topology, compute, config.model.block_name, checkpointing, reduce_dtype)
 
 
-def reference_computation(config: DictConfig, precision: Precision, scorer: Scorer, topology: Topology) -> str:
+def reference_computation(
+    config: DictConfig, precision: Precision, scorer: Scorer, topology: Topology, n_responses: int
+) -> str:
     """Everything that changes the rounding of the reference's log-probs (the cache file's second key), the device's
-    kernels included: a cache directory shared by machines of other CPUs or GPUs keeps one file for each."""
+    kernels included: a cache directory shared by machines of other CPUs or GPUs keeps one file for each; and the
+    responses an example has (pairs or labelled completions: a table holds one width)."""
     micro = [size // config.gradient_accumulation_steps for size in (config.batch_size, config.eval_batch_size)]
     compute = precision.policy_compute if precision.reference_like_policy else precision.reference_compute
     how = "autocast" if scorer.autocast else "FSDP"
     weights = str(precision.reference_weights).removeprefix("torch.")
     return (
         f"{weights} weights, {compute or 'no'} {how} compute, {scorer.describe()}, {topology.describe()}, "
-        f"micro-batches of {micro[0]} and {micro[1]}, seed {config.seed}, on {device_key(topology.device)}"
+        f"micro-batches of {micro[0]} and {micro[1]}, seed {config.seed}, on {device_key(topology.device)}, "
+        f"{n_responses} responses an example"
     )
 
 

@@ -7,7 +7,7 @@ import tqdm
 
 from distributed import Topology
 from layouts import left_padded_prompts
-from utils import defined_mean
+from utils import metric_mean
 
 
 class Evaluator:
@@ -43,7 +43,7 @@ class Evaluator:
             local = torch.stack([torch.cat(columns[name]) for name in names])
             gathered.append(self.topology.gather_columns(local, len(batch)))  # without the padding copies
         values = torch.cat(gathered, dim=1).cpu().tolist()
-        return {name: defined_mean(row) for name, row in zip(names, values)}
+        return {name: metric_mean(name, row) for name, row in zip(names, values)}
 
     @torch.no_grad()
     def generate(self, model: torch.nn.Module, examples: list[dict]) -> list[str]:

@@ -112,9 +112,10 @@ def scored_fields(scored: list[tuple[int, int, int, int]], n_examples: int, n_re
     kept = [sorted({p for _, row, p, _ in scored if row == r}) or [0] for r in range(n_rows)]
     width = max(map(len, kept))
     column = [{p: i for i, p in enumerate(positions)} for positions in kept]
-    lengths = torch.zeros(n_responses * n_examples, dtype=torch.long)
+    counts = [0] * (n_responses * n_examples)
     for sequence, _, _, _ in scored:
-        lengths[sequence] += 1
+        counts[sequence] += 1
+    lengths = torch.tensor(counts, dtype=torch.long)
     shared = lengths.view(n_responses, n_examples).min(dim=0).values.repeat(n_responses)
     return dict(
         keep_positions=torch.tensor([positions + positions[-1:] * (width - len(positions)) for positions in kept]),

@@ -426,9 +426,9 @@ def kto(s: PairStats, cfg: KTOConfig, state: dict) -> LossOutput:
     mismatched prompt and response pairs of the whole batch) (build.BatchLoss.kl_estimate), logged as `kl`."""
     if s.kl_estimate is None:
         raise ValueError("kto reads the batch's KL estimate (PairStats.kl_estimate)")
-    logratios = torch.stack([s.chosen_logratio, s.rejected_logratio])  # [2, B]
-    desirable = torch.tensor([[True], [False]], device=logratios.device)
-    losses = kto_losses(logratios, desirable, s.kl_estimate, cfg).mean(dim=0)
+    chosen = cfg.desirable_weight * (1 - torch.sigmoid(cfg.beta * (s.chosen_logratio - s.kl_estimate)))
+    rejected = cfg.undesirable_weight * (1 - torch.sigmoid(cfg.beta * (s.kl_estimate - s.rejected_logratio)))
+    losses = (chosen + rejected) / 2  # kto_losses of each, averaged
     return rewards(s, cfg.beta, losses, kl=s.kl_estimate.expand_as(losses))
 
 

@@ -458,6 +458,8 @@ def load_examples(
             examples = {"train": examples["train"].select(~held), "test": examples["train"].select(held)}
         for split, value in examples.items():
             splits[split].append(value)
-    shapes = [part.lengths.shape[1] - 1 for parts in splits.values() for part in parts]  # responses per example
-    n_responses = shapes[0] if shapes else n_responses
+    kinds = {(part.lengths.shape[1] - 1, part.labelled) for parts in splits.values() for part in parts if len(part)}
+    if len(kinds) > 1:  # within a split, and across train and test (a directory's files)
+        raise UserError("the datasets mix preference pairs and labelled completions: train on one kind at a time")
+    n_responses = next(iter(kinds))[0] if kinds else n_responses
     return {split: Examples.concatenate(parts, n_responses) for split, parts in splits.items()}

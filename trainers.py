@@ -28,7 +28,7 @@ from build import Data, RunParts
 from optim import clip_grad_norm
 from plots import write_plots
 from telemetry import Throughput, step_amounts
-from utils import Interrupted, UserError, append_jsonl, defined_mean, truncate_jsonl
+from utils import Interrupted, UserError, append_jsonl, metric_mean, truncate_jsonl
 
 PROGRESS_BAR = {"desc": "train", "unit": "step", "dynamic_ncols": True}
 LOGS = ("metrics.jsonl", "samples.jsonl", "plots.png")  # what a run writes besides checkpoints
@@ -282,7 +282,7 @@ class RunLog:
         return sum(self.interval["loss/train"]) / len(self.interval["loss/train"])
 
     def close_interval(self, examples: int, updates: int) -> None:
-        record = {name: defined_mean(values) for name, values in self.interval.items()}
+        record = {name: metric_mean(name, values) for name, values in self.interval.items()}
         self.metrics({**record, **self.interval_speed.rates()}, examples, updates)
         self.interval, self.interval_speed = defaultdict(list), self.throughput()
 

@@ -113,11 +113,16 @@ def get_local_run_dir(exp_name: str, local_dirs: list[str]) -> Path:
     return get_local_dir(local_dirs) / getpass.getuser() / f"{exp_name}_{timestamp}"
 
 
-def defined_mean(values: list[float]) -> float:
-    """The mean of the values that are not NaN: a per-example metric that does not apply to an example (a KTO
-    reward of the other label) is NaN for it. NaN when none applies."""
-    defined = [value for value in values if not math.isnan(value)]
-    return sum(defined) / len(defined) if defined else math.nan
+def metric_mean(name: str, values: list[float]) -> float:
+    """The mean of a per-example metric. On labelled completions the rewards and log-probs of desirable examples go
+    under .../chosen and those of the others under .../rejected, NaN for the examples of the other label: these are
+    averaged over the values that are not NaN (NaN when none is). Every other metric keeps its NaN (a NaN loss
+    shows)."""
+    if name.startswith(("rewards_", "logps_")) and name.endswith(("/chosen", "/rejected")):
+        values = [value for value in values if not math.isnan(value)]
+        if not values:
+            return math.nan
+    return sum(values) / len(values)
 
 
 def append_jsonl(path: Path, record: dict) -> None:

@@ -106,6 +106,7 @@ ERRORS = [
     ("loss=f_dpo loss.f_divergence=alpha", "loss.f_divergence=alpha needs loss.alpha in (0, 1)"),
     ("loss=f_dpo loss.alpha=0.3", "loss.alpha=0.3 is read only with loss.f_divergence=alpha (here js)"),
     ("batch_size=7 gradient_accumulation_steps=2", "batch_size=7 must be a positive multiple of"),
+    ("loss=kto batch_size=1", "batch_size=1: loss=kto estimates its reference point from each batch's mismatched"),
     ("eval_every=12", "eval_every=12 must be a positive multiple of batch_size=8"),
     ("save_every=12", "save_every=12 must be a positive multiple of batch_size=8, or null"),
     ("keep_last=0", "keep_last=0 must be positive, or null to keep every checkpoint"),

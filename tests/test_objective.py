@@ -7,7 +7,7 @@ import torch
 
 import train
 from config import group_options
-from conftest import assert_resume_matches_uninterrupted, records, run_cli
+from conftest import assert_resume_matches_uninterrupted, build_trainer, records, run_cli
 from utils import UserError
 
 
@@ -44,6 +44,12 @@ def test_kto_on_labelled_completions_starts_at_its_closed_form(make_config, labe
     assert evals[-1]["loss/eval"] < evals[0]["loss/eval"]
     # desirable answers end above undesirable ones: each column averaged over its own examples only (NaN elsewhere)
     assert evals[-1]["rewards_eval/chosen"] > evals[-1]["rewards_eval/rejected"]
+
+
+def test_a_last_eval_batch_of_one_joins_the_one_before_for_kto(make_config):
+    # one example alone has no mismatched partner for the KL estimate
+    assert [len(b) for b in build_trainer(make_config("n_eval_examples=9")).data.eval_batches] == [8, 1]
+    assert [len(b) for b in build_trainer(make_config("n_eval_examples=9", "loss=kto")).data.eval_batches] == [9]
 
 
 def test_labelled_completions_train_only_kto(make_config, labelled_file):

@@ -126,6 +126,16 @@ def test_length_desensitized_reference_is_cached_under_its_own_key(make_config, 
     assert unequal.any() and (differs == unequal).all()  # only pairs of unequal lengths have a tail
 
 
+def test_pairs_and_labelled_completions_keep_reference_files_of_their_own(make_config, tmp_path, labelled_file, capsys):
+    # A table holds one width (2 responses an example, or 1): a kto run on labelled completions after a dpo run on
+    # pairs, same model and settings, writes a file of its own instead of merging 1 column into 2
+    build_trainer(make_config(f"local_run_dir={tmp_path / 'pairs'}"))
+    kto = build_trainer(make_config(f"local_run_dir={tmp_path / 'kto'}", "loss=kto", f"datasets=[{labelled_file}]"))
+    assert kto.batch_loss.reference.table.logps.shape[1] == 1
+    assert len(list((tmp_path / "reference_logps").glob("*.pt"))) == 2
+    assert "recomputing" not in capsys.readouterr().out
+
+
 def assert_same_table(a: reference_cache.ReferenceTable, b: reference_cache.ReferenceTable) -> None:
     np.testing.assert_array_equal(a.keys, b.keys)
     np.testing.assert_array_equal(a.logps, b.logps)

@@ -141,6 +141,11 @@ def test_labelled_completions_are_one_response_and_their_label_cached(tmp_path, 
     pairs = write_jsonl(tmp_path / "pairs.jsonl", arithmetic_pairs(6))
     with pytest.raises(UserError, match="the datasets mix preference pairs and labelled completions"):
         load_examples([str(path), str(pairs)], tiny_tokenizer, settings, 0, 2, tmp_path)
+    (tmp_path / "mixed").mkdir()  # pairs to train on, labelled completions to evaluate on
+    write_jsonl(tmp_path / "mixed" / "train.jsonl", arithmetic_pairs(6))
+    write_jsonl(tmp_path / "mixed" / "test.jsonl", labelled_completions(2))
+    with pytest.raises(UserError, match="the datasets mix preference pairs and labelled completions"):
+        load_examples([str(tmp_path / "mixed")], tiny_tokenizer, settings, 0, 2, tmp_path)
 
 
 def test_many_chunks_equal_one(tiny_tokenizer, monkeypatch):
