@@ -276,6 +276,7 @@ def test_shards_pad_short_shares_and_micro_batches_cut_them():
     assert Topology().gather({"x": [1, 2]}) == {"x": [1, 2]} and Topology().broadcast("a") == "a"
 
 
+@pytest.mark.slow  # 5 two-process runs; the default suite keeps their one-process equivalences (GA == full batch)
 @pytest.mark.parametrize(
     "trainer,loss",
     [
@@ -299,6 +300,7 @@ def test_other_losses_match_basic_trainer_across_processes(tmp_path, pairs_file,
     assert_same_weights(tmp_path / "basic", tmp_path / "run")
 
 
+@pytest.mark.slow  # two two-process runs
 @pytest.mark.parametrize("trainer", ["FSDPTrainer", "TensorParallelTrainer"])
 def test_kto_on_labelled_completions_matches_basic_trainer_across_processes(
     tmp_path, pairs_file, labelled_file, trainer
