@@ -108,12 +108,9 @@ def chosen_nll(stats: PairStats) -> torch.Tensor:
 
 
 @dataclass
-class PreferenceLoss:
-    """Keys of a reference-free pair loss."""
-
-    name: str = MISSING
-    beta: float = ranged(POSITIVE)
-    nll_weight: float = ranged(NON_NEGATIVE)
+class PairLossNeeds:
+    """What a pair loss asks of the scorer and of the batch beyond its pairs' summed log-probs; the defaults: nothing.
+    Each loss config overrides what it needs (objective.PreferenceObjective reads them once)."""
 
     def needs_reference(self) -> bool:
         return False
@@ -141,6 +138,15 @@ class PreferenceLoss:
     def reads_sum_sq(self) -> bool:
         """Whether the loss reads the policy's sums of log sum_v p_v^2 (PairStats)."""
         return False
+
+
+@dataclass
+class PreferenceLoss(PairLossNeeds):
+    """Keys of a reference-free pair loss."""
+
+    name: str = MISSING
+    beta: float = ranged(POSITIVE)
+    nll_weight: float = ranged(NON_NEGATIVE)
 
     def __post_init__(self):
         check_ranges(self, "loss.")  # the keys of its subclasses too
@@ -269,35 +275,14 @@ class SFTConfig:
 
 
 @dataclass
-class NLLConfig:
+class NLLConfig(PairLossNeeds):
     """The chosen response's per-token NLL on pair data: SFT as a term of a weighted loss (TRL's "sft" term)."""
 
     name: str = MISSING
 
-    def needs_reference(self) -> bool:
-        return False
-
-    def statistics(self, stats: PairStats) -> PairStats:
-        return stats
-
-    def tail_weight(self) -> float:
-        return 1.0
-
-    def reads_sum_sq(self) -> bool:
-        return False
-
-    def couples_pairs(self) -> bool:
-        return False
-
-    def needs_kl_estimate(self) -> bool:
-        return False
-
-    def reads_labels(self) -> bool:
-        return False
-
 
 @dataclass
-class WeightedConfig:
+class WeightedConfig(PairLossNeeds):
     """A weighted sum of pair losses, e.g. MPO (Wang et al. 2024, arXiv:2411.10442). `terms` maps each loss name to
     {weight: w, and that loss's own keys}; each term is checked by its own schema."""
 
@@ -326,11 +311,8 @@ class WeightedConfig:
     def needs_reference(self) -> bool:
         return any(config.needs_reference() for _, config in self.components.values())
 
-    def statistics(self, stats: PairStats) -> PairStats:
-        return stats  # each term applies its own
-
-    def tail_weight(self) -> float:
-        return 1.0  # no term may change it (__post_init__)
+    # statistics: each term applies its own; tail_weight stays 1: no term may change it (__post_init__); nor does it
+    # read labels (its other terms need pairs)
 
     def reads_sum_sq(self) -> bool:
         return any(config.reads_sum_sq() for _, config in self.components.values())
@@ -340,9 +322,6 @@ class WeightedConfig:
 
     def needs_kl_estimate(self) -> bool:
         return any(config.needs_kl_estimate() for _, config in self.components.values())
-
-    def reads_labels(self) -> bool:
-        return False  # labelled completions have no pairs for its other terms
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -410,13 +389,21 @@ def sorted_match_losses(x: torch.Tensor, y: torch.Tensor, positions: torch.Tenso
     return terms.detach()[rank[positions]] + (surrogate - surrogate.detach())
 
 
+def kto_desirable(logratios: torch.Tensor, kl_estimate: torch.Tensor, cfg: KTOConfig) -> torch.Tensor:
+    """KTO (Ethayarajh et al. 2024, arXiv:2402.01306): lambda_D - v = lambda_D (1 - sigma(beta (r - z0))) of desirable
+    responses; r = log pi / pi_ref, z0 the batch's KL estimate (detached). [N] in, [N] out."""
+    return cfg.desirable_weight * (1 - torch.sigmoid(cfg.beta * (logratios - kl_estimate)))
+
+
+def kto_undesirable(logratios: torch.Tensor, kl_estimate: torch.Tensor, cfg: KTOConfig) -> torch.Tensor:
+    """KTO's lambda_U - v = lambda_U (1 - sigma(beta (z0 - r))) of undesirable responses."""
+    return cfg.undesirable_weight * (1 - torch.sigmoid(cfg.beta * (kl_estimate - logratios)))
+
+
 def kto_losses(logratios: torch.Tensor, desirable: torch.Tensor, kl_estimate: torch.Tensor, cfg: KTOConfig):
-    """KTO (Ethayarajh et al. 2024, arXiv:2402.01306): per response, lambda_y - v(x, y) with
-    v = lambda_D sigma(beta (r - z0)) for a desirable response and lambda_U sigma(beta (z0 - r)) for an undesirable
-    one; r = log pi / pi_ref of the response, z0 the batch's KL estimate (detached). logratios, desirable: [N]."""
-    x = cfg.beta * (logratios - kl_estimate)
+    """[N] KTO losses of labelled responses; desirable: [N] bool."""
     return torch.where(
-        desirable, cfg.desirable_weight * (1 - torch.sigmoid(x)), cfg.undesirable_weight * (1 - torch.sigmoid(-x))
+        desirable, kto_desirable(logratios, kl_estimate, cfg), kto_undesirable(logratios, kl_estimate, cfg)
     )
 
 
@@ -426,9 +413,9 @@ def kto(s: PairStats, cfg: KTOConfig, state: dict) -> LossOutput:
     mismatched prompt and response pairs of the whole batch) (build.BatchLoss.kl_estimate), logged as `kl`."""
     if s.kl_estimate is None:
         raise ValueError("kto reads the batch's KL estimate (PairStats.kl_estimate)")
-    chosen = cfg.desirable_weight * (1 - torch.sigmoid(cfg.beta * (s.chosen_logratio - s.kl_estimate)))
-    rejected = cfg.undesirable_weight * (1 - torch.sigmoid(cfg.beta * (s.kl_estimate - s.rejected_logratio)))
-    losses = (chosen + rejected) / 2  # kto_losses of each, averaged
+    chosen = kto_desirable(s.chosen_logratio, s.kl_estimate, cfg)
+    rejected = kto_undesirable(s.rejected_logratio, s.kl_estimate, cfg)
+    losses = (chosen + rejected) / 2
     return rewards(s, cfg.beta, losses, kl=s.kl_estimate.expand_as(losses))
 
 
