@@ -704,9 +704,10 @@ def bench_gpu(smoke: bool, warmup: int, steps: int) -> None:
 
 def campaign_row(name: str, result: dict) -> str:
     computed = result.get("computed_tokens_per_second")
+    mfu = f"{result['mfu'] * 100:.3g}%"  # 3 digits: the smoke run's tiny model is far below 0.1% and must not read 0
     return (
         f"{name:40s} {result['pairs_per_second']:8.3f} {result['real_tokens_per_second']:11.0f} "
-        f"{(f'{computed:9.0f}' if computed else '        -')} {result['mfu']:6.1%} {result['peak_memory_gib']:6.2f} GiB"
+        f"{(f'{computed:9.0f}' if computed else '        -')} {mfu:>6s} {result['peak_memory_gib']:6.2f} GiB"
     )
 
 
