@@ -1,9 +1,11 @@
-"""Evaluation on the held-out examples, and samples from policy and reference on their prompts."""
+"""Evaluation on the held-out examples, and samples from policy and reference on their prompts; completions
+sampled with a seed of their own (SeededSampling), for iterative rounds (rounds.py)."""
 
 from collections import defaultdict
 
 import torch
 import tqdm
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from distributed import Topology
 from layouts import left_padded_prompts
@@ -47,23 +49,45 @@ class Evaluator:
 
     @torch.no_grad()
     def generate(self, model: torch.nn.Module, examples: list[dict]) -> list[str]:
-        """Sampled continuations of the examples' prompts, without the prompt text."""
+        """Sampled continuations of the examples' prompts (as generation.* says), without the prompt text."""
         g = self.config.generation
-        pad_token_id = self.tokenizer.pad_token_id
-        prompt_ids, attention_mask = left_padded_prompts(examples, pad_token_id)
+        settings = dict(do_sample=g.do_sample, temperature=g.temperature, top_p=g.top_p)
+        completions = self.complete(model, [ex["prompt"] for ex in examples], **settings)
+        return self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+
+    @torch.no_grad()
+    def complete(self, model: torch.nn.Module, prompts: list[list[int]], **settings) -> list[list[int]]:
+        """The generated ids of each prompt, up to generation.max_new_tokens, ending with its EOS where it stopped;
+        settings: model.generate's (do_sample, temperature, top_p, logits_processor). Every rank calls it with as
+        many prompts (synced_gpus: ranks done early join the sharded forward passes of the others)."""
+        pad_token_id, eos_token_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        prompt_ids, attention_mask = left_padded_prompts([{"prompt": p} for p in prompts], pad_token_id)
         device = self.topology.device
         output = model.generate(
             prompt_ids.to(device),
             attention_mask=attention_mask.to(device),
-            max_new_tokens=g.max_new_tokens,
-            do_sample=g.do_sample,
-            temperature=g.temperature,
-            top_p=g.top_p,
+            max_new_tokens=self.config.generation.max_new_tokens,
             pad_token_id=pad_token_id,
-            # ranks done early keep joining the sharded forward passes of the others
+            eos_token_id=eos_token_id,
             synced_gpus=self.topology.world_size > 1,
+            **settings,
         )
-        return self.tokenizer.batch_decode(output[:, prompt_ids.shape[1] :], skip_special_tokens=True)
+        completions = []
+        for row in output[:, prompt_ids.shape[1] :].tolist():
+            end = row.index(eos_token_id) + 1 if eos_token_id in row else len(row)
+            completions.append(row[:end])
+        return completions
+
+    def complete_seeded(self, model: torch.nn.Module, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+        """Completions sampled as generation.* says (temperature, top_p), row i from its own seeds[i] alone: the
+        same whatever rows share its batch and however many ranks there are (see SeededSampling)."""
+        g = self.config.generation
+        uniforms = torch.stack(
+            [torch.rand(g.max_new_tokens, generator=torch.Generator().manual_seed(seed)) for seed in seeds]
+        )
+        width = max(map(len, prompts))
+        sampler = SeededSampling(uniforms.to(self.topology.device), width, g.temperature, g.top_p)
+        return self.complete(model, prompts, do_sample=False, logits_processor=LogitsProcessorList([sampler]))
 
     def sample(self, policy: torch.nn.Module, reference: torch.nn.Module | None, step: int) -> list[dict]:
         """{"step", "prompt", "policy", "reference"} for the first n_eval_model_samples eval prompts."""
@@ -78,3 +102,29 @@ class Evaluator:
             for ex, p, r in zip(local, policy_texts, reference_texts)
         ]
         return self.topology.gather({"samples": samples[:n_real]})["samples"]
+
+
+class SeededSampling(LogitsProcessor):
+    """Sampling at a temperature from the nucleus (the most likely tokens whose mass reaches top_p; Holtzman et al.
+    2020), each row driven by uniforms of its own: row i's token at step t is the nucleus distribution's inverse
+    CDF at uniforms[i, t]. transformers' sampler draws every row from one generator, so that a row's tokens would
+    depend on the rows batched with it; here they depend on its seed. It returns scores that leave the drawn token
+    the only finite one, for greedy decoding (do_sample=False) to pick.
+
+    uniforms: [B, max_new_tokens] in [0, 1); prompt_width: the padded prompts' length (where step 0 starts)."""
+
+    def __init__(self, uniforms: torch.Tensor, prompt_width: int, temperature: float, top_p: float):
+        self.uniforms, self.prompt_width, self.temperature, self.top_p = uniforms, prompt_width, temperature, top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.prompt_width
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        # stable: equal probabilities in the order of their token ids, on every device
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+        outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= self.top_p  # the mass before it reached top_p
+        outside[:, 0] = False
+        cdf = sorted_probs.masked_fill(outside, 0).cumsum(dim=-1)
+        target = self.uniforms[:, step : step + 1] * cdf[:, -1:]
+        index = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[-1] - 1)
+        drawn = order.gather(-1, index)
+        return torch.full_like(scores, -torch.inf).scatter_(-1, drawn, 0.0)

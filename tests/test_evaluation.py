@@ -1,9 +1,11 @@
 """Evaluation and sampling (evaluation.py)."""
 
 import pytest
+import torch
 
 import train
 from conftest import build_trainer, read_jsonl
+from evaluation import SeededSampling
 
 
 def test_sampling_during_eval_strips_prompt(make_config):
@@ -35,3 +37,38 @@ def test_eval_micro_batches_give_the_same_metrics(make_config, tmp_path):
     assert micro_metrics.keys() == metrics.keys()
     for name, value in metrics.items():
         assert micro_metrics[name] == pytest.approx(value, abs=1e-5), name
+
+
+def test_a_seeded_completion_is_the_same_whatever_is_batched_with_it(make_config):
+    # Row i's tokens come from seeds[i] alone: alone, in a batch, in another order, they are the same (transformers'
+    # own sampler draws every row from one generator, so a row's tokens would depend on the rows beside it).
+    trainer = build_trainer(make_config("generation.max_new_tokens=10", "generation.temperature=1.0"))
+    prompts = [trainer.data.train_examples[i]["prompt"] for i in range(5)]
+    seeds = [11, 12, 13, 14, 15]
+    batched = trainer.evaluator.complete_seeded(trainer.policy, prompts, seeds)
+    alone = [trainer.evaluator.complete_seeded(trainer.policy, [p], [s])[0] for p, s in zip(prompts, seeds)]
+    reversed_order = trainer.evaluator.complete_seeded(trainer.policy, prompts[::-1], seeds[::-1])[::-1]
+    assert batched == alone == reversed_order
+    assert len({tuple(c) for c in batched}) == 5  # five seeds, five different completions
+    again = trainer.evaluator.complete_seeded(trainer.policy, prompts, [seed + 100 for seed in seeds])
+    assert again != batched
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8), (2.0, 0.5)])
+def test_seeded_sampling_draws_from_the_tempered_nucleus(temperature, top_p):
+    # Uniforms on an even grid of N points: each token is drawn for N times its probability, to within one draw.
+    # The nucleus written out: tokens by falling probability while the mass before them is below top_p.
+    logits = torch.tensor([1.0, 2.0, 0.5, 3.0, -1.0])
+    n = 10_000
+    uniforms = ((torch.arange(n) + 0.5) / n)[:, None]
+    scores = SeededSampling(uniforms, 0, temperature, top_p)(torch.zeros(n, 0, dtype=torch.long), logits.repeat(n, 1))
+    assert ((scores == 0).sum(dim=1) == 1).all() and torch.isinf(scores).sum() == n * 4  # one finite score a row
+    counts = torch.bincount(scores.argmax(dim=1), minlength=5).double() / n
+    p = torch.softmax(logits.double() / temperature, dim=0)
+    kept, mass = torch.zeros(5, dtype=torch.bool), 0.0
+    for token in torch.argsort(p, descending=True).tolist():
+        if mass < top_p:
+            kept[token] = True
+        mass += p[token].item()
+    expected = torch.where(kept, p, 0) / p[kept].sum()
+    torch.testing.assert_close(counts, expected, rtol=0, atol=1.5 / n)
