@@ -216,19 +216,38 @@ def example_keys(tokens: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -
 
 def mismatched(examples: list[dict], max_length: int, max_prompt_length: int) -> list[dict]:
     """KTO's KL examples (Ethayarajh et al. 2024): each example's prompt with the next one's responses (the last
-    with the first's), truncated by the tokenization's rule with the prompt's end kept (nearest the responses), and
-    keyed like every example (example_keys), so that the reference cache holds them as it holds pairs."""
-    result = []
-    for index, example in enumerate(examples):
-        prompt, responses = example["prompt"], examples[(index + 1) % len(examples)]["responses"]
-        full = np.array([[len(prompt), *map(len, responses)]])
-        kept = truncated(full, max_length, max_prompt_length)[0].astype(np.int32)
-        prompt = prompt[len(prompt) - kept[0] :]
-        responses = [response[:n] for response, n in zip(responses, kept[1:].tolist())]
-        tokens = np.array([*prompt, *(t for response in responses for t in response)], dtype=np.int32)
-        key = example_keys(tokens, np.zeros(1, np.int64), kept[None])[0:1].tobytes()
-        result.append({"prompt": prompt, "responses": responses, "key": key})
-    return result
+    with the first's), truncated and keyed as `from_ids` does, so that the reference cache holds them as it holds
+    pairs."""
+    responses = [examples[(index + 1) % len(examples)]["responses"] for index in range(len(examples))]
+    groups = np.zeros(len(examples), np.int64)
+    made = from_ids([example["prompt"] for example in examples], responses, groups, max_length, max_prompt_length)
+    return made.take(range(len(made)))
+
+
+def from_ids(
+    prompts: list[list[int]],
+    responses: list[list[list[int]]],
+    groups: np.ndarray,
+    max_length: int,
+    max_prompt_length: int,
+) -> Examples:
+    """Examples of prompts and responses given as token ids (KTO's mismatched examples; a round's generated pairs,
+    rounds.py), truncated by the tokenization's rule with the prompt's end kept (nearest the responses) and keyed
+    like every example (example_keys). groups: [n] each prompt's group (tokenized.text_group)."""
+    width = 1 + (len(responses[0]) if responses else 2)  # no examples: of a pair's width
+    full = np.array([[len(prompt), *map(len, rs)] for prompt, rs in zip(prompts, responses)], np.int32)
+    full = full.reshape(len(prompts), width)
+    kept = truncated(full, max_length, max_prompt_length).astype(np.int32)
+    flat = []
+    for prompt, rs, lengths in zip(prompts, responses, kept.tolist()):
+        flat += prompt[len(prompt) - lengths[0] :]
+        for response, n in zip(rs, lengths[1:]):
+            flat += response[:n]
+    tokens = np.array(flat, dtype=np.int32)
+    offsets = np.cumsum(kept.sum(axis=1), dtype=np.int64) - kept.sum(axis=1)
+    keys = example_keys(tokens, offsets, kept)
+    labels = np.full(len(prompts), -1, np.int8)
+    return Examples([tokens], np.zeros(len(prompts), np.int32), offsets, kept, full, keys, groups, labels)
 
 
 def text_group(text: str) -> int:
