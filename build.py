@@ -138,9 +138,11 @@ class BatchLoss:
         return (log_ratios.sum() / (n_responses * len(examples))).clamp(min=0)
 
     def reference_keys(self, data: "Data") -> list:
-        """The keys of every example whose reference log-probs training on `data` reads: its training examples, its
-        eval batches' and, for kto, the mismatched examples of each step and eval batch."""
-        keys = [*data.train_examples.keys, *(ex["key"] for batch in data.eval_batches for ex in batch)]
+        """The keys of every example whose reference log-probs training on `data` reads: its scheduled training
+        examples (an epoch's incomplete last batch is dropped), its eval batches' and, for kto, the mismatched
+        examples of each step and eval batch."""
+        scheduled = sorted({i for indices in data.schedule for i in indices})
+        keys = [*data.train_examples.keys[scheduled], *(ex["key"] for batch in data.eval_batches for ex in batch)]
         if self.objective.needs_kl_estimate:
             batches = [data.train_examples.take(indices) for indices in data.schedule] + data.eval_batches
             keys += [ex["key"] for batch in batches for ex in mismatched(batch, *self.max_lengths)]
@@ -243,7 +245,8 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     data = rank_data(config, topology, tokenizer, objective, cache_dir, pairs)
     print(f"{len(data.schedule)} steps of {config.batch_size} examples")
 
-    cached = objective.needs_reference and config.reference_cache
+    # rounds (rounds.py) fill a reference cache for each round's pairs, not the datasets'
+    cached = objective.needs_reference and config.reference_cache and not config.rounds.n
     initial_weights = reference_cache.weights_digest(policy) if cached else None  # before sharding: whole
     flops = ModelFlops.of(policy, find_blocks(policy, config.model.block_name))
     weights_dtype = next(policy.parameters()).dtype
@@ -258,7 +261,7 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
         return place(model.requires_grad_(False), config, topology, precision.reference_compute)
 
     reference = reference_model = None
-    if objective.needs_reference and config.reference_cache:
+    if cached:
         n_responses = data.train_examples.lengths.shape[1] - 1
         computation = reference_computation(config, precision, scorer, topology, n_responses)
         path = reference_cache.cache_path(cache_dir, initial_weights, computation)

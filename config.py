@@ -31,6 +31,7 @@ from layouts import LAYOUTS
 from losses import LOSSES
 from optim import build_optimizer
 from precision import parse_dtype
+from rewards import check_reward
 from scoring import ATTENTIONS
 from utils import NON_NEGATIVE, POSITIVE, REPO_ROOT, Range, UserError, check_ranges, first_line, ranged
 
@@ -102,6 +103,25 @@ class GenerationConfig:
         check_ranges(self, "generation.")
 
 
+@dataclass
+class RoundsConfig:
+    n: int = ranged(NON_NEGATIVE)
+    completions: int = ranged(Range(2), expected="2 or more: a pair is the best and the worst of a prompt's")
+    reward: Optional[str] = MISSING
+    prompts: Optional[int] = ranged(Range(0, low_open=True, null="for every training prompt each round"))
+    eval_prompts: int = ranged(POSITIVE)
+
+    def __post_init__(self):
+        check_ranges(self, "rounds.")
+        if self.n and self.reward is None:
+            raise UserError(
+                f"rounds.n={self.n} scores each round's completions: set rounds.reward=module:function (a Python "
+                "function of prompt and completion text) or rounds.reward=DIR (a sequence-classification reward model)"
+            )
+        if self.reward is not None:
+            check_reward(self.reward)
+
+
 PROCESSES = "a positive number of processes, or null"
 # torch's collectives count their deadline in 64-bit nanoseconds (292 years): a longer timeout wraps around and times
 # out at once (1e10 s did, when the store connected); 1e9 s is 31 years.
@@ -158,6 +178,7 @@ class Config:
     eval_every: int = ranged(POSITIVE)
     plots: bool = MISSING
     minimum_log_interval_secs: float = ranged(Range(0, infinite="to log only where an eval or checkpoint may follow"))
+    rounds: RoundsConfig = MISSING
     lora: LoraSettings = MISSING
     model: ModelConfig = MISSING
     loss: Any = MISSING  # one of losses.LOSSES' schemas
@@ -228,6 +249,32 @@ class Config:
                 f"loss.name={self.loss.name} names another loss than its keys; choose it with loss={self.loss.name}"
             )
         self.check_batches(planned_world_size(self.trainer, self.nproc))
+        if self.rounds.n:
+            self.check_rounds()
+
+    def check_rounds(self) -> None:
+        """What rounds (rounds.py) take: a pair loss, each round's reference computed once from the policy that
+        starts it (cached: no second model), and sampling."""
+        n = f"rounds.n={self.rounds.n}"
+        if LOSSES[self.loss.name].function is None:
+            raise UserError(f"{n} trains on generated pairs; loss={self.loss.name} trains on sft targets")
+        if self.loss.needs_reference() and not self.reference_cache:
+            raise UserError(
+                f"{n}: each round's reference is the policy that starts it, its log-probs computed once and cached: "
+                "set reference_cache=true"
+            )
+        if self.loss.needs_reference() and self.model.reference_dtype != "auto":
+            raise UserError(
+                f"{n}: each round's reference is the policy that starts it, computing like it: "
+                f"model.reference_dtype={self.model.reference_dtype} must be auto"
+            )
+        if self.sample_during_eval:
+            raise UserError(
+                f"{n}: sample_during_eval=true samples the first reference, not a round's; each round's completions "
+                "and rewards are in the run directory's rounds/ instead"
+            )
+        if not self.generation.do_sample:
+            raise UserError(f"{n} samples {self.rounds.completions} completions a prompt: generation.do_sample=true")
 
     def check_batches(self, world_size: int) -> None:
         """Batches split evenly over data-parallel ranks and accumulation steps; evals fall on step boundaries."""

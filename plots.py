@@ -28,7 +28,17 @@ PANELS = (  # (title, [(metric, label)]): train metrics dotted, eval metrics sol
         ],
     ),
     ("MFU (useful FLOPs / peak)", [("perf/mfu", "train")]),
+    (
+        "reward per round (rounds.n > 0)",
+        [
+            ("rounds/heldout_reward", "held-out, greedy"),
+            ("rounds/sampled_reward", "sampled"),
+            ("rounds/chosen_reward", "pairs' chosen"),
+            ("rounds/rejected_reward", "pairs' rejected"),
+        ],
+    ),
 )
+COLUMNS = 3
 
 
 def panel_points(records: list[dict]) -> dict[str, dict[tuple[str, str], list[tuple[int, float]]]]:
@@ -51,17 +61,20 @@ def write_plots(run_dir: Path) -> Path:
     import matplotlib.pyplot as plt
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    figure, axes = plt.subplots(2, 3, figsize=(15, 7), constrained_layout=True)
+    rows = -(-len(PANELS) // COLUMNS)
+    figure, axes = plt.subplots(rows, COLUMNS, figsize=(15, 3.5 * rows), constrained_layout=True)
     for ax, (title, series) in zip(axes.flat, panel_points(records).items()):
         for (metric, label), points in series.items():
             if points:
-                style = "-o" if "eval" in metric else ":"
+                style = "-o" if "eval" in metric or metric.startswith("rounds/") else ":"
                 ax.plot(*zip(*points), style, label=label, markersize=3)
         ax.set_title(title)
         ax.set_xlabel("examples seen")
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8)
+    for ax in axes.flat[len(PANELS) :]:
+        ax.set_visible(False)
     figure.suptitle(run_dir.name)
     path = run_dir / "plots.png"
     tmp = path.with_name(f"plots.{os.getpid()}.tmp.png")

@@ -37,8 +37,13 @@ FORMAT = 2
 
 def weights_digest(model: torch.nn.Module) -> str:
     """sha256 of the model's parameter and buffer names, dtypes, shapes and values."""
+    return state_digest(model.state_dict())
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 of a state dict's names, dtypes, shapes and values."""
     digest = hashlib.sha256()
-    for name, value in model.state_dict().items():
+    for name, value in state.items():
         value = value.detach().cpu().contiguous()
         digest.update(f"{name}:{value.dtype}:{tuple(value.shape)}".encode())
         digest.update(value.view(-1).view(torch.uint8).numpy())  # the tensor's own buffer: no copy

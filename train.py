@@ -22,6 +22,7 @@ import checkpoint
 import config as configuration
 from build import build, dry_run
 from distributed import Topology, launch, planned_world_size, process_rank, reported_errors
+from rounds import Rounds
 from run_lock import RunLock
 from trainers import LOGS, Trainer
 from utils import UserError, get_local_run_dir, set_seed
@@ -119,7 +120,10 @@ def run(config: DictConfig) -> None:
             init_wandb(config, run_dir) if config.wandb.enabled and not config.debug and topology.is_main else None
         )
         trainer = build_trainer(config, topology, run_dir, wandb_run)
-        trainer.train()
+        if config.rounds.n:
+            Rounds(trainer).run()
+        else:
+            trainer.train()
         trainer.finish()
         if wandb_run is not None:
             wandb_run.finish()

@@ -59,7 +59,7 @@ class Trainer:
             "objective": self.objective,
         }
         self.example_counter = self.batch_counter = self.nonfinite_in_a_row = 0
-        self.round_start = 0  # the step the current round's schedule starts at
+        self.round_start, self.round_state = 0, None  # where this round's schedule starts; rounds.py's round state
         self.last_eval_at = self.last_saved_at = self.last_checkpoint = None
         self.finished = False  # resumed from the checkpoint that ends this run
         self.start_examples, self.speed = 0, self.throughput()
@@ -79,8 +79,11 @@ class Trainer:
         self.start_examples = step
         self.last_eval_at = loop.get("last_eval_at", step)  # older checkpoints were all written right after an eval
         self.nonfinite_in_a_row = loop.get("nonfinite_in_a_row", 0)
-        self.last_saved_at, self.last_checkpoint = step, checkpoint_dir
-        self.finished = marker.get("final", False) and self.batch_counter >= len(self.data.schedule)
+        self.last_saved_at, self.last_checkpoint, self.round_state = step, checkpoint_dir, loop.get("round")
+        # the run's end, unless it now asks for more steps (n_epochs, n_examples) or rounds (rounds.n)
+        rounds = self.round_state
+        left = rounds["round"] + 1 < c.rounds.n if rounds else self.batch_counter < len(self.data.schedule)
+        self.finished = marker.get("final", False) and not left
         self.log.truncate(step, evaluated=self.last_eval_at == step)
 
     def train_step(self, examples: list[dict]) -> dict[str, list[float]]:
@@ -123,24 +126,18 @@ class Trainer:
         else:  # the update would spoil the weights: skip it, and stop if it keeps happening
             self.nonfinite_in_a_row += 1
         self.optimizer.zero_grad(set_to_none=True)
-        allowed = self.config.max_nonfinite_steps
-        if self.nonfinite_in_a_row >= allowed:
-            raise UserError(
-                f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient norm and were "
-                f"skipped (max_nonfinite_steps={allowed}), the last at step {self.batch_counter + 1}; stopping. "
-                f"The last checkpoint is {self.last_checkpoint or 'none (none was written yet)'}; lower lr or check "
-                "the data"
-            )
+        check_nonfinite(
+            self.nonfinite_in_a_row, self.config.max_nonfinite_steps, self.batch_counter + 1, self.last_checkpoint
+        )
         return metrics
 
-    def train(self, data: Data | None = None) -> None:
-        """A round: the optimizer steps of the schedule (data: a new round's examples and schedule; None: the run's,
-        from where a resume left off), with evals and checkpoints at their cadence. A signal stops it after the
-        current step, with a checkpoint."""
+    def train(self, data: Data | None = None, round_start: int | None = None) -> None:
+        """A round: the steps of data's schedule, from now or from round_start (resumed inside it); None: the run's,
+        from where a resume left off. Evals and checkpoints at their cadence; a signal stops it with a checkpoint."""
         if data is not None:
             if isinstance(self.batch_loss.reference, reference_cache.CachedReference):
                 self.batch_loss.reference.require(self.batch_loss.reference_keys(data))
-            self.data, self.round_start = data, self.batch_counter
+            self.data, self.round_start = data, self.batch_counter if round_start is None else round_start
             self.evaluator.eval_batches = data.eval_batches
         if self.finished:
             print(f"{self.last_checkpoint} ends this run: nothing left to train")
@@ -200,15 +197,18 @@ class Trainer:
         if self.cadence.save_due(n) and self.last_saved_at != n:
             self.save(self.run_dir / f"step-{n}", metrics)
 
-    def stop(self, signum: int) -> None:
-        """Stop on a signal, with a checkpoint of the last finished step."""
-        name = signal.Signals(signum).name
+    def checkpoint_now(self) -> None:
+        """A step-N checkpoint of where training is, unless one was just written."""
         if self.last_saved_at != self.example_counter:
             self.save(self.run_dir / f"step-{self.example_counter}", {})
+
+    def stop(self, signum: int) -> None:
+        """Stop on a signal, with a checkpoint of the last finished step."""
+        self.checkpoint_now()
         where = f"the checkpoint is {self.last_checkpoint}" if self.last_checkpoint else "no checkpoint (debug=true)"
         raise Interrupted(
-            f"stopped by {name} after {self.example_counter} examples; {where}. To continue, run the same command "
-            f"with resume_from=auto local_run_dir={self.run_dir}",
+            f"stopped by {signal.Signals(signum).name} after {self.example_counter} examples; {where}. To continue, "
+            f"run the same command with resume_from=auto local_run_dir={self.run_dir}",
             signum,
         )
 
@@ -233,7 +233,7 @@ class Trainer:
         c = self.config
         if c.debug:
             return
-        loop = {"last_eval_at": self.last_eval_at, "nonfinite_in_a_row": self.nonfinite_in_a_row}
+        loop = dict(last_eval_at=self.last_eval_at, nonfinite_in_a_row=self.nonfinite_in_a_row, round=self.round_state)
         try:
             tokenizer = self.tokenizer if final else None  # the run's end: a from_pretrained export too
             parts, step = self.checkpoint_parts, self.example_counter
@@ -244,6 +244,16 @@ class Trainer:
         self.last_checkpoint, self.last_saved_at = output_dir, self.example_counter
         if c.keep_last is not None and not final:
             self.topology.run_on_main(lambda: checkpoint.prune(self.run_dir, c.keep_last))
+
+
+def check_nonfinite(in_a_row: int, allowed: int, step: int, last_checkpoint: Path | None) -> None:
+    """Stop with one line once `allowed` optimizer steps in a row were skipped for a non-finite loss or gradient."""
+    if in_a_row >= allowed:
+        raise UserError(
+            f"{in_a_row} optimizer steps in a row had a non-finite loss or gradient norm and were skipped "
+            f"(max_nonfinite_steps={allowed}), the last at step {step}; stopping. The last checkpoint is "
+            f"{last_checkpoint or 'none (none was written yet)'}; lower lr or check the data"
+        )
 
 
 @dataclass(frozen=True)
@@ -322,10 +332,15 @@ class RunLog:
 
     def truncate(self, step: int, evaluated: bool) -> None:
         """Cut the logs back to a checkpoint at `step`: its own step's eval stays only if it came before the
-        checkpoint (evaluated)."""
+        checkpoint (evaluated); a round's record there came after it (rounds.py: a round starts after the checkpoint
+        that ends the one before)."""
         if not self.is_main:
             return
-        kept = lambda r: r["step"] < step or r["step"] == step and (evaluated or "loss/eval" not in r)  # noqa: E731
+
+        def kept(record: dict) -> bool:
+            at_step = (evaluated or "loss/eval" not in record) and "rounds/round" not in record
+            return record["step"] < step or record["step"] == step and at_step
+
         truncate_jsonl(self.run_dir / "metrics.jsonl", kept)
         truncate_jsonl(self.run_dir / "samples.jsonl", lambda r: r["step"] < step or evaluated and r["step"] == step)
 

@@ -104,3 +104,40 @@ def test_crashes_and_ctrl_c_resume_bit_identically(tmp_path, pairs_file):
 @pytest.mark.slow
 def test_crashes_and_ctrl_c_resume_bit_identically_with_fsdp_on_2_processes(tmp_path, pairs_file):
     assert_crashes_do_not_change_the_run(tmp_path, pairs_file, 1, 2, "trainer=FSDPTrainer", "nproc=2")
+
+
+def test_rounds_resume_bit_identically_after_crashes(tmp_path, pairs_file):
+    # Three rounds of iterative DPO (rounds.py), killed mid-generation, mid-reference pass, mid-step, mid-eval and
+    # mid-save, and stopped by Ctrl-C, each attempt re-run with the same command: the rounds' pairs, every record and
+    # the final weights are the uninterrupted run's.
+    rounds = (
+        "rounds.n=3",
+        "rounds.reward=tests.round_rewards:lowercase_letters",
+        "generation.max_new_tokens=8",
+        "generation.temperature=1.0",
+        "n_epochs=2",
+    )
+    whole = tmp_path / "whole"
+    result = run_cli(*command(whole, pairs_file, *rounds))
+    assert result.returncode == 0, result.stderr[-3000:]
+    crashed = tmp_path / "crashed"
+    for kind, n in [("interrupt", 3), ("generate", 40), ("step", 4), ("reference", 2), ("eval", 2), ("save", 3)]:
+        fault = {"PYTHONPATH": str(FAULTS_DIR), "FAULT": f"{kind}:{n}"}
+        result = run_cli(*command(crashed, pairs_file, *rounds), env_extra=fault)
+        expected_code = 128 + signal.SIGINT if kind == "interrupt" else -signal.SIGKILL
+        assert result.returncode == expected_code, (kind, n, result.returncode, result.stderr[-3000:])
+    result = run_cli(*command(crashed, pairs_file, *rounds))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resume_from=auto: continuing from" in result.stdout
+
+    strip = lambda records: [{k: v for k, v in r.items() if not k.startswith(MEASURED)} for r in records]  # noqa: E731
+    expected = read_jsonl(whole / "metrics.jsonl")
+    assert [r["rounds/round"] for r in expected if "rounds/round" in r] == [0, 1, 2, 3]
+    assert strip(read_jsonl(crashed / "metrics.jsonl")) == strip(expected)
+    for index in range(3):
+        name = f"rounds/round-{index}.jsonl"
+        assert (crashed / name).read_text() == (whole / name).read_text(), name
+    for name in ("LATEST/policy.pt", "LATEST/optimizer.pt"):
+        a = torch.load(whole / name, weights_only=True)["state"]
+        b = torch.load(crashed / name, weights_only=True)["state"]
+        assert_equal_states(a, b, name)

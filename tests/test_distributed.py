@@ -327,3 +327,28 @@ def test_fsdp_lora_matches_basic_trainer_lora(tmp_path, pairs_file):
     merged = [AutoModelForCausalLM.from_pretrained(tmp_path / name / "LATEST") for name in ("basic", "run")]
     for (name, a), b in zip(merged[0].state_dict().items(), merged[1].state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(
+    "trainer",
+    ["FSDPTrainer", pytest.param("TensorParallelTrainer", marks=pytest.mark.slow)],  # slow: two runs more
+)
+def test_rounds_match_basic_trainer_across_processes(tmp_path, pairs_file, trainer):
+    # Iterative rounds (rounds.py) under a sharded policy: each rank samples its share of the prompts (FSDP) or the
+    # same rows as its tensor-parallel peer, from seeds of their own, and the reward and the round's file are rank 0's:
+    # the same completions, pairs, records and weights as one process.
+    rounds = (
+        "rounds.n=2",
+        "rounds.reward=tests.round_rewards:lowercase_letters",
+        "generation.max_new_tokens=8",
+        "generation.temperature=1.0",
+    )
+    launch(tmp_path / "basic", pairs_file, "trainer=BasicTrainer", *rounds)
+    launch(tmp_path / "run", pairs_file, f"trainer={trainer}", *rounds)
+    for index in range(2):
+        name = f"round-{index}.jsonl"
+        assert read_jsonl(tmp_path / "run" / "rounds" / name) == read_jsonl(tmp_path / "basic" / "rounds" / name)
+    basic, run = read_jsonl(tmp_path / "basic" / "metrics.jsonl"), read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["rounds/round"] for r in basic if "rounds/round" in r] == [0, 1, 2]
+    assert_same_metrics(basic, run)
+    assert_same_weights(tmp_path / "basic", tmp_path / "run")

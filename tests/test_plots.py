@@ -13,7 +13,7 @@ def test_each_eval_draws_plots_png(make_config):
     path = train.Path(config.local_run_dir) / "plots.png"
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     height, width, _ = matplotlib.image.imread(path).shape
-    assert (width, height) == (1500, 700)
+    assert (width, height) == (1500, 1050)
     assert not list(path.parent.glob("plots.*.tmp.png"))  # written whole
     panels = panel_points(read_jsonl(path.parent / "metrics.jsonl"))
     assert [len(points) for points in panels["loss"].values()] == [2, 3]  # train at 8, 16; eval at 0, 8, 16

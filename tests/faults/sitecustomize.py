@@ -5,6 +5,8 @@ process of rank FAULT_RANK (default 0) stop at the Nth event of KIND:
   step       SIGKILL at the Nth training step's optimizer step, before it changes a weight (after the step's forward
              and backward passes)
   eval       SIGKILL at the Nth forward pass of an eval
+  generate   SIGKILL at the Nth forward pass of a round's generation (rounds.py: sampled or greedy completions)
+  reference  SIGKILL at the Nth forward pass computing reference log-probs (reference_cache.fill)
   save       SIGKILL right after the Nth torch.save (a checkpoint directory half written)
   swap       SIGKILL right after the Nth rename (e.g. between replace_dir's two renames)
   interrupt  SIGINT at the Nth training step's optimizer step, as Ctrl-C would send it: to the process, or to the
@@ -53,8 +55,10 @@ if FAULT:
     register_optimizer_step_pre_hook(before_step)
 
     def before_forward(module, args):
-        if isinstance(module, torch.nn.Embedding) and called_from("evaluate"):
-            event("eval")
+        if isinstance(module, torch.nn.Embedding):
+            for kind, function in (("eval", "evaluate"), ("generate", "complete"), ("reference", "fill")):
+                if called_from(function):
+                    event(kind)
 
     register_module_forward_pre_hook(before_forward)
 

@@ -1,0 +1,276 @@
+"""Iterative on-policy DPO (`rounds.n` > 0): each round samples `rounds.completions` completions of each of its
+prompts from the current policy, scores them with the reward (rewards.py), pairs each prompt's best completion with
+its worst (a prompt whose completions all score alike is a tie: dropped and counted), and trains on those pairs
+against the policy that started the round, whose log-probs are computed once and cached under its weights' digest.
+The recipe of iterative DPO (Xu et al. 2023, arXiv:2312.16682; Yuan et al. 2024, arXiv:2401.10020; Dong et al.
+2024, arXiv:2405.07863). The datasets give the prompts (their distinct training prompts, shuffled by seed) and the
+held-out pairs of the evals; the mean reward of greedy completions of the first `rounds.eval_prompts` held-out
+prompts is logged at the start of each round and at the end.
+
+The run directory's rounds/ holds, per round, round-R.jsonl (one line per prompt: the prompt, the completions, their
+rewards, the pair formed, and the token ids training reads back) and the round's reference log-probs (the reference
+cache's format; named by the weights' digest). metrics.jsonl gets a record per round (`rounds/*`), plots.png a panel.
+
+A kill anywhere resumes to the same result: a round's completions depend only on the weights that start it and on
+seeds of (seed, round, prompt, completion), not on batching or ranks; its file and its reference are written before
+its first step, and every checkpoint notes its round (Trainer.round_state). A resume inside a round reads them back;
+a resume from the checkpoint that ends a round starts the next one afresh."""
+
+import hashlib
+import json
+import os
+
+import numpy as np
+
+import reference_cache
+from build import Data, fill_reference_cache, reference_computation
+from preference_datasets import batch_schedule
+from rewards import load_reward
+from tokenized import Examples, first_of_each_group, from_ids
+from trainers import Trainer
+from utils import UserError
+
+DIRECTORY = "rounds"
+
+
+def completion_seed(seed: int, round_index: int, prompt_key: bytes, completion: int) -> int:
+    """The seed of one sampled completion: of the run's seed, the round, the prompt (its example key) and which of
+    its completions."""
+    digest = hashlib.blake2b(f"{seed}:{round_index}:{completion}:".encode() + prompt_key, digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # torch seeds are below 2^63 here
+
+
+class Rounds:
+    """The rounds of a run, on the Trainer's parts (every rank runs it; the reward runs on rank 0)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer, self.config, self.topology = trainer, trainer.config, trainer.topology
+        self.settings, self.directory = trainer.config.rounds, trainer.run_dir / DIRECTORY
+        prompts = first_of_each_group(trainer.data.train_examples)
+        self.prompts = prompts.select(np.random.default_rng(self.config.seed).permutation(len(prompts)))
+        self.eval_batches = trainer.data.eval_batches
+        held_out = {tuple(ex["prompt"]): None for batch in self.eval_batches for ex in batch}
+        self.eval_prompts = [list(prompt) for prompt in held_out][: self.settings.eval_prompts]
+        c = self.config
+        self.reward = self.topology.run_on_main(
+            lambda: load_reward(self.settings.reward, self.topology.device, c.eval_batch_size, c.max_length)
+        )
+
+    def run(self) -> None:
+        """Every round not done yet: a resumed one goes on from its checkpoint, then the others from their start."""
+        trainer, state = self.trainer, self.trainer.round_state
+        if trainer.finished:
+            return
+        first = 0
+        if state is not None:  # resumed: within round state["round"], or at its end
+            data = self.round_data(state["round"], self.read(state["round"]))
+            if trainer.batch_counter < state["start"] + len(data.schedule):
+                self.use_reference(data, state["reference"], resumed=True)
+                trainer.train(data, round_start=state["start"])
+                self.end_round(state["round"])
+            first = state["round"] + 1
+        for round_index in range(first, self.settings.n):
+            self.train_round(round_index)
+        reward = self.heldout_reward()
+        trainer.log.metrics({"rounds/round": self.settings.n, "rounds/heldout_reward": reward}, *trainer.counters())
+        print(f"after round {self.settings.n - 1}: held-out greedy reward {reward:.4g}")
+
+    def train_round(self, round_index: int) -> None:
+        """Sample, score, pair, and train; a checkpoint at its end."""
+        trainer = self.trainer
+        heldout = self.heldout_reward()
+        lines = self.sample(round_index)
+        data = self.round_data(round_index, lines)
+        digest = self.use_reference(data)
+        trainer.round_state = {"round": round_index, "start": trainer.batch_counter, "reference": digest}
+        record = round_record(round_index, lines, heldout)
+        trainer.log.metrics(record, *trainer.counters())
+        print(
+            f"round {round_index}: {len(lines)} prompts x {self.settings.completions} completions, mean reward "
+            f"{record['rounds/sampled_reward']:.4g}; {record['rounds/pairs']} pairs, {record['rounds/ties']} ties "
+            f"dropped; held-out greedy reward {heldout:.4g}; {len(data.schedule)} steps; "
+            f"{self.directory / f'round-{round_index}.jsonl'}"
+        )
+        trainer.train(data)
+        self.end_round(round_index)
+
+    def end_round(self, round_index: int) -> None:
+        """An eval against the round's reference (the last round's is the run's final eval) and a checkpoint."""
+        trainer = self.trainer
+        if round_index + 1 < self.settings.n and trainer.last_eval_at != trainer.example_counter:
+            trainer.evaluate()
+        trainer.checkpoint_now()
+
+    def round_prompts(self, round_index: int) -> Examples:
+        """The round's prompts: `rounds.prompts` of them in turn from the shuffled training prompts (all: null)."""
+        n = len(self.prompts)
+        per_round = min(self.settings.prompts or n, n)
+        return self.prompts.select((np.arange(per_round) + round_index * per_round) % n)
+
+    def sample(self, round_index: int) -> list[dict]:
+        """The round's lines (see `score`), sampled from the policy, scored, and written to its file."""
+        examples, k = self.round_prompts(round_index), self.settings.completions
+        prompts = [examples[i]["prompt"] for i in range(len(examples))]
+        seeds = [
+            completion_seed(self.config.seed, round_index, examples.keys[i].tobytes(), j)
+            for i in range(len(examples))
+            for j in range(k)
+        ]
+        completions = self.complete([prompt for prompt in prompts for _ in range(k)], seeds)
+        groups = examples.groups.tolist()
+        return self.topology.broadcast(
+            self.topology.run_on_main(lambda: self.score(round_index, prompts, groups, completions))
+        )
+
+    def complete(self, prompts: list[list[int]], seeds: list[int] | None) -> list[list[int]]:
+        """Completions of `prompts` by the policy (sampled from `seeds`, or greedy where None), each data-parallel rank
+        generating its share in batches of eval_batch_size, gathered in order on every rank."""
+        evaluator, policy = self.trainer.evaluator, self.trainer.policy
+        policy.eval()
+        local, n_real = self.topology.shard(list(range(len(prompts))))
+        completions = []
+        for start in range(0, len(local), self.config.eval_batch_size):
+            rows = local[start : start + self.config.eval_batch_size]
+            batch = [prompts[i] for i in rows]
+            if seeds is None:
+                completions += evaluator.complete(policy, batch, do_sample=False)
+            else:
+                completions += evaluator.complete_seeded(policy, batch, [seeds[i] for i in rows])
+        return self.topology.gather({"completions": completions[:n_real]})["completions"]
+
+    def texts(self, prompts: list[list[int]], completions: list[list[int]]) -> tuple[list[str], list[str]]:
+        """The reward's inputs: the prompt as the policy read it, the completion without its EOS."""
+        decode = self.trainer.tokenizer.decode
+        return [decode(p) for p in prompts], [decode(c, skip_special_tokens=True) for c in completions]
+
+    def score(self, round_index: int, prompts: list[list[int]], groups: list[int], completions: list[list[int]]):
+        """(rank 0) The round's lines (`round_lines`), written to rounds/round-R.jsonl whole."""
+        k = self.settings.completions
+        prompt_texts, completion_texts = self.texts([p for p in prompts for _ in range(k)], completions)
+        rewards = self.reward(prompt_texts, completion_texts)
+        lines = round_lines(round_index, prompts, groups, prompt_texts[::k], completion_texts, completions, rewards)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"round-{round_index}.jsonl"
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        tmp.replace(path)
+        return lines
+
+    def read(self, round_index: int) -> list[dict]:
+        """The lines of a round's file (a resume inside the round), on every rank."""
+        path = self.directory / f"round-{round_index}.jsonl"
+
+        def read() -> list[dict]:
+            try:
+                return [json.loads(line) for line in path.read_text().splitlines()]
+            except (OSError, ValueError) as error:
+                raise UserError(
+                    f"{path}: the pairs of the round this checkpoint is in cannot be read ({error}); resume from the "
+                    "checkpoint that ends the round before"
+                ) from None
+
+        return self.topology.broadcast(self.topology.run_on_main(read))
+
+    def round_data(self, round_index: int, lines: list[dict]) -> Data:
+        """The round's pairs as examples, their schedule (n_epochs or n_examples of them, as the datasets' pairs
+        would take; none if fewer pairs than batch_size) and the run's eval batches."""
+        paired = [line for line in lines if line["chosen"] is not None]
+        responses = [[line["completion_ids"][line[side]] for side in ("chosen", "rejected")] for line in paired]
+        groups = np.array([line["group"] for line in paired], np.int64)
+        c = self.config
+        examples = from_ids(
+            [line["prompt_ids"] for line in paired], responses, groups, c.max_length, c.max_prompt_length
+        )
+        schedule = []
+        if len(examples) >= c.batch_size:
+            schedule = batch_schedule(len(examples), c.batch_size, c.seed + round_index, c.n_epochs, c.n_examples)
+        else:
+            print(f"round {round_index}: {len(examples)} pairs, fewer than batch_size={c.batch_size}: no step")
+        return Data(examples, self.eval_batches, schedule)
+
+    def use_reference(self, data: Data, digest: str | None = None, resumed: bool = False) -> str | None:
+        """The round's reference log-probs, of its pairs and the eval batches, from the file in rounds/ named by the
+        digest of the weights that start the round (the policy now, unless resumed), computed by the policy itself
+        where missing; the digest (None for a loss without a reference)."""
+        trainer, c = self.trainer, self.config
+        if not trainer.objective.needs_reference:
+            return None
+        digest = digest or self.weights_digest()
+        computation = reference_computation(c, trainer.precision, trainer.scorer, self.topology, 2)
+        path = reference_cache.cache_path(self.directory, digest, computation)
+
+        def compute_with():
+            if resumed:  # the weights that started the round are gone: only their cached numbers would do
+                raise UserError(
+                    f"{path}, the reference log-probs of the round this checkpoint is in, is missing or was made "
+                    "otherwise; resume from the checkpoint that ends the round before"
+                )
+            return trainer.policy, trainer.precision.policy_compute
+
+        entries = fill_reference_cache(
+            c, self.topology, data, trainer.objective, trainer.scorer, path, digest, computation, compute_with
+        )
+        trainer.batch_loss.reference = reference_cache.CachedReference(entries, self.topology.device)
+        return digest
+
+    def weights_digest(self) -> str:
+        """The policy's weights digest (reference_cache.state_digest), of the whole state whatever the sharding."""
+        policy = self.trainer.policy
+        if self.topology.world_size == 1:
+            state = policy.state_dict()
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state = get_model_state_dict(policy, options=options)  # whole on rank 0, empty elsewhere
+        return self.topology.broadcast(self.topology.run_on_main(lambda: reference_cache.state_digest(state)))
+
+    def heldout_reward(self) -> float:
+        """The mean reward of the policy's greedy completions of the held-out prompts."""
+        completions = self.complete(self.eval_prompts, None)
+
+        def mean_reward() -> float:
+            return float(np.mean(self.reward(*self.texts(self.eval_prompts, completions))))
+
+        return self.topology.broadcast(self.topology.run_on_main(mean_reward))
+
+
+def round_lines(round_index, prompts, groups, prompt_texts, completion_texts, completions, rewards) -> list[dict]:
+    """Per prompt: its text, its completions' texts and rewards, the indices of its chosen (highest reward, the first
+    of equals) and rejected (lowest, the last of equals) completions, or null for both where all tie, its group, and
+    the ids. The completions, texts and rewards come prompt after prompt, k of each."""
+    k = len(completions) // len(prompts)
+    lines = []
+    for i, prompt in enumerate(prompts):
+        own = rewards[i * k : (i + 1) * k]
+        tie = max(own) == min(own)
+        lines.append(
+            {
+                "round": round_index,
+                "prompt": prompt_texts[i],
+                "completions": completion_texts[i * k : (i + 1) * k],
+                "rewards": own,
+                "chosen": None if tie else own.index(max(own)),
+                "rejected": None if tie else k - 1 - own[::-1].index(min(own)),
+                "group": groups[i],
+                "prompt_ids": prompt,
+                "completion_ids": completions[i * k : (i + 1) * k],
+            }
+        )
+    return lines
+
+
+def round_record(round_index: int, lines: list[dict], heldout: float) -> dict:
+    """The round's metrics: rewards of the held-out greedy completions and of the sampled ones, of the pairs' chosen
+    and rejected completions, and the pairs and ties."""
+    paired = [line for line in lines if line["chosen"] is not None]
+    mean = lambda values: float(np.mean(values)) if values else float("nan")  # noqa: E731
+    return {
+        "rounds/round": round_index,
+        "rounds/heldout_reward": heldout,
+        "rounds/sampled_reward": mean([r for line in lines for r in line["rewards"]]),
+        "rounds/chosen_reward": mean([line["rewards"][line["chosen"]] for line in paired]),
+        "rounds/rejected_reward": mean([line["rewards"][line["rejected"]] for line in paired]),
+        "rounds/pairs": len(paired),
+        "rounds/ties": len(lines) - len(paired),
+    }

@@ -1,0 +1,215 @@
+"""Iterative on-policy rounds (rounds.py) and their rewards (rewards.py)."""
+
+import math
+import shutil
+
+import pytest
+import torch
+
+import train
+from conftest import TINY_DIR, assert_same_metrics, read_jsonl, write_jsonl
+from rewards import load_reward
+from rounds import Rounds, round_lines
+from utils import UserError
+
+LOWERCASE = "rounds.reward=tests.round_rewards:lowercase_letters"
+ROUNDS = (LOWERCASE, "rounds.n=3", "generation.max_new_tokens=8", "generation.temperature=1.0", "n_epochs=2")
+
+
+def round_records(run_dir) -> list[dict]:
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "rounds/round" in r]
+
+
+def read_round(run_dir, index: int) -> list[dict]:
+    return read_jsonl(run_dir / "rounds" / f"round-{index}.jsonl")
+
+
+@pytest.fixture
+def distinct_prompts_file(tmp_path):
+    """100 pairs of 100 distinct prompts: a round samples 32 of them, the greedy reward is averaged over 24 others."""
+    rows = [
+        {"prompt": f"Q: {a} + {b}?\nA:", "chosen": f" {a + b}.", "rejected": f" {a + b + 1}."}
+        for a in range(10)
+        for b in range(10)
+    ]
+    return write_jsonl(tmp_path / "distinct.jsonl", rows)
+
+
+def test_rounds_raise_the_reward_of_held_out_greedy_completions(make_config, distinct_prompts_file):
+    # The proof the issue asks for: a random tiny model, a deterministic reward (lowercase letters counted), three
+    # rounds of on-policy pairs; the greedy completions of 24 held-out prompts score higher after every round.
+    data = (f"datasets=[{distinct_prompts_file}]", "n_eval_examples=24", "rounds.eval_prompts=24", "rounds.prompts=32")
+    config = make_config(*ROUNDS, *data, "lr=1e-4", "eval_every=64")
+    train.run(config)
+    run_dir = train.Path(config.local_run_dir)
+    records = round_records(run_dir)
+    assert [r["rounds/round"] for r in records] == [0, 1, 2, 3]  # each round's start, then the end
+    heldout = [r["rounds/heldout_reward"] for r in records]
+    assert heldout[0] < heldout[1] < heldout[2] < heldout[3], heldout
+    for index, record in enumerate(records[:3]):
+        lines = read_round(run_dir, index)
+        assert record["rounds/pairs"] + record["rounds/ties"] == len(lines) > 0
+        for line in lines:
+            assert len(line["completions"]) == len(line["rewards"]) == 4
+            assert line["rewards"] == [float(sum("a" <= ch <= "z" for ch in text)) for text in line["completions"]]
+            if line["chosen"] is None:
+                assert max(line["rewards"]) == min(line["rewards"])
+            else:
+                assert line["rewards"][line["chosen"]] == max(line["rewards"]) > min(line["rewards"])
+                assert line["rewards"][line["rejected"]] == min(line["rewards"])
+        chosen = [line["rewards"][line["chosen"]] for line in lines if line["chosen"] is not None]
+        assert record["rounds/chosen_reward"] == pytest.approx(sum(chosen) / len(chosen))
+    # each round's reference is the policy that started it: a reference file per round, each of other weights
+    references = sorted((run_dir / "rounds" / "reference_logps").glob("*.pt"))
+    assert len({path.name.split("-")[0] for path in references}) == 3
+    # a round's first step has policy = reference: its loss is ln 2 whatever the round
+    trains = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss/train" in r]
+    checkpoint_steps = sorted(int(p.name.split("-")[1]) for p in run_dir.glob("step-*"))
+    round_ends = [r["step"] for r in records[1:]]
+    assert set(round_ends) <= set(checkpoint_steps)  # a checkpoint at each round's end
+    assert trains[0]["loss/train"] == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_a_rounds_first_step_starts_from_ln2(make_config):
+    # minimum_log_interval_secs=0 logs every step: the first step of each round has policy = reference exactly.
+    config = make_config(*ROUNDS, "rounds.n=2")
+    trainer = train.build_trainer(config, train.Topology.create(config.trainer), train.prepare_run_dir(config))
+    first_losses = []
+    original = trainer.train_step
+
+    def noting_round_starts(examples):
+        metrics = original(examples)
+        if trainer.batch_counter == trainer.round_start:
+            first_losses.append(sum(metrics["loss/train"]) / len(metrics["loss/train"]))
+        return metrics
+
+    trainer.train_step = noting_round_starts
+    Rounds(trainer).run()
+    assert first_losses == pytest.approx([math.log(2)] * 2, abs=1e-6)
+
+
+def test_completions_tie_when_the_reward_cannot_tell_them_apart(make_config):
+    config = make_config(*ROUNDS, "rounds.n=1", "rounds.reward=tests.round_rewards:constant")
+    train.run(config)
+    run_dir = train.Path(config.local_run_dir)
+    record = round_records(run_dir)[0]
+    lines = read_round(run_dir, 0)
+    assert record["rounds/pairs"] == 0 and record["rounds/ties"] == len(lines) > 0
+    assert all(line["chosen"] is None and line["rejected"] is None for line in lines)
+    assert not [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss/train" in r]  # nothing to train on
+
+
+def test_a_round_takes_its_share_of_prompts_in_turn(make_config):
+    config = make_config(*ROUNDS, "rounds.n=2", "rounds.prompts=5", "rounds.completions=2")
+    train.run(config)
+    run_dir = train.Path(config.local_run_dir)
+    first, second = (read_round(run_dir, i) for i in (0, 1))
+    assert len(first) == len(second) == 5
+    assert not {line["prompt"] for line in first} & {line["prompt"] for line in second}
+
+
+def test_resuming_inside_a_round_or_at_its_end_matches_the_uninterrupted_run(make_config, tmp_path):
+    common = (*ROUNDS, "save_every=8")
+    whole = tmp_path / "whole"
+    train.run(make_config(f"local_run_dir={whole}", *common))
+    ends = [r["step"] for r in round_records(whole)[1:3]]
+    steps = sorted(int(p.name.split("-")[1]) for p in whole.glob("step-*"))
+    inside = next(step for step in steps if ends[0] < step < ends[1])
+    for resume_at in (inside, ends[0]):
+        resumed = tmp_path / f"resumed-{resume_at}"
+        resumed.mkdir()
+        # what a run killed later leaves: its logs and rounds past the checkpoint, which the resume cuts back or redoes
+        shutil.copy(whole / "metrics.jsonl", resumed / "metrics.jsonl")
+        shutil.copytree(whole / "rounds", resumed / "rounds")
+        shutil.copytree(whole / f"step-{resume_at}", resumed / f"step-{resume_at}")
+        train.run(make_config(f"local_run_dir={resumed}", "resume_from=auto", *common))
+        assert_same_metrics(read_jsonl(whole / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl"))
+        for index in range(3):
+            assert read_round(resumed, index) == read_round(whole, index)
+        a = torch.load(whole / "LATEST" / "policy.pt", weights_only=True)["state"]
+        b = torch.load(resumed / "LATEST" / "policy.pt", weights_only=True)["state"]
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("rounds.n=2",), "rounds.n=2 scores each round's completions: set rounds.reward=module:function"),
+        (("rounds.n=1", "rounds.reward=no_such_module:f"), "rounds.reward=no_such_module:f: cannot import no_such_mo"),
+        (("rounds.n=1", "rounds.reward=tests.round_rewards:nothing"), "rounds.reward=tests.round_rewards:nothing: te"),
+        (("rounds.n=1", "rounds.reward=brevity"), "rounds.reward=brevity is neither a directory nor module:function"),
+        ((LOWERCASE, "rounds.n=1", "rounds.completions=1"), "rounds.completions=1 must be 2 or more"),
+        ((LOWERCASE, "rounds.n=1", "reference_cache=false"), "rounds.n=1: each round's reference is the policy t"),
+        ((LOWERCASE, "rounds.n=1", "model.reference_dtype=float32"), "rounds.n=1: each round's reference is the polic"),
+        ((LOWERCASE, "rounds.n=1", "sample_during_eval=true"), "rounds.n=1: sample_during_eval=true samples the f"),
+        ((LOWERCASE, "rounds.n=1", "generation.do_sample=false"), "rounds.n=1 samples 4 completions a prompt: generat"),
+        ((LOWERCASE, "rounds.n=1", "loss=sft"), "rounds.n=1 trains on generated pairs; loss=sft trains on sft targets"),
+    ],
+)
+def test_round_settings_that_cannot_work_are_one_line(make_config, overrides, message):
+    with pytest.raises(UserError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        make_config(*overrides)
+
+
+def test_a_reward_that_returns_no_number_is_one_line(make_config):
+    config = make_config(*ROUNDS, "rounds.n=1", "rounds.reward=tests.round_rewards:not_a_number")
+    with pytest.raises(UserError, match=r"^rounds.reward=tests.round_rewards:not_a_number returned 'high' for the co"):
+        train.run(config)
+
+
+def save_reward_model(directory, num_labels: int = 1):
+    """A randomly initialised 2-layer Llama with num_labels outputs, and the tiny tokenizer, in `directory`."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig.from_pretrained(TINY_DIR, num_labels=num_labels)
+    LlamaForSequenceClassification(config).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(TINY_DIR).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture
+def reward_model_dir(tmp_path):
+    return save_reward_model(tmp_path / "reward_model")
+
+
+def test_a_reward_model_scores_each_text_as_it_would_alone(reward_model_dir):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    reward = load_reward(str(reward_model_dir), torch.device("cpu"), batch_size=3, max_length=64)
+    prompts = ["Q: 2 + 3?\nA:", "Q: 1 + 1?\nA:", "Hi", "Q: 7 + 2?\nA:"]
+    completions = [" 5, glad to help.", " 9", " there, a longer answer than the others", ""]
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)
+    with torch.no_grad():
+        alone = [
+            model(**tokenizer(p + c, add_special_tokens=False, return_tensors="pt")).logits[0, 0].item()
+            for p, c in zip(prompts, completions)
+        ]
+    assert reward(prompts, completions) == pytest.approx(alone, abs=1e-5)
+    assert len(set(alone)) == 4  # the texts score apart: padding them together could not pass unnoticed
+
+
+def test_rounds_train_with_a_reward_model(make_config, reward_model_dir):
+    config = make_config(*ROUNDS, "rounds.n=1", f"rounds.reward={reward_model_dir}")
+    train.run(config)
+    lines = read_round(train.Path(config.local_run_dir), 0)
+    assert lines and all(len(set(line["rewards"])) > 1 for line in lines)
+
+
+def test_a_classifier_of_two_labels_is_no_reward_model(tmp_path):
+    directory = save_reward_model(tmp_path / "classifier", num_labels=2)
+    with pytest.raises(UserError, match=r"has 2 outputs; a reward model has one$"):
+        load_reward(str(directory), torch.device("cpu"), batch_size=3, max_length=64)
+
+
+def test_a_prompts_pair_is_its_first_best_and_last_worst_completion():
+    prompts, groups, texts = [[1], [2]], [10, 20], ["p", "q"]
+    completions = [[5], [6], [7], [8], [9], [3], [4], [5], [6], [7]]
+    rewards = [1.0, 3.0, 3.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+    first, second = round_lines(7, prompts, groups, texts, list("abcdefghij"), completions, rewards)
+    assert (first["chosen"], first["rejected"]) == (1, 4)
+    assert first["completions"] == list("abcde") and first["completion_ids"] == completions[:5]
+    assert (second["chosen"], second["rejected"]) == (None, None)  # five equal rewards: a tie
+    assert (first["round"], first["group"], second["prompt"], second["prompt_ids"]) == (7, 10, "q", [2])
