@@ -16,10 +16,13 @@ GIB = 2**30
 SHOWN_TOKENS = 24  # of a long segment, the decoded example shows this many tokens at each end
 
 
-def data_report(train: Examples, evals: Examples, tokenizer, max_length: int, max_prompt_length: int) -> str:
+def data_report(
+    train: Examples, evals: Examples, tokenizer, max_length: int, max_prompt_length: int, header: str | None = None
+) -> str:
     """Token lengths (before truncation) of prompts and responses, how many examples were truncated, and the first
     training example decoded token by token, so that a tokenization problem shows at a glance. Computed on the
-    examples' length arrays: a million examples take milliseconds."""
+    examples' length arrays: a million examples take milliseconds. header: a first line instead of the counts (a
+    round's, rounds.py)."""
     full = np.concatenate([train.full_lengths, evals.full_lengths])
     kept = np.concatenate([train.lengths, evals.lengths])
     names = ["prompt", "chosen", "rejected"] if full.shape[1] == 3 else ["prompt", "target"]
@@ -29,7 +32,7 @@ def data_report(train: Examples, evals: Examples, tokenizer, max_length: int, ma
         desirable = int((train.labels == 1).sum())
         kind = f" (labelled completions: {desirable} desirable, {len(train) - desirable} undesirable in training)"
     lines = [
-        f"data report: {len(train)} training and {len(evals)} eval examples{kind}",
+        header or f"data report: {len(train)} training and {len(evals)} eval examples{kind}",
         "  tokens     p50    p90    p99    max",
     ]
     for i, name in enumerate(names):

@@ -25,6 +25,7 @@ import numpy as np
 import reference_cache
 from build import Data, fill_reference_cache, reference_computation
 from preference_datasets import batch_schedule
+from report import data_report
 from rewards import load_reward
 from tokenized import Examples, first_of_each_group, from_ids
 from trainers import Trainer
@@ -85,14 +86,27 @@ class Rounds:
         trainer.round_state = {"round": round_index, "start": trainer.batch_counter, "reference": digest}
         record = round_record(round_index, lines, heldout)
         trainer.log.metrics(record, *trainer.counters())
-        print(
-            f"round {round_index}: {len(lines)} prompts x {self.settings.completions} completions, mean reward "
-            f"{record['rounds/sampled_reward']:.4g}; {record['rounds/pairs']} pairs, {record['rounds/ties']} ties "
-            f"dropped; held-out greedy reward {heldout:.4g}; {len(data.schedule)} steps; "
-            f"{self.directory / f'round-{round_index}.jsonl'}"
-        )
+        self.report(round_index, record, data, len(lines))
         trainer.train(data)
         self.end_round(round_index)
+
+    def report(self, round_index: int, record: dict, data: Data, n_prompts: int) -> None:
+        """(rank 0) The round's rewards, pairs and steps, and the data report of its pairs."""
+        if not self.topology.is_main:
+            return
+        line = (
+            f"round {round_index}: {n_prompts} prompts x {self.settings.completions} completions, mean reward "
+            f"{record['rounds/sampled_reward']:.4g}; {record['rounds/pairs']} pairs (mean reward "
+            f"{record['rounds/chosen_reward']:.4g} chosen, {record['rounds/rejected_reward']:.4g} rejected), "
+            f"{record['rounds/ties']} ties dropped; held-out greedy reward {record['rounds/heldout_reward']:.4g}; "
+            f"{len(data.schedule)} steps; {self.directory / f'round-{round_index}.jsonl'}"
+        )
+        if len(data.train_examples):
+            c, examples = self.config, data.train_examples
+            line = data_report(
+                examples, Examples.empty(2), self.trainer.tokenizer, c.max_length, c.max_prompt_length, line
+            )
+        print(line)
 
     def end_round(self, round_index: int) -> None:
         """An eval against the round's reference (the last round's is the run's final eval) and a checkpoint."""

@@ -99,13 +99,20 @@ def test_completions_tie_when_the_reward_cannot_tell_them_apart(make_config):
     assert not [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss/train" in r]  # nothing to train on
 
 
-def test_a_round_takes_its_share_of_prompts_in_turn(make_config):
+def test_a_round_takes_its_share_of_prompts_in_turn_and_reports_its_pairs(make_config, capsys):
     config = make_config(*ROUNDS, "rounds.n=2", "rounds.prompts=5", "rounds.completions=2")
     train.run(config)
     run_dir = train.Path(config.local_run_dir)
     first, second = (read_round(run_dir, i) for i in (0, 1))
     assert len(first) == len(second) == 5
     assert not {line["prompt"] for line in first} & {line["prompt"] for line in second}
+    # each round prints its rewards and the data report of its pairs: lengths, and the first pair token by token
+    output = capsys.readouterr().out
+    pairs = sum(line["chosen"] is not None for line in second)
+    report = output[output.index("round 1: 5 prompts x 2 completions") :]
+    assert f"; {pairs} pairs (mean reward " in report.splitlines()[0]
+    assert report.splitlines()[1] == "  tokens     p50    p90    p99    max"
+    assert "first training example, token by token" in report and "    rejected" in report
 
 
 def test_resuming_inside_a_round_or_at_its_end_matches_the_uninterrupted_run(make_config, tmp_path):
