@@ -220,3 +220,26 @@ def test_a_prompts_pair_is_its_first_best_and_last_worst_completion():
     assert first["completions"] == list("abcde") and first["completion_ids"] == completions[:5]
     assert (second["chosen"], second["rejected"]) == (None, None)  # five equal rewards: a tie
     assert (first["round"], first["group"], second["prompt"], second["prompt_ids"]) == (7, 10, "q", [2])
+
+
+def test_a_resume_inside_a_round_whose_files_are_gone_is_one_line(make_config, tmp_path):
+    # The weights that started the round are gone once it trained: its pairs and reference log-probs can only be
+    # read back, never recomputed; without them the resume stops with one line instead of training on other numbers.
+    common = (*ROUNDS, "save_every=8")
+    whole = tmp_path / "whole"
+    train.run(make_config(f"local_run_dir={whole}", *common))
+    start = round_records(whole)[1]["step"]
+    inside = min(int(p.name.split("-")[1]) for p in whole.glob("step-*") if int(p.name.split("-")[1]) > start)
+    for missing, message in [
+        ("rounds/reference_logps", "the reference log-probs of the round this checkpoint is in, is missing"),
+        ("rounds/round-1.jsonl", "the pairs of the round this checkpoint is in cannot be read"),
+    ]:
+        resumed = tmp_path / missing.replace("/", "-")
+        shutil.copytree(whole / "rounds", resumed / "rounds")
+        shutil.copytree(whole / f"step-{inside}", resumed / f"step-{inside}")
+        shutil.copy(whole / "metrics.jsonl", resumed / "metrics.jsonl")
+        target = resumed / missing
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+        with pytest.raises(UserError, match=message + r".*resume from the checkpoint that ends the round before"):
+            train.run(make_config(f"local_run_dir={resumed}", "resume_from=auto", *common))
+        assert (resumed / f"step-{inside}" / "checkpoint.json").exists()  # nothing written was lost
