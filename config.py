@@ -118,6 +118,9 @@ class RoundsConfig:
                 f"rounds.n={self.n} scores each round's completions: set rounds.reward=module:function (a Python "
                 "function of prompt and completion text) or rounds.reward=DIR (a sequence-classification reward model)"
             )
+        for key in ("reward", "prompts"):  # set for rounds that would not run
+            if not self.n and getattr(self, key) is not None:
+                raise UserError(f"rounds.{key}={getattr(self, key)} sets iterative rounds, but rounds.n=0 runs none")
         if self.reward is not None:
             check_reward(self.reward)
 

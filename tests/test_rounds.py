@@ -143,6 +143,8 @@ def test_resuming_inside_a_round_or_at_its_end_matches_the_uninterrupted_run(mak
     "overrides, message",
     [
         (("rounds.n=2",), "rounds.n=2 scores each round's completions: set rounds.reward=module:function"),
+        ((LOWERCASE,), "rounds.reward=tests.round_rewards:lowercase_letters sets iterative rounds, but rounds.n=0"),
+        (("rounds.prompts=5",), "rounds.prompts=5 sets iterative rounds, but rounds.n=0 runs none$"),
         (("rounds.n=1", "rounds.reward=no_such_module:f"), "rounds.reward=no_such_module:f: cannot import no_such_mo"),
         (("rounds.n=1", "rounds.reward=tests.round_rewards:nothing"), "rounds.reward=tests.round_rewards:nothing: te"),
         (("rounds.n=1", "rounds.reward=brevity"), "rounds.reward=brevity is neither a directory nor module:function"),
