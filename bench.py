@@ -36,6 +36,7 @@ import contextlib
 import json
 import math
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -101,16 +102,18 @@ WORKLOADS = ((256, 4), (512, 8))
 
 def bench_trainer(overrides: list[str], data_file: str = str(HH_FILE), n_rows: int | None = 48):
     """(trainer, setup seconds): a Trainer built as train.py builds it, on the first n_rows pairs of data_file
-    (None: all)."""
+    (None: all). Called first in a fresh process (a worker): it maps the process's memory as train.py does."""
     from itertools import islice
 
     import config as configuration
     from build import build
     from distributed import Topology
+    from host_memory import use_huge_pages
     from models import load_tokenizer
     from preference_datasets import parse_rows, read_file_rows
     from trainers import Trainer
 
+    use_huge_pages()  # before torch allocates anything
     config = configuration.load(overrides)
     cache_dir = Path(config.local_dirs[0])
     tokenizer = load_tokenizer(config.model, cache_dir)
@@ -134,7 +137,6 @@ def lever_worker(
     `warmup`, and write pairs/s, tokens/s (real: prompt once; computed: padding included), MFU, peak memory, what
     precision was chosen and the first step's seconds. compile_blocks: torch.compile each transformer block
     (dynamic shapes) before the first step."""
-    import resource
 
     from placement import find_blocks
     from telemetry import Throughput, step_amounts
@@ -252,11 +254,11 @@ def profile_worker(overrides: list[str], warmup: int, steps: int, result_file: s
     for examples in batches[:warmup]:
         trainer.train_step(examples)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    start = time.perf_counter()
+    start, usage_before = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     with profile(activities=activities) as profiler:
         for examples in batches[warmup:]:
             trainer.train_step(examples)
-    seconds = (time.perf_counter() - start) / steps
+    seconds, usage = (time.perf_counter() - start) / steps, resource.getrusage(resource.RUSAGE_SELF)
     compute_dtype = trainer.precision.policy_compute or trainer.precision.policy_weights
     events = profiler.key_averages()
     total = sum(event.self_cpu_time_total for event in events)
@@ -267,6 +269,10 @@ def profile_worker(overrides: list[str], warmup: int, steps: int, result_file: s
     top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
     result = {
         "seconds_per_step": seconds,
+        # the kernel's share: page faults (memory touched for the first time) and threads waking one another
+        "kernel_seconds_per_step": (usage.ru_stime - usage_before.ru_stime) / steps,
+        "user_seconds_per_step": (usage.ru_utime - usage_before.ru_utime) / steps,
+        "page_faults_per_step": (usage.ru_minflt - usage_before.ru_minflt) // steps,
         "operations": operations,
         "parts": parts,
         "top": [(e.key, e.self_cpu_time_total / total, e.count // steps) for e in top],
@@ -292,7 +298,9 @@ def bench_profile(overrides: list[str], warmup: int, steps: int) -> None:
         f"CPU: {cpu_name()}, {os.cpu_count()} cores, flags {' '.join(cpu_flags()) or 'none'}; torch {torch.__version__}"
         f"\nSmolLM2-135M-Instruct on HH pairs, {' '.join(overrides) or 'the default configuration'} (max_length 256 x "
         f"4 pairs unless set); {result['precision']}, {result['layout']}; {warmup} warm-up + {steps} profiled steps: "
-        f"{result['seconds_per_step']:.2f} s/step under the profiler\n\nshare of the operators' time"
+        f"{result['seconds_per_step']:.2f} s/step under the profiler\nCPU time per step (both cores): "
+        f"{result['user_seconds_per_step']:.2f} s user, {result['kernel_seconds_per_step']:.2f} s kernel (system), "
+        f"{result['page_faults_per_step']} page faults\n\nshare of the operators' time"
     )
     for name, share in result["operations"].items():
         print(f"  {name:32s} {share:6.1%}")
@@ -537,7 +545,6 @@ def trl_worker(
 ) -> None:
     """TRL's DPOTrainer on the same model, data and precision recipe as ours (float32 weights, bfloat16 autocast on
     a GPU; float32 on a CPU), its reference log-probs precomputed as our cache does, timed per step."""
-    import resource
 
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
@@ -840,7 +847,6 @@ HEAD_TOKENS, HEAD_HIDDEN = 2048, 576  # scored tokens of a large step; SmolLM2's
 
 def head_memory_worker(vocab: int, method: str) -> None:
     """Peak RSS growth of one forward + backward of the log-probs of HEAD_TOKENS tokens under a [vocab, 576] head."""
-    import resource
 
     torch.manual_seed(0)
     hidden = torch.randn(HEAD_TOKENS, HEAD_HIDDEN, requires_grad=True)
@@ -1099,7 +1105,6 @@ def data_worker(result_file: str, data_file: str, cache_dir: str) -> None:
     """The data of one run, in this fresh process: examples from the cache (tokenized into it first if it has none),
     timed; the resident memory it adds per token, mapped, and after every token was read once (as an epoch reads
     them)."""
-    import resource
 
     import tokenized
     from tokenized import Tokenization, load_examples
@@ -1227,7 +1232,6 @@ def issue_construction(tmp: Path, n_rows: int) -> None:
 
 def reference_cache_at_a_million(tmp: Path, n: int) -> None:
     """The reference log-prob cache: save, load (memory-mapped) and look up every key of n synthetic entries."""
-    import resource
 
     import reference_cache
 

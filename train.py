@@ -4,6 +4,10 @@ BasicTrainer runs in this process. FSDPTrainer and TensorParallelTrainer run on 
 process group: under torchrun this process is one rank; otherwise train.py starts one worker per GPU (or `nproc`
 CPU workers) on this machine (distributed.launch)."""
 
+from host_memory import use_huge_pages
+
+use_huge_pages()  # before torch allocates anything (host_memory.py)
+
 import torch
 
 torch.backends.cuda.matmul.allow_tf32 = True
