@@ -14,16 +14,11 @@ CHUNK_ELEMENTS = {"cpu": 2**24, "cuda": 2**28}
 
 
 def chunk_rows(vocab_size: int, device: torch.device) -> int:
+    # A fixed number of rows, not the rows split evenly: a GEMM's value for one row can depend on how many rows the
+    # GEMM has (MKL picks its kernels by shape). With fixed chunks every chunk but the last has the same shape in the
+    # reference pass and in the policy's, which batch examples differently; split evenly, every chunk's shape
+    # depended on the batch, and step 0 of the default job no longer gave rewards of exactly 0 (accuracy 0.025).
     return max(1, CHUNK_ELEMENTS.get(device.type, CHUNK_ELEMENTS["cuda"]) // vocab_size)
-
-
-def even_chunk_rows(n_rows: int, vocab_size: int, device: torch.device) -> int:
-    """Rows per chunk for n_rows rows: as few chunks as chunk_rows allows, of equal size. Each chunk's GEMMs read
-    the whole [V, H] weight, so a last chunk of a few rows costs as much memory traffic as a full one for almost no
-    work (SmolLM2 on a 2-core EPYC: 690 rows in chunks of 341, 341 and 8 ran the 8-row GEMMs at ~20-40 GFLOP/s
-    against ~130 for the others)."""
-    chunks = max(1, -(-n_rows // chunk_rows(vocab_size, device)))
-    return max(1, -(-n_rows // chunks))
 
 
 class _ChunkedTokenLogps(torch.autograd.Function):
@@ -38,7 +33,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, with_sum_sq: bool):
         # logits: [N, V] any float dtype; rows, targets: [M] long. Returns ([M] float32 log-probs, [M] float32
         # log sum_v p_v^2 of each row, or [0] unless with_sum_sq).
-        step = even_chunk_rows(rows.numel(), logits.shape[-1], logits.device)
+        step = chunk_rows(logits.shape[-1], logits.device)
         token_logps = torch.empty(rows.numel(), dtype=torch.float32, device=logits.device)
         logsumexp = torch.empty_like(token_logps)
         log_sum_sq = torch.empty(rows.numel() if with_sum_sq else 0, dtype=torch.float32, device=logits.device)
@@ -56,7 +51,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_token_logps: torch.Tensor, _):
         logits, rows, targets, logsumexp = ctx.saved_tensors
-        step = even_chunk_rows(rows.numel(), logits.shape[-1], logits.device)
+        step = chunk_rows(logits.shape[-1], logits.device)
         grad_logits = torch.zeros_like(logits)
         for start in range(0, rows.numel(), step):
             end = start + step
@@ -107,7 +102,7 @@ class _ChunkedHeadLogps(torch.autograd.Function):
         # hidden: [N, H]; weight: [V, H]; bias: [V] or None; rows, targets: [M]. Returns ([M] float32 log-probs,
         # [M] float32 log sum_v p_v^2 of each row, or [0] unless with_sum_sq). keep_probs: a backward will follow
         # (needs_input_grad cannot tell: it is set under no_grad too, as in the reference pass).
-        step = even_chunk_rows(rows.numel(), weight.shape[0], weight.device)
+        step = chunk_rows(weight.shape[0], weight.device)
         token_logps = torch.empty(rows.numel(), dtype=torch.float32, device=hidden.device)
         logsumexp = torch.empty_like(token_logps)
         log_sum_sq = torch.empty(rows.numel() if with_sum_sq else 0, dtype=torch.float32, device=hidden.device)
@@ -133,7 +128,7 @@ class _ChunkedHeadLogps(torch.autograd.Function):
     def backward(ctx, grad_token_logps, _):
         hidden, weight, bias, rows, targets, logsumexp, last_probs = ctx.saved_tensors
         dtype = ctx.compute_dtype
-        step = even_chunk_rows(rows.numel(), weight.shape[0], weight.device)
+        step = chunk_rows(weight.shape[0], weight.device)
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = grad_bias = None  # float32 sums over the chunks
         weight_c, bias_c = cast(weight, dtype), cast(bias, dtype)  # once, not per chunk

@@ -97,37 +97,6 @@ def test_chunk_size_is_bounded_in_elements_not_rows():
     assert logprobs.chunk_rows(2**17, cuda) == 2048  # a GPU's chunk: 1 GiB of float32 logits
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_rows_are_split_into_even_chunks(chunk_rows_of, fused):
-    # At most 4 rows a chunk, 9 rows make chunks of 3, 3 and 3, not 4, 4 and 1 (a chunk's GEMMs read the whole
-    # weight, however few its rows); SmolLM2's 690 scored rows at 341 a chunk make three of 230.
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    LOGITS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten._to_copy.default)
-
-    class ChunkRows(TorchDispatchMode):
-        rows = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func in LOGITS and out.shape[-1] == 40:  # a chunk's float32 logits: the GEMM's, or a copy's
-                ChunkRows.rows.append(out.shape[0])
-            return out
-
-    assert logprobs.even_chunk_rows(690, 49152, torch.device("cpu")) == 230
-    assert logprobs.even_chunk_rows(682, 49152, torch.device("cpu")) == 341  # two full chunks stay two
-    chunk_rows_of(4, 40)
-    hidden, weight = torch.randn(9, 16), torch.randn(40, 16)
-    rows, targets = torch.arange(9), torch.randint(0, 40, (9,))
-    logits = torch.randn(9, 40, dtype=torch.bfloat16)
-    with ChunkRows(), torch.no_grad():
-        if fused:
-            logprobs.token_logps_from_hidden(hidden, weight, None, rows, targets)
-        else:
-            logprobs.token_logps_from_logits(logits, rows, targets)
-    assert ChunkRows.rows == [3, 3, 3]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows_per_chunk", [3, 4096])
