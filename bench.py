@@ -27,8 +27,9 @@
    pairs (`--data --smoke`: small sizes, as the test suite runs it).
 11. `python bench.py --profile [OVERRIDES ...]`: where a training step's CPU time goes (operations by self time, parts
    of the step by their whole time) for any configuration, the default's by default.
-12. `python bench.py --versus GIT_REF`: this tree's training step against another version's, alternating fresh
-   processes: pairs/s, MFU, the share of the machine's fastest matmul rate, peak RSS.
+12. `python bench.py --versus GIT_REF [--rounds N]`: this tree's training step against another version's,
+   alternating fresh processes (2 rounds unless told): pairs/s, MFU, the share of the machine's fastest matmul rate,
+   peak RSS.
 """
 
 import argparse
@@ -368,10 +369,11 @@ def code_at(ref: str):
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO_ROOT, capture_output=True)
 
 
-def bench_versus(ref: str, warmup: int, steps: int) -> None:
+def bench_versus(ref: str, warmup: int, steps: int, rounds: int) -> None:
     """This tree's training step against the code at `ref`, on the default configuration at 256 x 4 and 512 x 8 and
     in float32 (what `auto` picks on a CPU without fast bfloat16; measured separately only where the default is
-    bfloat16) at 256 x 4: each run in a fresh process, the two versions alternating, 2 rounds."""
+    bfloat16) at 256 x 4: each run in a fresh process, the two versions alternating, `rounds` rounds (runs of one
+    version vary by ~10% on a shared machine, so more rounds give a steadier ratio)."""
     from models import SMOLLM2_HUB_ID, resolve_model_dir
     from precision import REQUIRED_SPEEDUP, cpu_flags, cpu_matmul_flops, cpu_name
 
@@ -384,8 +386,8 @@ def bench_versus(ref: str, warmup: int, steps: int) -> None:
         f"{os.environ.get('ONEDNN_MAX_CPU_ISA', 'none')}; matmul {rates['float32'] / 1e9:.0f} GFLOP/s float32, "
         f"{rates['bfloat16'] / 1e9:.0f} bfloat16; torch {torch.__version__}, {torch.get_num_threads()} threads\n"
         f"SmolLM2-135M-Instruct, first 48 pairs of {HH_FILE.name}, DPO beta 0.1, AdamW; {warmup} warm-up + {steps} "
-        f"timed steps; {ref} against this tree, alternating, each run in a fresh process; 'of peak': useful "
-        f"FLOP/s as a share of the faster matmul rate here ({peak_dtype})"
+        f"timed steps; {ref} against this tree, alternating, {rounds} rounds, each run in a fresh process; "
+        f"'of peak': useful FLOP/s as a share of the faster matmul rate here ({peak_dtype})"
     )
     workloads = [("default", 256, 4, []), ("default", 512, 8, [])]
     if rates["bfloat16"] >= REQUIRED_SPEEDUP * rates["float32"]:  # else the default is the float32 path already
@@ -395,7 +397,7 @@ def bench_versus(ref: str, warmup: int, steps: int) -> None:
             print(f"\n{name} at max_length {max_length} x {batch} pairs per step")
             print(f"{'code':12s} {'pairs/s':>8s} {'MFU':>6s} {'of peak':>8s} {'peak RSS':>9s}  precision")
             speeds = {ref: [], "this tree": []}
-            for _ in range(2):
+            for _ in range(rounds):
                 for label, root in ((ref, old), ("this tree", REPO_ROOT)):
                     with tempfile.TemporaryDirectory() as tmp:
                         overrides = [*workload_overrides(model_dir, with_machine_rates(tmp), max_length, batch), *extra]
@@ -1276,6 +1278,7 @@ def main() -> None:
     parser.add_argument("--attention", action="store_true", help="dense vs block-mask attention bookkeeping")
     parser.add_argument("--data", action="store_true", help="data at scale: tokenizing, caching, mapping")
     parser.add_argument("--versus", metavar="GIT_REF", help="the training step against another version's, alternating")
+    parser.add_argument("--rounds", type=int, default=2, help="--versus: rounds of the two versions alternating")
     parser.add_argument(
         "--profile", nargs="*", metavar="KEY=VALUE", help="where a training step's time goes (train.py overrides)"
     )
@@ -1298,7 +1301,7 @@ def main() -> None:
     if args.data:
         return bench_data(args.smoke)
     if args.versus:
-        return bench_versus(args.versus, args.warmup, args.steps)
+        return bench_versus(args.versus, args.warmup, args.steps, args.rounds)
     if args.profile is not None:
         return bench_profile(args.profile, args.warmup, args.steps)
     if args.gpu:
