@@ -149,8 +149,12 @@ class _ChunkedHeadLogps(torch.autograd.Function):
                 grad_hidden.index_add_(0, rows[start:end], from_probs.add_(from_targets).to(hidden.dtype))
             if ctx.needs_input_grad[1]:
                 scaled = chunk_hidden * -grad[:, None].to(dtype)  # [C, H]: the row scale, on the small operand
-                product = torch.mm(probs.T, scaled)  # [V, H] in the compute dtype, summed in float32
-                grad_weight = product.float() if grad_weight is None else grad_weight.add_(product)
+                if grad_weight is None:
+                    grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+                if dtype == torch.float32:  # summed inside the GEMM: no [V, H] product to write, read and add
+                    grad_weight.addmm_(probs.T, scaled)
+                else:  # a [V, H] product in the compute dtype, summed in float32
+                    grad_weight.add_(torch.mm(probs.T, scaled))
                 grad_weight.index_add_(0, chunk_targets, chunk_hidden.float() * grad[:, None])
             if ctx.needs_input_grad[2]:
                 chunk_bias = torch.mv(probs.T.float(), -grad)

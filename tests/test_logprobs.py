@@ -172,6 +172,31 @@ def test_fused_head_casts_its_weight_once_per_pass(chunk_rows_of):
     assert WeightCasts.count == 2
 
 
+def test_float32_weight_gradient_is_summed_inside_its_gemm(chunk_rows_of):
+    # In float32 each chunk's P^T (g * h) is added to the [V, H] gradient by the GEMM itself (addmm_), so the
+    # backward makes one new [V, H] tensor, the sum, however many chunks there are (16 here), not one per chunk.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class NewWeightSized(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = [a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)]
+            new_memory = isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() not in inputs
+            if new_memory and out.shape == weight.shape:  # not in-place, not a view
+                NewWeightSized.count += 1
+            return out
+
+    chunk_rows_of(4, 500)
+    hidden = torch.randn(64, 8, requires_grad=True)
+    weight = torch.randn(500, 8, requires_grad=True)
+    token_logps = logprobs.token_logps_from_hidden(hidden, weight, None, torch.arange(64), torch.randint(0, 500, (64,)))
+    with NewWeightSized():
+        token_logps.sum().backward()
+    assert NewWeightSized.count == 1
+
+
 @pytest.mark.parametrize("rows_per_chunk, logits_computed", [(4096, 1), (3, 3 + 2)])
 def test_the_last_chunk_of_logits_is_computed_once(chunk_rows_of, rows_per_chunk, logits_computed):
     # The forward keeps its last chunk's softmax for the backward: a micro-batch of one chunk computes its [M, V]
