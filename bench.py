@@ -1278,7 +1278,7 @@ def main() -> None:
     parser.add_argument("--attention", action="store_true", help="dense vs block-mask attention bookkeeping")
     parser.add_argument("--data", action="store_true", help="data at scale: tokenizing, caching, mapping")
     parser.add_argument("--versus", metavar="GIT_REF", help="the training step against another version's, alternating")
-    parser.add_argument("--rounds", type=int, default=2, help="--versus: rounds of the two versions alternating")
+    parser.add_argument("--rounds", type=int, help="--versus: rounds of the two versions alternating (default 2)")
     parser.add_argument(
         "--profile", nargs="*", metavar="KEY=VALUE", help="where a training step's time goes (train.py overrides)"
     )
@@ -1286,6 +1286,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="--levers, --compile, --lora: untimed steps")
     parser.add_argument("--steps", type=int, default=6, help="--levers, --compile, --lora: timed steps")
     args = parser.parse_args()
+    if args.rounds is not None and (not args.versus or args.rounds < 1):
+        parser.error(f"--rounds {args.rounds}: a number of rounds of at least 1, and only with --versus")
     if args.fsdp:
         return bench_fsdp()
     if args.fsdp_reduce:
@@ -1301,7 +1303,7 @@ def main() -> None:
     if args.data:
         return bench_data(args.smoke)
     if args.versus:
-        return bench_versus(args.versus, args.warmup, args.steps, args.rounds)
+        return bench_versus(args.versus, args.warmup, args.steps, args.rounds or 2)
     if args.profile is not None:
         return bench_profile(args.profile, args.warmup, args.steps)
     if args.gpu:

@@ -1,4 +1,5 @@
-"""The GPU campaign (bench.py --gpu) in its CPU smoke mode, so that it cannot rot between the rare GPU sessions."""
+"""bench.py: the GPU campaign (--gpu) in its CPU smoke mode, so that it cannot rot between the rare GPU sessions; its
+command line."""
 
 import math
 import os
@@ -30,3 +31,14 @@ def test_gpu_campaign_smoke_runs_every_configuration(tmp_path):
         rows["packed, dense mask"][2]
     ) / float(rows["packed, dense mask"][1])
     assert "packed layout (dense attention)" in result.stdout
+
+
+def test_rounds_is_refused_without_versus_or_below_one():
+    # --rounds only steers --versus: anywhere else, or at 0, it is one line of error, not a flag silently ignored
+    # (or a division by zero after minutes of loading).
+    for flags in (["--fsdp", "--rounds", "3"], ["--versus", "HEAD", "--rounds", "0"]):
+        result = subprocess.run(
+            [sys.executable, str(REPO_ROOT / "bench.py"), *flags], cwd=REPO_ROOT, capture_output=True, text=True
+        )
+        assert result.returncode == 2, flags
+        assert result.stderr.splitlines()[-1].endswith("at least 1, and only with --versus"), result.stderr
