@@ -11,7 +11,9 @@ from typing import Optional
 import torch
 from omegaconf import MISSING
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
+import weights
 from utils import POSITIVE, Range, UserError, check_ranges, ranged
 
 QUANTIZATIONS = ("4bit",)
@@ -54,9 +56,9 @@ def quantization_config(settings: LoraSettings):
     )
 
 
-def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
-    """The model with LoRA adapters on target_modules (default: all linear layers but the head); only the adapters
-    train."""
+def apply_lora(model: nn.Module, settings: LoraSettings, seed: int = 0) -> nn.Module:
+    """The model with LoRA adapters on target_modules (default: all linear layers but the head), initialised from
+    `seed` (init_adapters); only the adapters train."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if settings.quantize:
@@ -70,9 +72,30 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, config)
+        model = get_peft_model(model, config)
     except ValueError as error:  # e.g. a target module the model does not have
         raise UserError(f"lora.target_modules={settings.target_modules}: {str(error).splitlines()[0]}") from None
+    init_adapters(model, seed)
+    return model
+
+
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """(Re)initialise every adapter by peft's own rule (A as nn.Linear's default, B zero) from `seed`, in module order,
+    so that every trainer and rank count starts from the same adapters. Over a base on the meta device (built empty,
+    weights.py), peft has left the adapters there too: they get memory on the CPU first, and placement shards them."""
+    from peft.tuners.lora import LoraLayer
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        for layer in model.modules():
+            if not isinstance(layer, LoraLayer):
+                continue
+            for name in layer.adapter_layer_names:
+                adapters = getattr(layer, name)
+                if any(p.is_meta for p in adapters.parameters()):
+                    adapters.to_empty(device="cpu")
+            for adapter in layer.lora_A.keys() | layer.lora_embedding_A.keys():
+                layer.reset_lora_parameters(adapter, True)
 
 
 def is_adapted(model: nn.Module) -> bool:
@@ -113,21 +136,35 @@ class AdaptersDisabled(nn.Module):
         return self.policy.config
 
 
-def merged_state_dict(full_state: dict[str, torch.Tensor], policy: nn.Module) -> dict[str, torch.Tensor]:
-    """The base model's state dict with each adapter merged in, W + (alpha / r) B A, under the base model's own
-    parameter names: what `AutoModelForCausalLM.from_pretrained` loads. full_state: the policy's full state dict
-    (adapters included), e.g. gathered from FSDP shards."""
+@torch.no_grad()
+def merged_weights(policy: nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's weights with each adapter merged in, W + (alpha / r) B A, under the base model's own names:
+    what `AutoModelForCausalLM.from_pretrained` loads. Sharded like the policy: each rank computes its own shard of each
+    merged weight, from the adapters gathered whole (they are small). Collective."""
     settings = policy.peft_config["default"]
     scaling = settings.lora_alpha / settings.r
-    prefix = "base_model.model."
+    own = weights.tensors(policy)  # a tied weight under one of its names
     merged = {}
-    for name, value in full_state.items():
-        if ".lora_" in name:
+    for name, value in policy.state_dict().items():
+        if ".lora_" in name or name not in own:
             continue
-        base_name = name.removeprefix(prefix).replace(".base_layer.", ".")
         if ".base_layer.weight" in name:
             stem = name.removesuffix(".base_layer.weight")
-            a, b = full_state[f"{stem}.lora_A.default.weight"], full_state[f"{stem}.lora_B.default.weight"]
-            value = (value.float() + scaling * (b.float() @ a.float())).to(value.dtype)
-        merged[base_name] = value
+            a, b = (whole(own[f"{stem}.lora_{x}.default.weight"]).float() for x in "AB")
+            value = added(value, scaling * (b @ a))
+        merged[name.removeprefix("base_model.model.").replace(".base_layer.", ".")] = value
     return merged
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor gathered whole on every rank (collective), or the tensor itself."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def added(value: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """value + delta in value's dtype, delta whole on every rank: a sharded value adds its own shard of delta."""
+    if not isinstance(value, DTensor):
+        return (value.float() + delta.to(value.device)).to(value.dtype)
+    local_delta = distribute_tensor(delta.to(value.device), value.device_mesh, value.placements, src_data_rank=None)
+    local = (value.to_local().float() + local_delta.to_local()).to(value.dtype)
+    return DTensor.from_local(local, value.device_mesh, value.placements, shape=value.shape, stride=value.stride())

@@ -15,18 +15,19 @@ from omegaconf import DictConfig, OmegaConf
 
 import checkpoint
 import reference_cache
+import weights
 from adapters import AdaptersDisabled, apply_lora, is_adapted, quantization_config
-from distributed import TRAINERS, Topology
+from distributed import TRAINERS, Topology, mesh_shape
 from evaluation import Evaluator
 from layouts import ModelBatch, to_device
 from losses import PairStats
-from models import load_model, load_tokenizer, resolve_model_dir
+from models import InitialWeights, load_tokenizer, prepare_model, resolve_model_dir
 from objective import build_objective
 from optim import build_optimizer, build_scheduler
 from placement import find_blocks, parallelize
 from precision import Precision, auto_compute_dtype, choose_compute_dtype, decide_precision, device_key, parse_dtype
 from preference_datasets import PreferencePair, batch_schedule
-from report import GIB, data_report, memory_estimate
+from report import GIB, Hardware, data_report, fit_verdict
 from scoring import Scorer
 from telemetry import ModelFlops, peak_flops
 from tokenized import Examples, Tokenization, first_of_each_group, load_examples, mismatched, tokenize_pairs
@@ -235,30 +236,32 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     )
     with topology.main_first():
         tokenizer = load_tokenizer(config.model, cache_dir)
-        policy = load_model(
+        policy, initial = prepare_model(  # on the meta device: weights are read once it is placed
             config.model, precision.policy_weights, cache_dir, config.seed, quantization_config(config.lora)
         )
     if config.lora.enabled:  # after model.archive: the adapters go on the SFT weights
-        policy = apply_lora(policy, config.lora)
+        policy = apply_lora(policy, config.lora, config.seed)
     if config.resume_from is not None:  # fail now rather than after tokenizing and the reference pass
         topology.run_on_main(lambda: checkpoint.preflight(Path(config.resume_from), policy, config.batch_size))
     data = rank_data(config, topology, tokenizer, objective, cache_dir, pairs)
     print(f"{len(data.schedule)} steps of {config.batch_size} examples")
+    check_fit(config, topology, policy, data, precision, live_reference_model(config, objective.needs_reference))
 
     # rounds (rounds.py) fill a reference cache for each round's pairs, not the datasets'
     cached = objective.needs_reference and config.reference_cache and not config.rounds.n
-    initial_weights = reference_cache.weights_digest(policy) if cached else None  # before sharding: whole
     flops = ModelFlops.of(policy, find_blocks(policy, config.model.block_name))
     weights_dtype = next(policy.parameters()).dtype
-    policy = place(policy, config, topology, precision.policy_compute, is_policy=True)
+    policy = place(policy, config, topology, precision.policy_compute, initial, is_policy=True)
+    initial_weights = reference_cache.weights_digest(policy, topology) if cached else None
     # The layout, attention and head checks run on the placed model: on its device, once, decided by rank 0.
     scorer = Scorer.create(
         policy, config, tokenizer.pad_token_id, topology, autocast, precision.policy_compute, objective.tail_weight
     )
 
     def load_reference() -> torch.nn.Module:  # placed, frozen; never with LoRA (AdaptersDisabled serves)
-        model = load_model(config.model, precision.reference_weights, cache_dir, config.seed)
-        return place(model.requires_grad_(False), config, topology, precision.reference_compute)
+        with topology.main_first():
+            model, initial = prepare_model(config.model, precision.reference_weights, cache_dir, config.seed)
+        return place(model.requires_grad_(False), config, topology, precision.reference_compute, initial)
 
     reference = reference_model = None
     if cached:
@@ -298,11 +301,35 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     )  # fmt: skip
 
 
-def place(model: torch.nn.Module, config: DictConfig, topology: Topology, compute, is_policy: bool = False):
-    """The model placed on the run's topology; compute: the dtype it computes in (None: its weights')."""
+def check_fit(config: DictConfig, topology: Topology, policy, data: Data, precision: Precision, live: bool) -> None:
+    """Stop in one line, before any weight is read, where the run cannot fit this machine's memory (report.py)."""
+    hardware = Hardware.here(topology.world_size)
+    mesh = (topology.dp_size, topology.tp_size)
+    _, problem = fit_verdict(config, hardware, policy, data.train_examples, data.schedule, precision, live, mesh)
+    if problem is not None:
+        raise UserError(problem)
+
+
+def place(
+    model: torch.nn.Module,
+    config: DictConfig,
+    topology: Topology,
+    compute,
+    initial: InitialWeights | None,
+    is_policy: bool = False,
+) -> torch.nn.Module:
+    """The model placed on the run's topology; compute: the dtype it computes in (None: its weights'). An empty model
+    (prepare_model) then gets memory for its shards, and each rank reads them from `initial`'s files."""
     checkpointing = is_policy and config.activation_checkpointing
     reduce_dtype = parse_dtype(config.model.fsdp_reduce_dtype, "model.fsdp_reduce_dtype")
-    return parallelize(model, topology, compute, config.model.block_name, checkpointing, reduce_dtype)
+    kept = weights.real_tensors(model) if initial is not None else {}  # buffers, LoRA adapters: placed, then put back
+    model = parallelize(model, topology, compute, config.model.block_name, checkpointing, reduce_dtype)
+    if initial is not None:
+        with topology.main_first():
+            directory = initial.fetch()
+        weights.materialize(model, topology.device, kept)
+        initial.read_into(model, set(kept), directory)
+    return model
 
 
 def reference_computation(
@@ -353,16 +380,18 @@ def fill_reference_cache(
 
 
 def dry_run(config: DictConfig, world_size: int) -> None:
-    """The run's assembly up to its weights: config, tokenizer, data and precision checked and reported, the steps
-    and an estimate of peak memory per process; no weights loaded, nothing written but the caches."""
+    """The run's assembly up to its weights: config, tokenizer, data and precision checked and reported, the steps,
+    each rank's memory on the machines the run would use (this one, or plan.*'s) and whether it fits them; no weights
+    loaded, nothing written but the caches. A run that would not fit is a UserError, after its memory is shown."""
     print(OmegaConf.to_yaml(config))
     cache_dir = get_local_dir(config.local_dirs)
     objective = build_objective(config.loss)
     autocast = not TRAINERS[config.trainer].fsdp
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    precision = decide_precision(
-        OmegaConf.to_object(config.model), autocast, lambda: choose_compute_dtype(device, cache_dir)[0]
-    )
+    # planned GPUs (plan.*) of 16 GiB and more compute auto in bfloat16, as every such GPU since Ampere runs it fast
+    planned = Hardware.planned(config.plan)
+    auto = (lambda: torch.bfloat16) if planned else (lambda: choose_compute_dtype(device, cache_dir)[0])
+    precision = decide_precision(OmegaConf.to_object(config.model), autocast, auto)
     tokenizer = load_tokenizer(config.model, cache_dir)
     data = load_data(config, tokenizer, objective, cache_dir)
     n_evals = sum(map(len, data.eval_batches))
@@ -375,14 +404,18 @@ def dry_run(config: DictConfig, world_size: int) -> None:
     if resume is not None:  # the checks a run makes before anything else
         checkpoint.preflight(Path(resume), policy, config.batch_size)
         print(f"resume: {resume} fits this run")
-    live_reference = live_reference_model(config, objective.needs_reference)
-    header, parts = memory_estimate(
-        config, world_size, policy, data.train_examples, data.schedule, precision, live_reference
+    hardware = planned or Hardware.here(world_size)
+    mesh = mesh_shape(config.trainer, world_size, config.tensor_parallel_size)
+    live = live_reference_model(config, objective.needs_reference)
+    plan, problem = fit_verdict(config, hardware, policy, data.train_examples, data.schedule, precision, live, mesh)
+    print("\n".join(plan.lines(hardware)))
+    if problem is not None:
+        raise UserError(problem)
+    print(
+        f"fits: {plan.device_peak() / GIB:.1f} GiB a {'GPU' if plan.on_gpu else 'rank'} and "
+        f"{plan.host_peak() * hardware.ranks_per_node / GIB:.1f} GiB of host memory a node at most, besides the "
+        "framework (Python, torch, the CUDA context: about 0.5-3 GiB a rank)"
     )
-    print(f"memory estimate per process: {sum(parts.values()) / GIB:.2f} GiB ({header})")
-    for name, value in parts.items():
-        if value:
-            print(f"  {name:40} {value / GIB:8.3f} GiB")
     print("dry run: no weights were loaded and nothing was trained")
 
 
@@ -393,4 +426,4 @@ def meta_policy(config: DictConfig, precision: Precision, cache_dir: Path) -> to
     )
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=precision.policy_weights)
-        return apply_lora(model, config.lora) if config.lora.enabled else model
+        return apply_lora(model, config.lora, config.seed) if config.lora.enabled else model

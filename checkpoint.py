@@ -1,11 +1,17 @@
-"""Checkpoints in the DPO reference's format: a directory of policy.pt, optimizer.pt and scheduler.pt, each
-{"step_idx": examples seen, "state": state_dict, "metrics": ...}; the final one is also a from_pretrained directory.
+"""Checkpoints: a directory of the run's stateful parts, written by every rank in parallel, each its own shards, and
+read back by any number of ranks on any mesh (torch.distributed.checkpoint), so that no rank ever holds the whole model
+or optimizer state. A directory holds:
 
-States are full (unsharded) and keyed by parameter name, whatever the trainer and mesh, so that any trainer
-resumes from any other's checkpoint. A directory is written whole under a temporary name, synced to disk, and
-then renamed into place, so that a kill at any moment leaves every checkpoint directory complete or absent, and the
-previous ones untouched. Its last file, checkpoint.json, says what it is: the step, the eval metrics, whether it ends
-the run, and the loop's own state; `newest` resumes from it and `prune` keeps the disk from filling."""
+  policy/           the trainable weights (a LoRA policy's: its adapters), every rank's shards as safetensors
+  optimizer/        the optimizer's state, every rank's shards in DCP's format (.distcp files and their .metadata)
+  scheduler.pt ...  each small part's state in the DPO reference's file format ({"step_idx", "state", "metrics"})
+  config.json, generation_config.json, tokenizer files: the model's, so that export.py needs nothing else
+  checkpoint.json   written last: the step, the eval metrics, whether it ends the run, the loop's own state
+The run's last one, LATEST, is also a from_pretrained directory (export). A directory is written whole under a
+temporary name, checked (every rank's shards there), synced to disk and renamed into place, so that a kill at any
+moment leaves every checkpoint directory complete or absent and the previous ones untouched; `newest` resumes from the
+newest complete one and `prune` keeps the disk from filling. Checkpoints in the reference's format (a whole
+policy.pt and optimizer.pt, written before the sharded one) are still read."""
 
 import json
 import os
@@ -15,59 +21,82 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 
-from adapters import is_adapted, is_quantized, merged_state_dict
+import weights
+from adapters import is_adapted, is_quantized, merged_weights
 from distributed import Topology
 from utils import UserError, first_line
 
-FILES = ("policy", "optimizer", "scheduler")  # the reference format's files; any other part's file is optional
+LEGACY_FILES = ("policy", "optimizer", "scheduler")  # the reference format's files, which it requires
 MARKER = "checkpoint.json"  # written last: a directory without it was not written by save()
 STEP_DIR = re.compile(r"step-(\d+)")
 
 
 class ModelWeights:
-    """A checkpoint part: the model's trainable weights (a LoRA policy's: its adapters), full and keyed by name
-    whatever the sharding. Collective: every rank takes part; rank 0 gets the whole state, on its CPU."""
+    """A checkpoint part: the model's trainable weights (a LoRA policy's: its adapters) and, when the whole model
+    trains, its persistent buffers; sharded as the model is. Collective: every rank writes and reads its own shards."""
 
     collective = True
 
     def __init__(self, model):
         self.model = model
 
-    def state_dict(self) -> dict:
-        if is_quantized(self.model):  # QLoRA, one process: get_model_state_dict trips on bitsandbytes' 4-bit weights
-            return {name: p.detach().cpu() for name, p in self.model.named_parameters() if p.requires_grad}
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-        return get_model_state_dict(self.model, options=options)
+    def state(self) -> dict[str, torch.Tensor]:
+        """The part's tensors by name (DTensors where sharded; a tied weight under one of its names)."""
+        persistent = set(self.model.state_dict(keep_vars=True))
+        adapters_only = any(not p.requires_grad for p in self.model.parameters())
+        return {
+            name: tensor
+            for name, tensor in weights.tensors(self.model).items()
+            if name in persistent and (tensor.requires_grad or not adapters_only)
+        }
 
-    def load_state_dict(self, state: dict, broadcast: bool) -> None:
-        """state: the whole state on rank 0 ({} elsewhere; broadcast from rank 0 when `broadcast`)."""
+    def save(self, directory: Path, world_size: int) -> None:
+        weights.write_shards(self.state(), directory, world_size)
+
+    def load(self, directory: Path) -> None:
+        weights.read_files(self.model, directory, {name: name for name in self.state()})
+
+    def load_whole(self, state: dict, broadcast: bool) -> None:
+        """A reference-format state: whole on rank 0 ({} elsewhere; broadcast from rank 0 when `broadcast`)."""
         # strict=False: a LoRA checkpoint holds the adapters only (check_fit made sure it holds every trainable one)
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=False)
         set_model_state_dict(self.model, state, options=options)
 
 
 class OptimizerState(ModelWeights):
-    """A checkpoint part: the optimizer's state, full and keyed by parameter name like the weights."""
+    """A checkpoint part: the optimizer's state, keyed by parameter name and sharded like the parameters."""
 
     def __init__(self, model, optimizer):
         super().__init__(model)
         self.optimizer = optimizer
 
-    def state_dict(self) -> dict:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-        return get_optimizer_state_dict(self.model, self.optimizer, options=options)
+    def save(self, directory: Path, world_size: int) -> None:
+        state = get_optimizer_state_dict(self.model, self.optimizer)
+        dcp.save(state, checkpoint_id=str(directory), no_dist=weights.one_process())
 
-    def load_state_dict(self, state: dict, broadcast: bool) -> None:
+    def load(self, directory: Path) -> None:
+        state = get_optimizer_state_dict(self.model, self.optimizer)  # this run's shards, to be filled
+        dcp.load(state, checkpoint_id=str(directory), no_dist=weights.one_process())
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+    def load_whole(self, state: dict, broadcast: bool) -> None:
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=False)
         set_optimizer_state_dict(self.model, self.optimizer, state, options=options)
+
+
+def collective(part) -> bool:
+    """Whether every rank takes part in saving and loading the part (ModelWeights, OptimizerState)."""
+    return getattr(part, "collective", False)
 
 
 def save(
@@ -77,43 +106,107 @@ def save(
     parts: dict,
     topology: Topology,
     loop_state: dict,
-    tokenizer=None,
+    tokenizer,
+    final: bool = False,
 ) -> None:
-    """Write each part's state to <name>.pt (parts: name -> an object with state_dict(); "policy" a ModelWeights, as
-    the reference format has it; a part with an empty state writes no file), and, given the tokenizer, a
-    from_pretrained-ready copy of policy and tokenizer (the run's end), then checkpoint.json with `loop_state` (the
-    training loop's counters), to a temporary directory; then swap it in whole. Every rank takes part in gathering the
-    states; rank 0 writes, and a failure to write (a full disk, no permission) is a UserError on every rank."""
-    states = {name: part.state_dict() for name, part in parts.items()}
+    """Write each part (parts: name -> a collective part, or an object with state_dict(); "policy" a ModelWeights)
+    with the model's config and tokenizer to a temporary directory, every rank its shards; at the run's end (`final`)
+    the from_pretrained export too (export); then checkpoint.json with `loop_state` (the training loop's counters), and
+    swap the directory in whole. A failure to write (a full disk, no permission, a directory the machines do not share)
+    is a UserError on every rank, and leaves no temporary directory behind."""
+    tmp_dir = output_dir.with_name(output_dir.name + ".tmp")
     policy = parts["policy"].model
-    export_state = states["policy"]
-    if tokenizer is not None and not is_quantized(policy) and any(not p.requires_grad for p in policy.parameters()):
-        # the merged export needs every weight, a LoRA base's frozen ones too
-        export_state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    marker = {"step": step, "metrics": metrics, "final": tokenizer is not None, "loop": loop_state}
+    marker = {"step": step, "metrics": metrics, "final": final, "loop": loop_state}
+    small = {name: part.state_dict() for name, part in parts.items() if not collective(part)}
 
-    def write():
-        tmp_dir = output_dir.with_name(output_dir.name + ".tmp")
-        try:
-            shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a crashed save: none of it may leak into this one
-            tmp_dir.mkdir(parents=True)
-            for name, state in states.items():
-                if state:
-                    torch.save({"step_idx": step, "state": state, "metrics": metrics}, tmp_dir / f"{name}.pt")
-            if tokenizer is not None:
-                export(tmp_dir, policy, export_state, tokenizer)
-            (tmp_dir / MARKER).write_text(json.dumps(marker, indent=1))
-            sync(tmp_dir)
-            replace_dir(tmp_dir, output_dir)
-        except OSError as error:  # a full disk, a read-only or vanished directory
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+    def finish() -> None:  # rank 0, once every rank has written its shards
+        for name, state in small.items():
+            if state:
+                torch.save({"step_idx": step, "state": state, "metrics": metrics}, tmp_dir / f"{name}.pt")
+        why = weights.missing_shards(tmp_dir / "policy")
+        if why is not None:
             raise UserError(
-                f"could not write the checkpoint {output_dir} ({error.strerror or first_line(error)}: "
-                f"{error.filename or tmp_dir})"
-            ) from None
-        print(f"saved {output_dir}")
+                f"the checkpoint's policy/ is incomplete ({why}): with several machines, local_run_dir must be on a "
+                "filesystem they all share"
+            )
+        (tmp_dir / MARKER).write_text(json.dumps(marker, indent=1))
+        sync(tmp_dir)
+        replace_dir(tmp_dir, output_dir)
 
-    topology.run_on_main(write)
+    try:
+        topology.run_on_main(lambda: written(output_dir, lambda: fresh_dir(tmp_dir)))
+        for name, part in parts.items():
+            if collective(part):
+                part.save(tmp_dir / name, topology.world_size)
+        topology.run_on_main(lambda: written(output_dir, lambda: describe_model(tmp_dir, policy, tokenizer)))
+        if final:
+            export(tmp_dir, policy, topology, tmp_dir / "policy")
+        topology.run_on_main(lambda: written(output_dir, finish))
+    except CheckpointException as error:  # DCP's: raised on every rank when any rank failed to write
+        remove(tmp_dir, topology)
+        raise UserError(f"could not write the checkpoint {output_dir} ({weights.failure(error)})") from None
+    except UserError:
+        remove(tmp_dir, topology)
+        raise
+    print(f"saved {output_dir}")
+
+
+def written(output_dir: Path, write) -> None:
+    """write(), with a failure to write as one line naming the checkpoint, the reason and the file."""
+    try:
+        write()
+    except OSError as error:  # a full disk, a read-only or vanished directory
+        raise UserError(
+            f"could not write the checkpoint {output_dir} ({error.strerror or first_line(error)}: {error.filename})"
+        ) from None
+    except UserError as error:
+        raise UserError(f"could not write the checkpoint {output_dir}: {error}") from None
+
+
+def fresh_dir(directory: Path) -> None:
+    shutil.rmtree(directory, ignore_errors=True)  # left by a crashed save: none of it may leak into this one
+    directory.mkdir(parents=True)
+
+
+def remove(directory: Path, topology: Topology) -> None:
+    """Remove a half-written checkpoint, once every rank has stopped writing into it."""
+    topology.run_on_main(lambda: shutil.rmtree(directory, ignore_errors=True))
+
+
+def describe_model(directory: Path, policy, tokenizer) -> None:
+    """The model's config (and generation config) and the tokenizer, as from_pretrained reads them (rank 0)."""
+    base = policy.get_base_model() if is_adapted(policy) else policy
+    config = base.config
+    config.architectures = [weights.class_name(base)]
+    config.save_pretrained(directory)
+    if base.can_generate():
+        base.generation_config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def export(directory: Path, policy, topology: Topology, shards: Path) -> None:
+    """Make `directory` (holding describe_model's files) a from_pretrained directory of the policy, no rank holding
+    the whole model: the weights consolidated from the checkpoint's shards (`shards`), or, for a LoRA policy, the base
+    with the adapters merged in (adapters.merged_weights) and the adapter in peft's format in adapter/. A QLoRA policy
+    exports its adapter only: merged into its 4-bit base it would be a model of dequantized NF4 weights, not of the
+    original ones; merge the adapter into the original base instead. Collective."""
+    if is_adapted(policy):
+        adapters = {name: adapter_whole(t) for name, t in ModelWeights(policy).state().items()}
+        topology.run_on_main(lambda: policy.save_pretrained(directory / "adapter", state_dict=adapters))
+        if is_quantized(policy):
+            print(
+                "export: the adapter only (adapter/), not a merged model: the base is 4-bit. Merge it into the "
+                "original base: PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()"
+            )
+            return
+        weights.export_weights(merged_weights(policy), directory, topology)
+    else:
+        weights.consolidate(shards, directory, topology)
+
+
+def adapter_whole(tensor: torch.Tensor) -> torch.Tensor:
+    """An adapter's tensor whole, on the CPU (collective where sharded)."""
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu()
 
 
 def sync(directory: Path) -> None:
@@ -126,71 +219,128 @@ def sync(directory: Path) -> None:
             os.close(descriptor)
 
 
-def export(directory: Path, policy, state: dict, tokenizer) -> None:
-    """A from_pretrained directory of the policy (a LoRA policy merged, its adapter in peft's format in adapter/),
-    and the tokenizer. A QLoRA policy exports its adapter only: merged into its 4-bit base it would be a model of
-    dequantized NF4 weights, not of the original ones; merge the adapter into the original base instead."""
-    if is_quantized(policy):
-        policy.save_pretrained(directory / "adapter", state_dict=state)
-        print(
-            "export: the adapter only (adapter/), not a merged model: the base is 4-bit. Merge it into the original "
-            "base: PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()"
-        )
-    elif is_adapted(policy):
-        policy.save_pretrained(directory / "adapter", state_dict=state)
-        policy.get_base_model().save_pretrained(directory, state_dict=merged_state_dict(state, policy))
-    else:
-        policy.save_pretrained(directory, state_dict=state)
-    tokenizer.save_pretrained(directory)
+def is_legacy(checkpoint_dir: Path) -> bool:
+    """A checkpoint in the DPO reference's format: whole states in policy.pt and optimizer.pt."""
+    return not (checkpoint_dir / "policy").is_dir() and (checkpoint_dir / "policy.pt").exists()
 
 
 def load(checkpoint_dir: Path, parts: dict, batch_size: int, topology: Topology) -> tuple[int, dict]:
     """Load each part's state (as save() wrote them) into the placed parts; return the examples seen and
-    checkpoint.json ({} in checkpoints older than it). Rank 0 reads and checks the files; collective parts (weights,
-    optimizer) are broadcast by torch's state-dict loaders, the others' states as objects. A part without a file
-    keeps its state: an optional one (not one of FILES) that had none to save."""
+    checkpoint.json. Every rank reads its own shards of the collective parts; rank 0 reads the small parts' files
+    and broadcasts them. A part without a file keeps its state: an optional one that had none to save."""
+    if is_legacy(checkpoint_dir):
+        return load_legacy(checkpoint_dir, parts, batch_size, topology)
     setting = f"resume_from={checkpoint_dir}"
-    main = topology.is_main
-    policy, optimizer = parts["policy"].model, parts["optimizer"].optimizer
-    states = topology.run_on_main(lambda: read(checkpoint_dir, list(parts), policy, optimizer, batch_size, setting))
-    step, marker, small = topology.broadcast(
-        (
-            states["policy"]["step_idx"],
-            states["marker"],
-            {name: states.get(name) for name, part in parts.items() if not collective(part)},
-        )
-        if main
-        else None
+    optimizer = parts["optimizer"].optimizer
+    marker = topology.broadcast(
+        topology.run_on_main(lambda: check_sharded(checkpoint_dir, parts["policy"].model, optimizer, batch_size))
     )
     for name, part in parts.items():
         if collective(part):
-            part.load_state_dict(states[name]["state"] if main else {}, broadcast=topology.world_size > 1)
-        elif small[name] is not None:
-            load_state(part, small[name]["state"], setting, checkpoint_dir / f"{name}.pt")
+            try:
+                part.load(checkpoint_dir / name)
+            except CheckpointException as error:
+                raise UserError(f"{setting}: {checkpoint_dir / name} ({weights.failure(error)})") from None
+    load_small(checkpoint_dir, parts, topology, setting)
+    print(f"resumed from {checkpoint_dir} at {marker['step']} examples")
+    return marker["step"], marker
+
+
+def load_small(checkpoint_dir: Path, parts: dict, topology: Topology, setting: str) -> None:
+    """The parts that are not collective: rank 0 reads their files and broadcasts the states."""
+    names = [name for name, part in parts.items() if not collective(part)]
+
+    def read() -> dict:
+        return {
+            n: read_file(checkpoint_dir / f"{n}.pt", setting) for n in names if (checkpoint_dir / f"{n}.pt").exists()
+        }
+
+    states = topology.broadcast(topology.run_on_main(read))
+    for name, state in states.items():
+        load_state(parts[name], state["state"], setting, checkpoint_dir / f"{name}.pt")
+
+
+def preflight(checkpoint_dir: Path, policy, batch_size: int) -> None:
+    """The checks of the files and the weights' names and shapes, made before the run spends time on anything else,
+    from the files' headers (tensors are not read). policy: the model before placement (names and whole shapes are the
+    same after it)."""
+    if is_legacy(checkpoint_dir):
+        setting = f"resume_from={checkpoint_dir}"
+        check_fit(checkpoint_dir, read_states(checkpoint_dir, setting, mmap=True), policy, batch_size, setting)
+    else:
+        check_sharded(checkpoint_dir, policy, None, batch_size)
+
+
+def check_sharded(checkpoint_dir: Path, policy, optimizer, batch_size: int) -> dict:
+    """checkpoint.json of a complete checkpoint that fits this run: its step fits the batch size, policy/ holds every
+    trainable weight in its shape, optimizer/ names only those and has the optimizer's parameter groups (not checked
+    with optimizer=None)."""
+    setting = f"resume_from={checkpoint_dir}"
+    marker = describe(checkpoint_dir)
+    if marker is None:
+        what = "does not exist" if not checkpoint_dir.exists() else f"has no {MARKER}: not a complete checkpoint"
+        raise UserError(f"{setting}: {checkpoint_dir} {what}")
+    if marker["step"] % batch_size:
+        raise UserError(f"{setting}: {marker['step']} examples seen is not a multiple of batch_size={batch_size}")
+    try:
+        found = weights.stored_shapes(checkpoint_dir / "policy")
+        metadata = FileSystemReader(str(checkpoint_dir / "optimizer")).read_metadata()
+    except UserError as error:
+        raise UserError(f"{setting}: {error}") from None
+    except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        raise UserError(f"{setting}: {checkpoint_dir / 'optimizer'} is not readable ({first_line(error)})") from None
+    expected = {name: tuple(t.shape) for name, t in ModelWeights(policy).state().items()}
+    mismatch = fit_problem(expected, {name: tuple(shape) for name, shape in found.items()})
+    if mismatch:
+        raise UserError(
+            f"{setting}: {checkpoint_dir / 'policy'} does not fit this {weights.class_name(policy)} ({mismatch})"
+        )
+    paths = (metadata.planner_data or {}).values()
+    unknown = sorted({path[1] for path in paths if path[0] == "state"} - expected.keys())
+    if unknown:
+        raise UserError(f"{setting}: {checkpoint_dir / 'optimizer'} has state for an unknown parameter {unknown[0]!r}")
+    groups = len({path[1] for path in paths if path[0] == "param_groups"})
+    if optimizer is not None and groups != len(optimizer.param_groups):
+        raise UserError(
+            f"{setting}: {checkpoint_dir / 'optimizer'} does not fit this {type(optimizer).__name__} ({groups} "
+            f"parameter groups, expected {len(optimizer.param_groups)})"
+        )
+    return marker
+
+
+def fit_problem(expected: dict[str, tuple], found: dict[str, tuple]) -> str | None:
+    """The first way the checkpoint's weights (name -> shape) differ from the expected ones, or None."""
+    mismatches = [f"{name} is missing" for name in expected.keys() - found.keys()]
+    mismatches += [f"{name} is unexpected" for name in found.keys() - expected.keys()]
+    mismatches += [
+        f"{name} has shape {list(found[name])}, expected {list(expected[name])}"
+        for name in expected.keys() & found.keys()
+        if found[name] != expected[name]
+    ]
+    return sorted(mismatches)[0] if mismatches else None
+
+
+# -------------------------------------------------------------------------------------------------------------
+# The DPO reference's format, written before the sharded one: whole states, read by rank 0 and broadcast
+
+
+def load_legacy(checkpoint_dir: Path, parts: dict, batch_size: int, topology: Topology) -> tuple[int, dict]:
+    setting = f"resume_from={checkpoint_dir}"
+    policy, optimizer = parts["policy"].model, parts["optimizer"].optimizer
+    states = topology.run_on_main(lambda: read(checkpoint_dir, list(parts), policy, optimizer, batch_size, setting))
+    step, marker = topology.broadcast((states["policy"]["step_idx"], states["marker"]) if topology.is_main else None)
+    for name, part in parts.items():
+        if collective(part):
+            part.load_whole(states[name]["state"] if topology.is_main else {}, broadcast=topology.world_size > 1)
+    load_small(checkpoint_dir, parts, topology, setting)
     print(f"resumed from {checkpoint_dir} at {step} examples")
     return step, marker
 
 
-def collective(part) -> bool:
-    """Whether every rank takes part in the part's state_dict() and load_state_dict() (ModelWeights)."""
-    return getattr(part, "collective", False)
-
-
-def preflight(checkpoint_dir: Path, policy, batch_size: int) -> None:
-    """`read`'s checks of the files and the weights' names and shapes, made before the run spends time on anything
-    else (the files' tensors are mapped, not read). policy: the model before placement; names and shapes are the
-    same after it."""
-    setting = f"resume_from={checkpoint_dir}"
-    check_fit(checkpoint_dir, read_states(checkpoint_dir, setting, mmap=True), policy, batch_size, setting)
-
-
 def read(checkpoint_dir: Path, names: list[str], policy, optimizer, batch_size: int, setting: str) -> dict[str, dict]:
-    """The parts' files (FILES required, the others where present), checked to fit this run, so that loading them
-    cannot fail half-way through a broadcast; and checkpoint.json as "marker"."""
+    """The collective parts' files, checked to fit this run, so that loading them cannot fail half-way through a
+    broadcast; and checkpoint.json as "marker" ({} in checkpoints older than it)."""
     states = read_states(checkpoint_dir, setting)
-    for name in set(names) - set(FILES):
-        if (checkpoint_dir / f"{name}.pt").exists():
-            states[name] = read_file(checkpoint_dir / f"{name}.pt", setting)
     states["marker"] = describe(checkpoint_dir) or {}
     check_fit(checkpoint_dir, states, policy, batch_size, setting)
     if len(states["optimizer"]["state"].get("param_groups", [])) != len(optimizer.param_groups):
@@ -206,7 +356,9 @@ def read_states(checkpoint_dir: Path, setting: str, mmap: bool = False) -> dict[
     states = {"policy": read_file(checkpoint_dir / "policy.pt", setting, mmap)}
     if not isinstance(states["policy"].get("step_idx"), int):
         raise UserError(f"{setting}: {checkpoint_dir / 'policy.pt'} has no step_idx: not a training checkpoint")
-    return states | {name: read_file(checkpoint_dir / f"{name}.pt", setting, mmap) for name in FILES[1:]}
+    for name in LEGACY_FILES[1:]:
+        states[name] = read_file(checkpoint_dir / f"{name}.pt", setting, mmap)
+    return states
 
 
 def check_fit(checkpoint_dir: Path, states: dict[str, dict], policy, batch_size: int, setting: str) -> None:
@@ -220,17 +372,10 @@ def check_fit(checkpoint_dir: Path, states: dict[str, dict], policy, batch_size:
     frozen = {name for name, parameter in policy.named_parameters() if not parameter.requires_grad}
     expected = {name: tuple(value.shape) for name, value in policy.state_dict().items() if name not in frozen}
     found = {name: tuple(value.shape) for name, value in states["policy"]["state"].items()}
-    mismatches = [f"{name} is missing" for name in expected.keys() - found.keys()]
-    mismatches += [f"{name} is unexpected" for name in found.keys() - expected.keys()]
-    mismatches += [
-        f"{name} has shape {list(found[name])}, expected {list(expected[name])}"
-        for name in expected.keys() & found.keys()
-        if found[name] != expected[name]
-    ]
-    if mismatches:
+    mismatch = fit_problem(expected, found)
+    if mismatch:
         raise UserError(
-            f"{setting}: {checkpoint_dir / 'policy.pt'} does not fit this {type(policy).__name__} "
-            f"({sorted(mismatches)[0]})"
+            f"{setting}: {checkpoint_dir / 'policy.pt'} does not fit this {weights.class_name(policy)} ({mismatch})"
         )
     optimizer_state = states["optimizer"]["state"]
     groups = optimizer_state.get("param_groups", [])
@@ -243,8 +388,8 @@ def check_fit(checkpoint_dir: Path, states: dict[str, dict], policy, batch_size:
 
 
 def read_file(path: Path, setting: str, mmap: bool = False) -> dict:
-    """A checkpoint file in the reference format, read with weights_only (mmap: its tensors mapped, not read).
-    Anything else raises a UserError that names the `setting` it came from."""
+    """A file in the reference format, read with weights_only (mmap: its tensors mapped, not read). Anything else
+    raises a UserError that names the `setting` it came from."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
@@ -262,6 +407,10 @@ def load_state(target, state: dict, setting: str, path: Path) -> None:
         target.load_state_dict(state)
     except (RuntimeError, ValueError, KeyError) as error:
         raise UserError(f"{setting}: {path} does not fit this {type(target).__name__} ({first_line(error)})") from None
+
+
+# -------------------------------------------------------------------------------------------------------------
+# A run's checkpoint directories
 
 
 def describe(checkpoint_dir: Path) -> dict | None:

@@ -125,6 +125,36 @@ class RoundsConfig:
             check_reward(self.reward)
 
 
+@dataclass
+class PlanConfig:
+    """The machines dry_run=true plans for instead of this one (report.Hardware.planned): the memory per rank it
+    prints, and whether the run fits, are theirs."""
+
+    nodes: int = ranged(POSITIVE)
+    gpus_per_node: Optional[int] = ranged(Range(0, low_open=True, null="to plan for this machine"))
+    gpu_memory_gib: Optional[float] = ranged(Range(0, low_open=True, null="to plan for this machine"))
+    host_memory_gib: Optional[float] = ranged(Range(0, low_open=True, null="not to check host memory"))
+
+    def __post_init__(self):
+        check_ranges(self, "plan.")
+        given = {key: getattr(self, key) for key in ("gpus_per_node", "gpu_memory_gib", "host_memory_gib")}
+        if self.nodes != 1 or any(value is not None for value in given.values()):
+            for key in ("gpus_per_node", "gpu_memory_gib"):
+                if given[key] is None:
+                    raise UserError(
+                        f"plan.{key}=null: planning for other machines takes plan.gpus_per_node and "
+                        "plan.gpu_memory_gib (and plan.nodes, plan.host_memory_gib)"
+                    )
+
+    @property
+    def active(self) -> bool:
+        return self.gpus_per_node is not None
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
 PROCESSES = "a positive number of processes, or null"
 # torch's collectives count their deadline in 64-bit nanoseconds (292 years): a longer timeout wraps around and times
 # out at once (1e10 s did, when the store connected); 1e9 s is 31 years.
@@ -182,6 +212,7 @@ class Config:
     plots: bool = MISSING
     minimum_log_interval_secs: float = ranged(Range(0, infinite="to log only where an eval or checkpoint may follow"))
     rounds: RoundsConfig = MISSING
+    plan: PlanConfig = MISSING
     lora: LoraSettings = MISSING
     model: ModelConfig = MISSING
     loss: Any = MISSING  # one of losses.LOSSES' schemas
@@ -251,9 +282,26 @@ class Config:
             raise UserError(
                 f"loss.name={self.loss.name} names another loss than its keys; choose it with loss={self.loss.name}"
             )
-        self.check_batches(planned_world_size(self.trainer, self.nproc))
+        if self.plan.active:
+            self.check_plan()
+        self.check_batches(self.plan.world_size if self.plan.active else planned_world_size(self.trainer, self.nproc))
         if self.rounds.n:
             self.check_rounds()
+
+    def check_plan(self) -> None:
+        """plan.* stands for the machines a dry run plans for: a run runs on the machine it is on."""
+        if not self.dry_run:
+            raise UserError(
+                f"plan.gpus_per_node={self.plan.gpus_per_node} describes machines for dry_run=true to plan for; "
+                "a run uses the machines it runs on: set dry_run=true, or leave plan.* at null"
+            )
+        if self.nproc is not None:
+            raise UserError(f"nproc={self.nproc} with plan.*: the planned world is plan.nodes x plan.gpus_per_node")
+        if TRAINERS[self.trainer].one_process and self.plan.world_size > 1:
+            raise UserError(
+                f"{self.trainer} runs on one process, but plan.* has {self.plan.world_size} GPUs; use "
+                "trainer=FSDPTrainer"
+            )
 
     def check_rounds(self) -> None:
         """What rounds (rounds.py) take: a pair loss, each round's reference computed once from the policy that

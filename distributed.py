@@ -166,6 +166,14 @@ class Topology:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
 
+    def all_gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if self.world_size == 1:
+            return [obj]
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
     def broadcast(self, obj):
         """Rank 0's `obj` on every rank."""
         if self.world_size == 1:
@@ -173,6 +181,19 @@ class Topology:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def run_everywhere(self, fn: Callable):
+        """fn() on every rank; its result there. A UserError it raises on any rank is raised on every rank (the first
+        rank's, in rank order), so that no rank goes on into a collective that another has left."""
+        result = error = None
+        try:
+            result = fn()
+        except UserError as e:
+            error = str(e)
+        errors = [e for e in self.all_gather(error) if e is not None]
+        if errors:
+            raise UserError(errors[0])
+        return result
 
     def run_on_main(self, fn: Callable):
         """fn() on rank 0 only; its result there (None elsewhere). A UserError it raises is raised on every rank,

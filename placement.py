@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+import weights
 from distributed import Topology
 from utils import UserError
 
@@ -109,7 +110,8 @@ def parallelize(
     reduce_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """The model placed on this topology: tensor parallel first (FSDP then shards the tp shards), activation
-    checkpointing per block, then FSDP, or else moved whole to the device.
+    checkpointing per block, then FSDP, or else moved whole to the device. A model still on the meta device (built
+    empty, weights.py) is placed as it is: only then does each rank allocate its shards (weights.materialize).
 
     With gradient accumulation FSDP reduce-scatters after every micro-batch (FSDP2's default, kept): skipping the
     reduction until the last micro-batch would hold every block's whole unsharded gradient on every rank meanwhile
@@ -120,4 +122,4 @@ def parallelize(
         checkpoint_blocks(model, block_name)
     if topology.fsdp:
         return apply_fsdp(model, topology.mesh["dp"], block_name, compute_dtype, reduce_dtype)
-    return model.to(topology.device)
+    return model if weights.is_empty(model) else model.to(topology.device)

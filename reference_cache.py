@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import tqdm
 
+import weights
 from layouts import to_device
 from utils import UserError, first_line
 
@@ -35,19 +36,11 @@ if TYPE_CHECKING:
 FORMAT = 2
 
 
-def weights_digest(model: torch.nn.Module) -> str:
-    """sha256 of the model's parameter and buffer names, dtypes, shapes and values."""
-    return state_digest(model.state_dict())
-
-
-def state_digest(state: dict[str, torch.Tensor]) -> str:
-    """sha256 of a state dict's names, dtypes, shapes and values."""
-    digest = hashlib.sha256()
-    for name, value in state.items():
-        value = value.detach().cpu().contiguous()
-        digest.update(f"{name}:{value.dtype}:{tuple(value.shape)}".encode())
-        digest.update(value.view(-1).view(torch.uint8).numpy())  # the tensor's own buffer: no copy
-    return digest.hexdigest()
+def weights_digest(model: torch.nn.Module, topology: "Topology") -> str:
+    """sha256 of every rank's digest of its shards of the model's weights (weights.local_digest), in rank order: the
+    same on every rank, and no rank ever holds the whole model. It names the weights as sharded on this mesh, which the
+    cache's other key (the computation) names anyway."""
+    return hashlib.sha256("".join(topology.all_gather(weights.local_digest(model))).encode()).hexdigest()
 
 
 @dataclass

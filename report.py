@@ -1,16 +1,23 @@
 """What a run will do, told before it does it: the data report every run prints before training, and the estimate
 of peak memory per process that `dry_run=true` prints (build.dry_run)."""
 
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from distributed import TRAINERS, mesh_shape
+from distributed import TRAINERS
 from layouts import batch_shape
 from optim import build_optimizer
-from placement import find_blocks
+from placement import find_blocks, tensor_parallel_plan
 from precision import Precision
 from tokenized import Examples
+from utils import UserError
+from weights import RANK_FILE_BYTES
 
 GIB = 2**30
 SHOWN_TOKENS = 24  # of a long segment, the decoded example shows this many tokens at each end
@@ -58,21 +65,161 @@ def decoded_tokens(ids: list[int], tokenizer) -> str:
     return "|".join(pieces)
 
 
-def memory_estimate(
+@dataclass(frozen=True)
+class Hardware:
+    """What a run's ranks have: the nodes, ranks on each, each rank's GPU memory (None: CPU ranks, whose device is the
+    host) and each node's host memory (None: not known, not checked)."""
+
+    nodes: int
+    ranks_per_node: int
+    gpu_bytes: float | None
+    host_bytes: float | None
+
+    @classmethod
+    def here(cls, world_size: int) -> "Hardware":
+        """This machine, for a run of world_size ranks: torchrun's ranks per node, else all of them here."""
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+        return cls(max(1, world_size // per_node), per_node, gpu, host_memory())
+
+    @classmethod
+    def planned(cls, plan) -> "Hardware | None":
+        """The machines `plan.*` describes (dry_run=true for other machines than this one), or None: this one."""
+        if plan.gpus_per_node is None:
+            return None
+        host = None if plan.host_memory_gib is None else plan.host_memory_gib * GIB
+        return cls(plan.nodes, plan.gpus_per_node, plan.gpu_memory_gib * GIB, host)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def with_nodes(self, nodes: int) -> "Hardware":
+        return dataclasses.replace(self, nodes=nodes)
+
+    def describe(self, host: bool = True) -> str:
+        shown = host and self.host_bytes is not None
+        memory = f", {self.host_bytes / GIB:.0f} GiB of host memory a node" if shown else ""
+        if self.gpu_bytes is None:
+            return f"{plural(self.nodes, 'machine')} x {plural(self.ranks_per_node, 'CPU process')}{memory}"
+        gpus = f"{plural(self.ranks_per_node, 'GPU')} of {self.gpu_bytes / GIB:.0f} GiB"
+        return f"{plural(self.nodes, 'node')} x {gpus}{memory}"
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"
+
+
+def host_memory() -> float | None:
+    """This machine's memory in bytes (Linux: MemTotal), or None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@dataclass
+class MemoryPlan:
+    """One rank's memory, in bytes, at each moment that can peak: its device's while training (the host's, on a CPU),
+    and its host's beyond the framework while the weights are read and while a checkpoint is written."""
+
+    header: str
+    training: dict[str, float]
+    load: dict[str, float]
+    save: dict[str, float]
+    on_gpu: bool
+
+    def device_peak(self) -> float:
+        return sum(self.training.values())
+
+    def host_peak(self) -> float:
+        """A GPU rank's host holds what it reads or writes at the time; a CPU rank's holds its training state too."""
+        transient = max(sum(self.load.values()), sum(self.save.values()))
+        return transient if self.on_gpu else self.device_peak() + transient
+
+    def fit_problem(self, hardware: Hardware) -> str | None:
+        """Why this does not fit one of `hardware`'s ranks, or None: a lower bound (the framework is not counted)."""
+        if self.on_gpu and self.device_peak() > hardware.gpu_bytes:
+            return f"a GPU needs {self.device_peak() / GIB:.1f} GiB of its {hardware.gpu_bytes / GIB:.0f} GiB"
+        node = self.host_peak() * hardware.ranks_per_node
+        if hardware.host_bytes is not None and node > hardware.host_bytes:
+            return (
+                f"a node's {plural(hardware.ranks_per_node, 'rank')} need {node / GIB:.1f} GiB of its "
+                f"{hardware.host_bytes / GIB:.0f} GiB of host memory"
+            )
+        return None
+
+    def lines(self, hardware: Hardware) -> list[str]:
+        """The plan as the dry run prints it: each moment's total and parts, per rank."""
+        device = "GPU" if self.on_gpu else "host (the CPU's memory)"
+        lines = [f"memory per rank on {hardware.describe()} ({self.header}):"]
+        for title, parts in (
+            (f"{device} while training", self.training),
+            ("host while reading the weights", self.load),
+            ("host while saving a checkpoint", self.save),
+        ):
+            lines.append(f"  {title:44} {sum(parts.values()) / GIB:8.2f} GiB")
+            lines += [f"    {name:42} {value / GIB:8.3f} GiB" for name, value in parts.items() if value]
+        return lines
+
+
+def memory_plan(
     config: DictConfig,
-    world_size: int,
+    trainer: str,
+    mesh: tuple[int, int],
     policy: torch.nn.Module,
     train: Examples,
     schedule: list[list[int]],
     precision: Precision,
     live_reference: bool,
-) -> tuple[str, dict[str, float]]:
-    """(what it assumes, {part: bytes}): peak memory of one process, from the policy's shapes (meta_policy) and the
-    run's largest micro-batch. Activations follow Korthikanti et al. 2022 ("Reducing
-    Activation Recomputation in Large Transformer Models"): 34 x hidden bytes per token and layer in 16-bit compute,
-    without the attention scores (scaled dot-product attention does not keep them); activation checkpointing keeps
-    each layer's input and one layer's activations. Not counted: the framework itself (CUDA context, Python and
-    torch: ~0.5-1 GiB)."""
+    on_gpu: bool,
+) -> MemoryPlan:
+    """One rank's memory on a (data-parallel, tensor-parallel) mesh, from the policy's shapes (meta_policy) and the
+    run's largest micro-batch. Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+    Transformer Models"): 34 x hidden bytes per token and layer in 16-bit compute, without the attention scores
+    (scaled dot-product attention does not keep them); activation checkpointing keeps each layer's input and one
+    layer's activations. The weights are read sharded (weights.py) and written by every rank (checkpoint.py). Not
+    counted: the framework itself (CUDA context, Python and torch: ~0.5-3 GiB)."""
+    training = device_memory(config, trainer, mesh, policy, train, schedule, precision, live_reference, on_gpu)
+    dp, tp = mesh
+    fsdp = TRAINERS[trainer].fsdp
+    element = torch.finfo(precision.policy_weights).bits // 8
+    largest = max(p.numel() for p in policy.parameters()) * element
+    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad) * element / (dp * tp if fsdp else tp)
+    # DCP serialises each safetensors file of a rank in memory, after staging a GPU's tensors on the host
+    rank_file = min(RANK_FILE_BYTES, trainable) * (2 if on_gpu else 1)
+    load = {"a weight's shard, read at a time": largest / (dp if fsdp else 1)}
+    save = {"a checkpoint file, serialised": rank_file, "the export: one whole weight at a time": largest}
+    n_parameters = sum(p.numel() for p in policy.parameters())
+    n_trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    compute = precision.policy_compute or precision.policy_weights
+    header = (
+        f"{count(n_parameters)} parameters, {count(n_trainable)} trainable; {precision.policy_weights} "
+        f"weights, {compute} compute; {trainer} dp {dp} x tp {tp}; {config.layout} layout"
+        + (", activation checkpointing" if config.activation_checkpointing else "")
+    )
+    return MemoryPlan(header, training, load, save, on_gpu)
+
+
+def count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def device_memory(
+    config: DictConfig,
+    trainer: str,
+    mesh: tuple[int, int],
+    policy: torch.nn.Module,
+    train: Examples,
+    schedule: list[list[int]],
+    precision: Precision,
+    live_reference: bool,
+    on_gpu: bool,
+) -> dict[str, float]:
+    """{part: bytes} one rank's device holds while training."""
     model_config = policy.config
     weights_dtype = precision.policy_weights
     n_parameters = sum(p.numel() for p in policy.parameters())
@@ -80,14 +227,14 @@ def memory_estimate(
     blocks = find_blocks(policy, config.model.block_name)
     block, n_layers, hidden = blocks[0], len(blocks), model_config.hidden_size
 
-    parallelism = TRAINERS[config.trainer]
-    dp, tp = mesh_shape(config.trainer, world_size, config.tensor_parallel_size)
+    parallelism = TRAINERS[trainer]
+    dp, tp = mesh
     shards = dp * tp if parallelism.fsdp else tp  # tensor parallelism splits the blocks only: an upper bound below
     element = torch.finfo(weights_dtype).bits // 8
     compute = precision.policy_compute or weights_dtype
     compute_bytes = torch.finfo(compute).bits // 8
 
-    micro = config.batch_size // (config.gradient_accumulation_steps * dp)
+    micro = max(1, config.batch_size // (config.gradient_accumulation_steps * dp))
     shapes = [
         batch_shape(config.layout, train.lengths[indices[start : start + micro]])
         for indices in schedule
@@ -96,9 +243,9 @@ def memory_estimate(
     rows = max(n_rows * length for n_rows, length in shapes)
     # packed rows on a CPU take a dense [R, 1, T, T] mask: bool, and the additive one in the compute dtype (on CUDA
     # the block mask holds a few integers per 128 x 128 block instead)
-    dense_masks = config.layout == "packed" and (config.packed_attention == "dense" or not torch.cuda.is_available())
+    dense_masks = config.layout == "packed" and (config.packed_attention == "dense" or not on_gpu)
     mask = max(n_rows * length**2 for n_rows, length in shapes) * (1 + compute_bytes)
-    per_layer = 34 * hidden * compute_bytes / 2
+    per_layer = (10 + 24 / tp) * hidden * compute_bytes / 2  # 34 at tp 1: tensor parallelism splits 24 of them
     activations = rows * (
         2 * hidden * compute_bytes * n_layers + per_layer if config.activation_checkpointing else per_layer * n_layers
     )
@@ -108,7 +255,7 @@ def memory_estimate(
     autocast_copies = not parallelism.fsdp and compute != weights_dtype
     states, fused = optimizer_states(config)
     fused = fused and (parallelism.fsdp or tp == 1)  # tensor parallelism alone mixes DTensors and plain tensors
-    parts = {
+    return {
         "policy weights": n_parameters * element / shards,
         "gradients": n_trainable * element / shards,
         f"{config.optimizer} state": states * n_trainable * element / shards,
@@ -116,7 +263,7 @@ def memory_estimate(
         # fused one updates each element in place
         "optimizer step intermediates": 0 if fused else n_trainable * element / shards,
         "reference weights": n_parameters * reference_bytes / shards if live_reference else 0,
-        "gathered block (FSDP)": 2 * sum(p.numel() for p in block.parameters()) * compute_bytes
+        "gathered block (FSDP)": 2 * sum(p.numel() for p in block.parameters()) * compute_bytes / tp
         if parallelism.fsdp
         else 0,
         # autocast keeps a compute-dtype copy of each weight it casts, for the whole forward and backward pass
@@ -125,11 +272,65 @@ def memory_estimate(
         "attention mask (packed, dense)": mask if dense_masks else 0,
         "full logits": logits,
     }
-    header = (
-        f"{n_parameters / 1e6:.1f}M parameters, {n_trainable / 1e6:.2f}M trainable; {weights_dtype} weights, "
-        f"{compute} compute; {config.trainer} dp {dp} x tp {tp}; {config.layout} layout"
-    )
-    return header, parts
+
+
+def fit_verdict(
+    config: DictConfig,
+    hardware: Hardware,
+    policy: torch.nn.Module,
+    train: Examples,
+    schedule: list[list[int]],
+    precision: Precision,
+    live_reference: bool,
+    mesh: tuple[int, int],
+) -> tuple[MemoryPlan, str | None]:
+    """(the run's memory plan on its mesh, why it does not fit `hardware` with the smallest mesh that would, or
+    None). Checked before any weight is read; a lower bound, so a run it refuses could not have fitted."""
+
+    def plan(trainer: str, candidate: tuple[int, int]) -> MemoryPlan:
+        on_gpu = hardware.gpu_bytes is not None
+        return memory_plan(config, trainer, candidate, policy, train, schedule, precision, live_reference, on_gpu)
+
+    current = plan(config.trainer, mesh)
+    problem = current.fit_problem(hardware)
+    if problem is None:
+        return current, None
+    found = smallest_mesh(config, hardware, policy, plan)
+    return current, f"this run does not fit {hardware.describe()}: {problem} ({current.header}); {found}"
+
+
+MAX_NODES = 256
+
+
+def smallest_mesh(config: DictConfig, hardware: Hardware, policy: torch.nn.Module, plan) -> str:
+    """The fewest nodes of hardware's kind (then the smallest tensor-parallel size within a node) on which
+    FSDPTrainer fits the run, by plan(trainer, (dp, tp))."""
+    per_node = hardware.ranks_per_node
+    sizes = [1] if config.lora.enabled else [tp for tp in range(1, per_node + 1) if per_node % tp == 0]
+    sizes = [tp for tp in sizes if tp == 1 or splits_heads(policy, tp)]
+    for nodes in range(1, MAX_NODES + 1):
+        for tp in sizes:
+            dp = nodes * per_node // tp
+            candidate = plan("FSDPTrainer", (dp, tp))
+            fitting = hardware.with_nodes(nodes)
+            if candidate.fit_problem(fitting) is None:
+                step = config.gradient_accumulation_steps * dp
+                unit = "GPU" if candidate.on_gpu else "process"
+                return (
+                    f"the smallest mesh that fits: {fitting.describe(host=False)}, trainer=FSDPTrainer "
+                    f"tensor_parallel_size={tp} (dp {dp} x tp {tp}: {candidate.device_peak() / GIB:.1f} GiB a {unit}; "
+                    f"batch_size a multiple of {step})"
+                )
+    return f"none of up to {hardware.with_nodes(MAX_NODES).describe(host=False)} fits it"
+
+
+def splits_heads(policy: torch.nn.Module, tp: int) -> bool:
+    """Whether tensor parallelism of size tp can place the policy (its plan, its heads)."""
+    try:
+        tensor_parallel_plan(policy, tp, tp, "FSDPTrainer")
+    except UserError:
+        return False
+    return True
 
 
 def optimizer_states(config: DictConfig) -> tuple[int, bool]:

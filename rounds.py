@@ -228,16 +228,8 @@ class Rounds:
         return digest
 
     def weights_digest(self) -> str:
-        """The policy's weights digest (reference_cache.state_digest), of the whole state whatever the sharding."""
-        policy = self.trainer.policy
-        if self.topology.world_size == 1:
-            state = policy.state_dict()
-        else:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            state = get_model_state_dict(policy, options=options)  # whole on rank 0, empty elsewhere
-        return self.topology.broadcast(self.topology.run_on_main(lambda: reference_cache.state_digest(state)))
+        """The policy's weights digest (reference_cache.weights_digest), from every rank's shards."""
+        return reference_cache.weights_digest(self.trainer.policy, self.topology)
 
     def heldout_reward(self) -> float:
         """The mean reward of the policy's greedy completions of the held-out prompts."""

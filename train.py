@@ -26,6 +26,7 @@ import checkpoint
 import config as configuration
 from build import build, dry_run
 from distributed import Topology, launch, planned_world_size, process_rank, reported_errors
+from report import Hardware
 from rounds import Rounds
 from run_lock import RunLock
 from trainers import LOGS, Trainer
@@ -140,7 +141,8 @@ def main(args: list[str]) -> None:
         return
     try:
         config = configuration.load(args)
-        world_size = planned_world_size(config.trainer, config.nproc)
+        planned = Hardware.planned(config.plan)  # dry_run=true for other machines (plan.*)
+        world_size = planned.world_size if planned else planned_world_size(config.trainer, config.nproc)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

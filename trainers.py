@@ -235,9 +235,8 @@ class Trainer:
             return
         loop = dict(last_eval_at=self.last_eval_at, nonfinite_in_a_row=self.nonfinite_in_a_row, round=self.round_state)
         try:
-            tokenizer = self.tokenizer if final else None  # the run's end: a from_pretrained export too
             parts, step = self.checkpoint_parts, self.example_counter
-            checkpoint.save(output_dir, step, metrics, parts, self.topology, loop, tokenizer)
+            checkpoint.save(output_dir, step, metrics, parts, self.topology, loop, self.tokenizer, final)
         except UserError as error:
             last = self.last_checkpoint or "none yet"
             raise UserError(f"{error}; the last complete checkpoint, {last}, is intact") from None

@@ -113,13 +113,17 @@ def records(run_dir, split):
 
 
 def run_cli(
-    *args: str, env_extra: dict | None = None, timeout: int = 300, launcher: tuple[str, ...] = (sys.executable,)
+    *args: str,
+    env_extra: dict | None = None,
+    timeout: int = 300,
+    launcher: tuple[str, ...] = (sys.executable,),
+    script: str = "train.py",
 ) -> subprocess.CompletedProcess:
-    """`train.py args` in a subprocess (with `launcher`, e.g. torchrun), offline; env_extra values of None unset."""
+    """`script args` in a subprocess (with `launcher`, e.g. torchrun), offline; env_extra values of None unset."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2", **(env_extra or {})}
     env = {k: v for k, v in env.items() if v is not None}
     return subprocess.run(
-        [*launcher, str(REPO_ROOT / "train.py"), *args],
+        [*launcher, str(REPO_ROOT / script), *args],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -149,9 +153,26 @@ MEASURED = "perf/"  # throughput and memory (telemetry.py): measured, not comput
 PARAMETER_ATOL = 5e-6
 
 
+def policy_state(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's trainable weights, whole: its policy/ shards (or a reference-format policy.pt)."""
+    import weights
+
+    if (checkpoint_dir / "policy").is_dir():
+        return weights.full_state(checkpoint_dir / "policy")
+    return torch.load(checkpoint_dir / "policy.pt", weights_only=True)["state"]
+
+
+def optimizer_state(checkpoint_dir: Path, scratch: Path) -> dict:
+    """A checkpoint's optimizer state, whole (DCP's converter to one torch.save file, in `scratch`)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint_dir / "optimizer", scratch / "optimizer.pt")
+    return torch.load(scratch / "optimizer.pt", weights_only=True)
+
+
 def assert_same_weights(expected_dir, actual_dir):
-    expected = torch.load(expected_dir / "LATEST" / "policy.pt", weights_only=True)["state"]
-    actual = torch.load(actual_dir / "LATEST" / "policy.pt", weights_only=True)["state"]
+    expected = policy_state(expected_dir / "LATEST")
+    actual = policy_state(actual_dir / "LATEST")
     assert actual.keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(actual[name], value, rtol=0, atol=PARAMETER_ATOL, msg=f"{actual_dir}: {name}")
@@ -167,7 +188,7 @@ def assert_same_metrics(expected: list[dict], actual: list[dict]):
 
 def assert_resume_matches_uninterrupted(make_config, tmp_path: Path, *overrides: str) -> None:
     """Two epochs run whole (tmp_path/full), and again resumed from the whole run's step-32 checkpoint
-    (tmp_path/resumed): every resumed step's loss and the final policy.pt equal the whole run's."""
+    (tmp_path/resumed): every resumed step's loss and the final weights equal the whole run's."""
     import train
 
     common = ("eval_every=16", "n_epochs=2", *overrides)
@@ -180,8 +201,8 @@ def assert_resume_matches_uninterrupted(make_config, tmp_path: Path, *overrides:
     assert sorted(resumed_losses) == [40, 48, 56, 64, 72, 80]
     for step, loss in resumed_losses.items():
         assert loss == pytest.approx(full_losses[step], abs=1e-6)
-    a = torch.load(tmp_path / "full" / "LATEST" / "policy.pt", weights_only=True)["state"]
-    b = torch.load(tmp_path / "resumed" / "LATEST" / "policy.pt", weights_only=True)["state"]
+    a = policy_state(tmp_path / "full" / "LATEST")
+    b = policy_state(tmp_path / "resumed" / "LATEST")
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=name)

@@ -13,7 +13,15 @@ from transformers import AutoModelForCausalLM
 import checkpoint
 import train
 from adapters import AdaptersDisabled
-from conftest import assert_resume_matches_uninterrupted, build_trainer, read_jsonl, records, run_cli, smollm2_two_steps
+from conftest import (
+    assert_resume_matches_uninterrupted,
+    build_trainer,
+    policy_state,
+    read_jsonl,
+    records,
+    run_cli,
+    smollm2_two_steps,
+)
 from models import load_model
 from utils import UserError
 
@@ -58,7 +66,7 @@ def test_adapters_disabled_is_the_original_model(make_config, tmp_path):
 
 def test_lora_resume_matches_uninterrupted(make_config, tmp_path):
     assert_resume_matches_uninterrupted(make_config, tmp_path, *LORA)
-    saved = torch.load(tmp_path / "full" / "step-32" / "policy.pt", weights_only=True)["state"]
+    saved = policy_state(tmp_path / "full" / "step-32")
     assert saved and all(".lora_" in name for name in saved)  # adapters only: small
 
 
@@ -149,9 +157,9 @@ def test_a_quantized_base_saves_its_adapters_directly_and_exports_the_adapter_on
     monkeypatch.setattr(checkpoint, "is_quantized", lambda model: True)
     quantized = make_config(*LORA, "n_examples=8", f"local_run_dir={Path(whole.local_run_dir).parent / 'quantized'}")
     train.run(quantized)
-    expected = torch.load(Path(whole.local_run_dir) / "LATEST" / "policy.pt", weights_only=True)["state"]
-    saved = torch.load(Path(quantized.local_run_dir) / "LATEST" / "policy.pt", weights_only=True)["state"]
+    expected = policy_state(Path(whole.local_run_dir) / "LATEST")
+    saved = policy_state(Path(quantized.local_run_dir) / "LATEST")
     assert saved.keys() == expected.keys() and all(torch.equal(saved[name], expected[name]) for name in expected)
     latest = Path(quantized.local_run_dir) / "LATEST"
-    assert (latest / "adapter" / "adapter_config.json").exists() and not (latest / "config.json").exists()
+    assert (latest / "adapter" / "adapter_config.json").exists() and not list(latest.glob("model*.safetensors*"))
     assert "export: the adapter only (adapter/), not a merged model: the base is 4-bit" in capsys.readouterr().out

@@ -10,8 +10,11 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
+from safetensors.torch import save_file
 
+import checkpoint
 import train
 from conftest import TINY_DIR, arithmetic_pairs, read_jsonl, tiny_run_overrides, write_jsonl
 
@@ -52,6 +55,18 @@ def write_corpus(d):
     (d / "wrong-shape-checkpoint").mkdir()
     for name in ("policy", "optimizer", "scheduler"):
         (d / "wrong-shape-checkpoint" / f"{name}.pt").write_bytes((d / "wrong-shape.pt").read_bytes())
+    sharded = {name: d / f"sharded-{name}" for name in ("no-marker", "garbage", "wrong-shape")}
+    for name, directory in sharded.items():
+        (directory / "policy").mkdir(parents=True)
+        if name != "no-marker":
+            (directory / "checkpoint.json").write_text(json.dumps({"step": 8, "metrics": {}, "final": False}))
+    (sharded["garbage"] / "policy" / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"garbage")
+    save_file({"model.embed_tokens.weight": torch.zeros(3, 3)}, sharded["wrong-shape"] / "policy" / "a.safetensors")
+    dcp.save(
+        {"state": {"model.embed_tokens.weight": {"step": torch.zeros(())}}},
+        checkpoint_id=str(sharded["wrong-shape"] / "optimizer"),
+        no_dist=True,
+    )
     (d / "a-file").write_text("")
     utf16 = codecs.BOM_UTF16_LE + (json.dumps(GOOD) + "\n").encode("utf-16-le")
     (d / "broken-utf16.jsonl").write_bytes(utf16 + "\ud800 half a pair\n".encode("utf-16-le", "surrogatepass"))
@@ -138,7 +153,14 @@ ERRORS = [
     ("resume_from={d}/incomplete-checkpoint", "{d}/incomplete-checkpoint/optimizer.pt does not exist"),
     ("resume_from={d}/wrong-shape-checkpoint", "wrong-shape-checkpoint/policy.pt does not fit this LlamaForCausalLM"),
     ("resume_from={d}/archive-not-checkpoint", "archive-not-checkpoint/policy.pt has no step_idx: not a training"),
-    ("resume_from={d}/nowhere", "resume_from={d}/nowhere: {d}/nowhere/policy.pt does not exist"),
+    ("resume_from={d}/nowhere", "resume_from={d}/nowhere: {d}/nowhere does not exist"),
+    ("resume_from={d}/sharded-no-marker", "sharded-no-marker has no checkpoint.json: not a complete checkpoint"),
+    ("resume_from={d}/sharded-garbage", "sharded-garbage/policy holds no readable safetensors files (Error while"),
+    (
+        "resume_from={d}/sharded-wrong-shape",
+        "sharded-wrong-shape/policy does not fit this LlamaForCausalLM (lm_head.weight is missing)",
+    ),
+    ("model.archive={d}/no-data-files", "model.archive: {d}/no-data-files is a directory but not a checkpoint"),
     ("resume_from=auto local_run_dir=null", "resume_from=auto continues the run in local_run_dir"),
     ("local_run_dir={d}/a-file/run", "local_run_dir={d}/a-file/run must be a directory, but {d}/a-file is a file"),
     ("local_run_dir=/proc/dpo-run", "local_run_dir=/proc/dpo-run cannot be written"),
@@ -182,7 +204,7 @@ def test_usable_input_runs_and_counts_what_it_left_out(tmp_path, capsys):
     assert f"data: {data}: 48 pairs from 50 rows; skipped 2 rows: 1 empty response (first: {data}:49), " in out
     assert "1 chosen == rejected" in out
     assert "truncated: 1 of 48 examples" in out
-    assert (tmp_path / "run" / "LATEST" / "policy.pt").exists()
+    assert checkpoint.describe(tmp_path / "run" / "LATEST") is not None
 
 
 BOM_TEXTS = ["utf-8-sig", "utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"]  # each with its byte-order mark
@@ -219,7 +241,7 @@ def test_a_byte_order_marked_file_trains(tmp_path, capsys):
     data.write_bytes(encoded("".join(json.dumps(row) + "\n" for row in arithmetic_pairs(48)), "utf-8-sig"))
     train.main(tiny_run_overrides(tmp_path, data))
     assert f"data: {data}: 48 pairs from 48 rows" in capsys.readouterr().out
-    assert (tmp_path / "run" / "LATEST" / "policy.pt").exists()
+    assert checkpoint.describe(tmp_path / "run" / "LATEST") is not None
 
 
 def test_every_path_key_takes_spaces_and_non_ascii_letters(tmp_path, capsys):
@@ -233,7 +255,7 @@ def test_every_path_key_takes_spaces_and_non_ascii_letters(tmp_path, capsys):
     paths = [f"model.name_or_path={model}", f"datasets={data}", f"local_dirs={odd / 'caches é'}"]
     first = odd / "run, 1"  # a string key: one path
     train.main([*common, *paths, f"local_run_dir={first}"])
-    assert (first / "LATEST" / "policy.pt").exists() and (first / "step-16" / "policy.pt").exists()
+    assert checkpoint.describe(first / "LATEST") and checkpoint.describe(first / "step-16")
     assert (odd / "caches é" / "reference_logps").is_dir()
     saved = OmegaConf.load(first / "config.yaml")
     assert (saved.model.name_or_path, saved.datasets, saved.local_run_dir) == (str(model), [str(data)], str(first))
@@ -244,6 +266,6 @@ def test_every_path_key_takes_spaces_and_non_ascii_letters(tmp_path, capsys):
     assert [r["step"] for r in read_jsonl(resumed / "metrics.jsonl") if "loss/train" in r] == [24, 32, 40]
 
     archived = odd / "depuis l'archive 3"
-    train.main([*common, *paths, f"local_run_dir={archived}", f"model.archive={first / 'LATEST' / 'policy.pt'}"])
-    assert (archived / "LATEST" / "policy.pt").exists()
+    train.main([*common, *paths, f"local_run_dir={archived}", f"model.archive={first / 'LATEST'}"])
+    assert checkpoint.describe(archived / "LATEST") is not None
     assert "Traceback" not in capsys.readouterr().err

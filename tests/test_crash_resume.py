@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import checkpoint
-from conftest import MEASURED, read_jsonl, run_cli, tiny_run_overrides
+from conftest import MEASURED, optimizer_state, policy_state, read_jsonl, run_cli, tiny_run_overrides
 
 FAULTS_DIR = Path(__file__).parent / "faults"  # sitecustomize.py: the FAULT=KIND:N hooks
 # The most events of each kind an attempt is sure to reach (see faults/sitecustomize.py), so each one is killed.
-REACHABLE = {"step": 4, "eval": 2, "save": 4, "swap": 3, "interrupt": 4}
+REACHABLE = {"step": 4, "eval": 2, "save": 4, "shards": 3, "swap": 3, "interrupt": 4}
 
 
 def command(run_dir: Path, pairs_file: Path, *overrides: str) -> list[str]:
@@ -34,13 +34,12 @@ def command(run_dir: Path, pairs_file: Path, *overrides: str) -> list[str]:
 def faults(seed: int, ranks: int) -> list[tuple[str, int, int]]:
     """(kind, N, rank): first Ctrl-C at step 2, whose checkpoint comes before the eval at its step, then a kill
     before the next checkpoint, after the resumed run evaluated at that step (which must then be logged once);
-    then one fault of each kind, in a seeded order, at a seeded event count and rank (rank 0 alone writes files,
-    so it alone can be killed mid-save)."""
+    then one fault of each kind, in a seeded order, at a seeded event count and rank (every rank writes its shards,
+    so any can be killed mid-save; rank 0 alone swaps the directory in)."""
     rng = random.Random(seed)
     kinds = list(REACHABLE)
     rng.shuffle(kinds)
-    writes = ("save", "swap")
-    seeded = [(kind, rng.randint(1, REACHABLE[kind]), 0 if kind in writes else rng.randrange(ranks)) for kind in kinds]
+    seeded = [(kind, rng.randint(1, REACHABLE[kind]), 0 if kind == "swap" else rng.randrange(ranks)) for kind in kinds]
     return [("interrupt", 2, 0), ("step", 1, 0), *seeded]
 
 
@@ -65,7 +64,7 @@ def assert_crashes_do_not_change_the_run(tmp_path, pairs_file, seed: int, ranks:
         for directory in crashed.iterdir():  # every checkpoint directory resume could pick is complete
             if checkpoint.STEP_DIR.fullmatch(directory.name) or directory.name == "LATEST":
                 assert checkpoint.describe(directory) is not None, (kind, n, directory)
-                assert {"policy.pt", "optimizer.pt", "scheduler.pt"} <= {p.name for p in directory.iterdir()}
+                assert {"policy", "optimizer", "scheduler.pt"} <= {p.name for p in directory.iterdir()}
     result = run_cli(*command(crashed, pairs_file, *overrides), env_extra=env)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -73,13 +72,18 @@ def assert_crashes_do_not_change_the_run(tmp_path, pairs_file, seed: int, ranks:
     assert [r["step"] for r in expected if "loss/train" in r] == list(range(8, 121, 8))
     strip = lambda records: [{k: v for k, v in r.items() if not k.startswith(MEASURED)} for r in records]  # noqa: E731
     assert strip(actual) == strip(expected)  # every train and eval record, once, with the same values
-    for name in ("LATEST/policy.pt", "LATEST/optimizer.pt"):
-        a = torch.load(whole / name, weights_only=True)["state"]
-        b = torch.load(crashed / name, weights_only=True)["state"]
-        assert_equal_states(a, b, name)
+    assert_equal_checkpoints(whole / "LATEST", crashed / "LATEST", tmp_path)
     assert sorted(p.name for p in crashed.iterdir() if p.is_dir()) == sorted(
         p.name for p in whole.iterdir() if p.is_dir()
     )
+
+
+def assert_equal_checkpoints(expected: Path, actual: Path, scratch: Path) -> None:
+    """The two checkpoints' weights and optimizer states, bit for bit."""
+    assert_equal_states(policy_state(expected), policy_state(actual), "policy")
+    (scratch / "a").mkdir()
+    (scratch / "b").mkdir()
+    assert_equal_states(optimizer_state(expected, scratch / "a"), optimizer_state(actual, scratch / "b"), "optimizer")
 
 
 def assert_equal_states(a, b, where: str):
@@ -137,7 +141,4 @@ def test_rounds_resume_bit_identically_after_crashes(tmp_path, pairs_file):
     for index in range(3):
         name = f"rounds/round-{index}.jsonl"
         assert (crashed / name).read_text() == (whole / name).read_text(), name
-    for name in ("LATEST/policy.pt", "LATEST/optimizer.pt"):
-        a = torch.load(whole / name, weights_only=True)["state"]
-        b = torch.load(crashed / name, weights_only=True)["state"]
-        assert_equal_states(a, b, name)
+    assert_equal_checkpoints(whole / "LATEST", crashed / "LATEST", tmp_path)

@@ -4,6 +4,7 @@ compared with BasicTrainer on the same data; the topology's sharding helpers."""
 import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,8 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import checkpoint
 from conftest import (
     PADDED_BASELINE,
+    REPO_ROOT,
     arithmetic_pairs,
     assert_same_metrics,
     assert_same_weights,
@@ -121,6 +124,111 @@ def test_fsdp_and_tensor_parallel_on_a_2d_mesh_match_basic_trainer(basic_run, tm
         [r for r in read_jsonl(basic_dir / "metrics.jsonl") if r["step"] > 16], read_jsonl(resumed / "metrics.jsonl")
     )
     assert_same_weights(basic_dir, resumed)
+    # And the 2 x 2 run's own step-16 checkpoint, resharded onto 4 x 1 (FSDP over all 4 ranks), ends there too.
+    resharded = tmp_path / "resharded"
+    launch(resharded, pairs_file, "trainer=FSDPTrainer", f"resume_from={run_dir / 'step-16'}", nproc=4)
+    after_16 = [r for r in read_jsonl(basic_dir / "metrics.jsonl") if r["step"] > 16]
+    assert_same_metrics(after_16, read_jsonl(resharded / "metrics.jsonl"))
+    assert_same_weights(basic_dir, resharded)
+
+
+def test_a_checkpoint_of_4_ranks_resumes_on_2_and_on_1(basic_run, tmp_path):
+    # Every rank writes its shards of the weights and the optimizer state; a run on another number of ranks reads
+    # the slices of them its own shards cover, and ends where the uninterrupted run did.
+    basic_dir, pairs_file = basic_run
+    four = tmp_path / "four"
+    launch(four, pairs_file, "trainer=FSDPTrainer", nproc=4)
+    assert {p.name for p in (four / "step-16" / "policy").iterdir()} == {
+        f"shard-0000{rank}-model-00001-of-00001.safetensors" for rank in (1, 2, 3, 4)
+    }
+    expected = read_jsonl(basic_dir / "metrics.jsonl")
+    assert_same_metrics(expected, read_jsonl(four / "metrics.jsonl"))
+    for name, trainer in (("two", ["trainer=FSDPTrainer", "nproc=2"]), ("one", ["trainer=BasicTrainer"])):
+        launch(tmp_path / name, pairs_file, *trainer, f"resume_from={four / 'step-16'}")
+        assert_same_metrics([r for r in expected if r["step"] > 16], read_jsonl(tmp_path / name / "metrics.jsonl"))
+        assert_same_weights(basic_dir, tmp_path / name)
+
+
+def test_a_rank_killed_mid_save_leaves_the_last_checkpoint_whole(basic_run, tmp_path):
+    # Rank 1 is killed (SIGKILL) right after writing its weight shards of step-32, before the optimizer state: the
+    # half-written directory is never taken for a checkpoint, and the run resumes from step-16 to the same end.
+    basic_dir, pairs_file = basic_run
+    run_dir = tmp_path / "run"
+    args = [
+        *tiny_run_overrides(tmp_path, pairs_file),
+        f"local_run_dir={run_dir}",
+        "distributed_timeout_secs=120",
+        "max_grad_norm=1.5",
+        "+optimizer_kwargs.eps=1e-6",
+        "trainer=FSDPTrainer",
+        "nproc=2",
+        "resume_from=auto",
+    ]
+    fault = {"PYTHONPATH": str(Path(__file__).parent / "faults"), "FAULT": "shards:3", "FAULT_RANK": "1"}
+    killed = run_cli(*args, env_extra={"OMP_NUM_THREADS": "1", **fault})
+    assert killed.returncode != 0 and "rank 1 was killed" in killed.stderr, killed.stderr[-2000:]
+    assert checkpoint.describe(run_dir / "step-16") is not None and checkpoint.newest(run_dir) == run_dir / "step-16"
+    assert not (run_dir / "step-32").exists() and (run_dir / "step-32.tmp" / "policy").is_dir()
+    resumed = run_cli(*args, env_extra={"OMP_NUM_THREADS": "1"})
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resume_from=auto: continuing from {run_dir / 'step-16'}" in resumed.stdout
+    assert not (run_dir / "step-32.tmp").exists()
+    assert_same_metrics(read_jsonl(basic_dir / "metrics.jsonl"), read_jsonl(run_dir / "metrics.jsonl"))
+    assert_same_weights(basic_dir, run_dir)
+
+
+def test_two_machines_train_save_and_resume(basic_run, tmp_path):
+    # Two torchrun "nodes" on this machine (--nnodes 2, c10d rendezvous on localhost, one process each, gloo),
+    # writing to one shared directory: a run, then a resume of its step-16 checkpoint, both ending where one process
+    # did.
+    basic_dir, pairs_file = basic_run
+    expected = read_jsonl(basic_dir / "metrics.jsonl")
+    first, second = tmp_path / "first", tmp_path / "second"
+    two_nodes(first, pairs_file)
+    assert_same_metrics(expected, read_jsonl(first / "metrics.jsonl"))
+    assert_same_weights(basic_dir, first)
+    two_nodes(second, pairs_file, f"resume_from={first / 'step-16'}")
+    assert_same_metrics([r for r in expected if r["step"] > 16], read_jsonl(second / "metrics.jsonl"))
+    assert_same_weights(basic_dir, second)
+
+
+def two_nodes(run_dir: Path, pairs_file: Path, *overrides: str) -> None:
+    """train.py on two torchrun nodes of one process each, rendezvousing on localhost."""
+    args = [*tiny_run_overrides(run_dir.parent, pairs_file), f"local_run_dir={run_dir}", "distributed_timeout_secs=120",
+            "max_grad_norm=1.5", "+optimizer_kwargs.eps=1e-6", "trainer=FSDPTrainer", *overrides]  # fmt: skip
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    nodes = [
+        subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("torchrun")),
+                "--nnodes",
+                "2",
+                "--nproc_per_node",
+                "1",
+                "--node_rank",
+                str(node),
+                "--rdzv_backend",
+                "c10d",
+                "--rdzv_endpoint",
+                endpoint,
+                "--rdzv_id",
+                run_dir.name,
+                str(REPO_ROOT / "train.py"),
+                *args,
+            ],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for node in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    for node, (_, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err[-3000:]
+    assert "FSDPTrainer x2 (dp 2 x tp 1)" in outputs[0][0]
 
 
 def test_fsdp_bfloat16_trains_close_to_float32(basic_run, tmp_path):

@@ -2,6 +2,8 @@
 by hand, the decoded example, and a dry run that loads no weights, writes no run and estimates memory from the
 model's shapes."""
 
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ from omegaconf import OmegaConf
 import build
 import report
 import train
-from conftest import TINY_DIR, tiny_run_overrides
+from conftest import TINY_DIR, run_cli, tiny_run_overrides
 from distributed import Topology
 from precision import decide_precision
 from preference_datasets import PreferencePair
@@ -62,8 +64,10 @@ def test_the_estimate_and_the_run_read_reference_dtype_alike(make_config, tiny_t
     examples = eight_examples(tiny_tokenizer, "q", "a", "b")
     policy = build.meta_policy(config, parts.precision, Path(config.local_dirs[0]))
     live = build.live_reference_model(config, needs_reference=True)
-    _, estimate = report.memory_estimate(config, 1, policy, examples, [list(range(8))], parts.precision, live)
-    assert estimate["reference weights"] == held
+    plan = report.memory_plan(
+        config, config.trainer, (1, 1), policy, examples, [list(range(8))], parts.precision, live, False
+    )
+    assert plan.training["reference weights"] == held
 
 
 def test_dry_run_reports_and_exits_without_weights_or_a_run(tmp_path, pairs_file, monkeypatch, capsys):
@@ -71,13 +75,14 @@ def test_dry_run_reports_and_exits_without_weights_or_a_run(tmp_path, pairs_file
         raise AssertionError("a dry run loaded weights")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
-    monkeypatch.setattr(build, "load_model", no_weights)
+    monkeypatch.setattr(build, "prepare_model", no_weights)
     train.main([*tiny_run_overrides(tmp_path, pairs_file), "dry_run=true", "trainer=FSDPTrainer", "nproc=2"])
     out = capsys.readouterr().out
     assert "loss:\n  name: dpo" in out  # the resolved config
     assert "data report: 40 training and 8 eval examples" in out
     assert "steps: 5 optimizer steps of 8 examples (40 examples)" in out
-    assert "memory estimate per process: " in out and "FSDPTrainer dp 2 x tp 1" in out
+    assert "memory per rank on 1 machine x 2 CPU processes" in out and "FSDPTrainer dp 2 x tp 1" in out
+    assert "\nfits: " in out
     assert not (tmp_path / "run").exists()
 
 
@@ -92,7 +97,7 @@ def test_dry_run_checks_the_checkpoint_it_would_resume_from(make_config, tmp_pat
             [*tiny_run_overrides(tmp_path, pairs_file), "dry_run=true", f"resume_from={latest}", "lora.enabled=true"]
         )
     assert exit.value.code == 2
-    assert capsys.readouterr().err.startswith(f"error: resume_from={latest}: {latest / 'policy.pt'} does not fit")
+    assert capsys.readouterr().err.startswith(f"error: resume_from={latest}: {latest / 'policy'} does not fit")
 
 
 @pytest.mark.parametrize(
@@ -113,7 +118,10 @@ def test_memory_estimate_counts_the_real_model(
     examples = eight_examples(tiny_tokenizer, "q" * 5, "a" * 3, "b" * 6)
     precision = precision_of(config)
     policy = build.meta_policy(config, precision, Path(config.local_dirs[0]))
-    _, parts = report.memory_estimate(config, shards, policy, examples, [list(range(8))], precision, False)
+    plan = report.memory_plan(
+        config, config.trainer, (shards, 1), policy, examples, [list(range(8))], precision, False, False
+    )
+    parts = plan.training
     assert parts["policy weights"] == n_parameters * 4 / shards  # float32
     assert parts["gradients"] == n_parameters * 4 / shards
     assert parts[f"{config.optimizer} state"] == optimizer_states * n_parameters * 4 / shards
@@ -132,8 +140,10 @@ def test_tensor_parallel_memory_estimate_counts_the_unfused_step(make_config, ti
     precision = precision_of(config)
     policy = build.meta_policy(config, precision, Path(config.local_dirs[0]))
     examples = eight_examples(tiny_tokenizer, "q", "a", "b")
-    _, parts = report.memory_estimate(config, 2, policy, examples, [list(range(8))], precision, False)
-    assert parts["optimizer step intermediates"] == n_parameters * 4 / 2
+    plan = report.memory_plan(
+        config, config.trainer, (1, 2), policy, examples, [list(range(8))], precision, False, False
+    )
+    assert plan.training["optimizer step intermediates"] == n_parameters * 4 / 2
 
 
 def test_memory_estimate_of_lora_counts_the_adapters(make_config, tiny_tokenizer):
@@ -145,6 +155,124 @@ def test_memory_estimate_of_lora_counts_the_adapters(make_config, tiny_tokenizer
     examples = eight_examples(tiny_tokenizer, "q", "a", "b")
     precision = precision_of(config)
     policy = build.meta_policy(config, precision, Path(config.local_dirs[0]))
-    header, parts = report.memory_estimate(config, 1, policy, examples, [list(range(8))], precision, False)
-    assert parts["gradients"] == trainable * 4
-    assert f"{trainable / 1e6:.2f}M trainable" in header
+    plan = report.memory_plan(
+        config, config.trainer, (1, 1), policy, examples, [list(range(8))], precision, False, False
+    )
+    assert plan.training["gradients"] == trainable * 4
+    assert f"{trainable / 1e6:.2f}M trainable" in plan.header
+
+
+GIB = 2**30
+
+
+def tiny_plan(make_config, tiny_tokenizer, *overrides, mesh=(1, 1), on_gpu=False):
+    config = make_config(*overrides)
+    precision = precision_of(config)
+    policy = build.meta_policy(config, precision, Path(config.local_dirs[0]))
+    examples = eight_examples(tiny_tokenizer, "q" * 5, "a" * 3, "b" * 6)
+    return (
+        config,
+        policy,
+        report.memory_plan(config, config.trainer, mesh, policy, examples, [list(range(8))], precision, False, on_gpu),
+    )
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_each_moment_of_the_plan_counts_what_a_rank_holds(make_config, tiny_tokenizer, on_gpu):
+    # Reading: one weight's shard at a time (FSDP shards each over the data-parallel ranks). Saving: a rank's share of
+    # the weights serialised in memory by DCP (after a copy to the host, from a GPU), and the export's whole tensors
+    # one at a time. A GPU rank's host holds the larger of the two; a CPU rank's holds its training state too.
+    config, policy, plan = tiny_plan(
+        make_config, tiny_tokenizer, "trainer=FSDPTrainer", "nproc=2", mesh=(2, 1), on_gpu=on_gpu
+    )
+    largest = max(p.numel() for p in policy.parameters()) * 4  # float32
+    weights_share = sum(p.numel() for p in policy.parameters()) * 4 / 2
+    assert plan.load == {"a weight's shard, read at a time": largest / 2}
+    assert plan.save == {
+        "a checkpoint file, serialised": weights_share * (2 if on_gpu else 1),
+        "the export: one whole weight at a time": largest,
+    }
+    transient = max(largest / 2, weights_share * (2 if on_gpu else 1) + largest)
+    assert plan.host_peak() == (transient if on_gpu else sum(plan.training.values()) + transient)
+
+
+def test_a_plan_fits_or_names_what_is_short(make_config, tiny_tokenizer):
+    _, _, plan = tiny_plan(make_config, tiny_tokenizer, on_gpu=True)
+    device, host = plan.device_peak(), plan.host_peak()
+    assert plan.fit_problem(report.Hardware(1, 4, device, 4 * host)) is None  # exactly enough
+    assert plan.fit_problem(report.Hardware(1, 4, device - 1, None)).startswith(f"a GPU needs {device / GIB:.1f} GiB")
+    assert plan.fit_problem(report.Hardware(1, 4, device, 4 * host - 1)).startswith("a node's 4 ranks need")
+
+
+def test_the_smallest_mesh_fits_and_none_with_a_node_fewer_does(make_config, tiny_tokenizer):
+    # GPUs too small for one node of 2 of them: the search names the fewest nodes (then the smallest tensor-parallel
+    # size) that fit, and every mesh of fewer nodes does not.
+    config, policy, one_node = tiny_plan(
+        make_config, tiny_tokenizer, "trainer=FSDPTrainer", "nproc=2", mesh=(2, 1), on_gpu=True
+    )
+    examples = eight_examples(tiny_tokenizer, "q" * 5, "a" * 3, "b" * 6)
+    hardware = report.Hardware(1, 2, one_node.device_peak() * 0.3, None)
+    plan, problem = report.fit_verdict(
+        config, hardware, policy, examples, [list(range(8))], precision_of(config), False, (2, 1)
+    )
+    assert problem.startswith("this run does not fit 1 node x 2 GPUs of 0 GiB: a GPU needs") and plan is not None
+    found = re.search(r"fits: (\d+) nodes? x 2 GPUs .* tensor_parallel_size=(\d)", problem)
+    nodes, tp = int(found[1]), int(found[2])
+
+    def fits(n: int, t: int) -> bool:
+        candidate = report.memory_plan(
+            config,
+            "FSDPTrainer",
+            (n * 2 // t, t),
+            policy,
+            examples,
+            [list(range(8))],
+            precision_of(config),
+            False,
+            True,
+        )
+        return candidate.fit_problem(hardware.with_nodes(n)) is None
+
+    assert fits(nodes, tp) and not any(fits(n, t) for n in range(1, nodes) for t in (1, 2))
+    assert tp == 1 or not fits(nodes, 1)
+
+
+LLAMA_CONFIGS = Path(__file__).parents[1] / "assets" / "configs"
+
+
+def planned_dry_run(model: str, nodes: int, *overrides: str) -> subprocess.CompletedProcess:
+    """A dry run of an assets/configs model (its config.json alone) planned for nodes x 8 GPUs of 80 GiB."""
+    return run_cli(
+        "dry_run=true", "model=blank_model", f"model.name_or_path={LLAMA_CONFIGS / model}",
+        f"model.tokenizer_name_or_path={TINY_DIR}", "trainer=FSDPTrainer", "activation_checkpointing=true",
+        f"plan.nodes={nodes}", "plan.gpus_per_node=8", "plan.gpu_memory_gib=80", "plan.host_memory_gib=2048",
+        "batch_size=64", "eval_batch_size=64", "eval_every=128", "wandb.enabled=false", *overrides,
+    )  # fmt: skip
+
+
+def test_a_70b_run_is_planned_on_16_gpus_and_a_405b_one_refused_with_the_mesh_it_needs(tmp_path):
+    fits = planned_dry_run("llama-3.1-70b", 2, f"local_dirs=[{tmp_path}]")
+    assert fits.returncode == 0, fits.stderr[-2000:]
+    assert (
+        "memory per rank on 2 nodes x 8 GPUs of 80 GiB, 2048 GiB of host memory a node (70.55B parameters"
+        in fits.stdout
+    )
+    assert "\nfits: " in fits.stdout
+    refused = planned_dry_run("llama-3.1-405b", 2, f"local_dirs=[{tmp_path}]")
+    assert refused.returncode == 2
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: this run does not fit 2 nodes x 8 GPUs of 80 GiB")
+    assert "the smallest mesh that fits: " in lines[0]
+
+
+def test_a_run_that_cannot_fit_this_machine_stops_before_reading_a_weight(tmp_path):
+    # Llama-3.1-70B from its config alone (no weights here): one process would need over a terabyte.
+    result = run_cli(
+        "model=blank_model", f"model.name_or_path={LLAMA_CONFIGS / 'llama-3.1-70b'}",
+        f"model.tokenizer_name_or_path={TINY_DIR}", "wandb.enabled=false", f"local_dirs=[{tmp_path}]",
+        f"local_run_dir={tmp_path / 'run'}", "n_eval_examples=8",
+    )  # fmt: skip
+    assert result.returncode == 2
+    error = result.stderr.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("error: this run does not fit 1 machine x 1 CPU process"), error
+    assert "the smallest mesh that fits: " in error[0] or "fits it" in error[0]

@@ -4,8 +4,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import checkpoint
 import train
-from conftest import read_jsonl, run_cli, smollm2_two_steps
+from conftest import policy_state, read_jsonl, run_cli, smollm2_two_steps
 from utils import UserError
 
 
@@ -33,15 +34,17 @@ def test_cli_run_writes_metrics_checkpoints_and_loadable_export(tmp_path, pairs_
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in metrics if "loss/eval" in r] == [0, 16, 32, 40]
     assert [r["step"] for r in metrics if "loss/train" in r] == [8, 16, 24, 32, 40]
-    for checkpoint in ("step-16", "step-32", "LATEST"):
-        assert {"policy.pt", "optimizer.pt", "scheduler.pt"} <= {p.name for p in (run_dir / checkpoint).iterdir()}
+    for directory in ("step-16", "step-32", "LATEST"):
+        assert {"policy", "optimizer", "scheduler.pt", "checkpoint.json"} <= {
+            p.name for p in (run_dir / directory).iterdir()
+        }
     assert (run_dir / "config.yaml").exists()
 
-    # LATEST is also a from_pretrained directory holding the same weights as policy.pt
+    # LATEST is also a from_pretrained directory holding the same weights as its policy/ shards
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "LATEST")
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "LATEST")
     reference = AutoModelForCausalLM.from_config(exported.config)
-    reference.load_state_dict(torch.load(run_dir / "LATEST" / "policy.pt", weights_only=True)["state"])
+    reference.load_state_dict(policy_state(run_dir / "LATEST"))
     ids = tokenizer("Q: 3 + 4?\nA:", return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         torch.testing.assert_close(exported(ids).logits, reference(ids).logits, rtol=0, atol=0)
@@ -133,7 +136,7 @@ def test_cli_trains_on_the_real_hh_file(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "data report: 2288 training and 16 eval examples" in result.stdout
     assert "\n2 steps of 8 examples\n" in result.stdout
-    assert (run_dir / "LATEST" / "policy.pt").exists()
+    assert checkpoint.describe(run_dir / "LATEST") is not None
 
 
 @pytest.mark.slow
@@ -167,7 +170,7 @@ def test_cli_wandb_login_without_network_falls_back_offline(tmp_path, pairs_file
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "wandb: could not start online" in result.stdout and "logging offline" in result.stdout
-    assert list((run_dir / "wandb").glob("offline-run-*")) and (run_dir / "LATEST" / "policy.pt").exists()
+    assert list((run_dir / "wandb").glob("offline-run-*")) and checkpoint.describe(run_dir / "LATEST") is not None
 
 
 def test_existing_run_dir_is_not_overwritten(make_config):

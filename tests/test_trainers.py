@@ -12,6 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import checkpoint
 import train
 from build import Data
 from conftest import (
@@ -97,8 +98,8 @@ def test_run_logs_train_and_eval_with_final_eval(make_config):
     ):
         assert name in trains[0], name
     assert sorted(p.name for p in run_dir.iterdir() if p.is_dir()) == ["LATEST", "step-24"]
-    saved = torch.load(run_dir / "step-24" / "policy.pt", weights_only=True)
-    assert saved["step_idx"] == 24 and saved["metrics"]["loss/eval"] == evals[1]["loss/eval"]
+    saved = checkpoint.describe(run_dir / "step-24")
+    assert saved["step"] == 24 and saved["metrics"]["loss/eval"] == evals[1]["loss/eval"]
     assert OmegaConf.load(run_dir / "config.yaml").local_run_dir == str(run_dir)
 
 
@@ -297,7 +298,7 @@ def test_nonfinite_steps_in_a_row_stop_the_run_and_keep_the_last_checkpoint(make
     with pytest.raises(UserError, match=message):
         train.run(config)
     assert [r["nonfinite_steps"] for r in records(run_dir, "train")] == [0.0, 0.0, 1.0]  # step 4 stopped first
-    assert torch.load(run_dir / "step-16" / "policy.pt", weights_only=True)["step_idx"] == 16
+    assert checkpoint.describe(run_dir / "step-16")["step"] == 16
     assert not (run_dir / "LATEST").exists()
 
 

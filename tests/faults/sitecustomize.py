@@ -7,7 +7,10 @@ process of rank FAULT_RANK (default 0) stop at the Nth event of KIND:
   eval       SIGKILL at the Nth forward pass of an eval
   generate   SIGKILL at the Nth forward pass of a round's generation (rounds.py: sampled or greedy completions)
   reference  SIGKILL at the Nth forward pass computing reference log-probs (reference_cache.fill)
-  save       SIGKILL right after the Nth torch.save (a checkpoint directory half written)
+  save       SIGKILL right after the Nth torch.save (a checkpoint directory half written: a small part, or an item
+             of DCP's optimizer shards)
+  shards     SIGKILL right after the Nth torch.distributed.checkpoint.save of this rank (a part's shards written,
+             the checkpoint's other parts not yet)
   swap       SIGKILL right after the Nth rename (e.g. between replace_dir's two renames)
   interrupt  SIGINT at the Nth training step's optimizer step, as Ctrl-C would send it: to the process, or to the
              launcher that spawned it (its parent), which passes it on to every rank
@@ -74,3 +77,14 @@ if FAULT:
         return result
 
     torch.save, pathlib.Path.rename = save, rename
+
+    import torch.distributed.checkpoint as dcp
+
+    real_dcp_save = dcp.save
+
+    def dcp_save(*args, **kwargs):
+        result = real_dcp_save(*args, **kwargs)
+        event("shards")
+        return result
+
+    dcp.save = dcp_save

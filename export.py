@@ -1,0 +1,128 @@
+"""python export.py CHECKPOINT_DIR OUT_DIR: a run's checkpoint (step-N or LATEST) as a from_pretrained directory, with
+no process holding the whole model.
+
+A checkpoint's weights are every rank's shards (checkpoint.py); the export consolidates them into safetensors files
+and their index, one whole tensor in memory at a time, beside the model's config and tokenizer, which the checkpoint
+holds. Under torchrun (torchrun --nproc_per_node N export.py ...) each process writes its share of the files. A LoRA
+checkpoint holds the adapters only: the base is loaded as the run loaded it (its config.yaml, beside the checkpoint),
+sharded over export.py's processes, and the adapters merged in; the adapter also goes to OUT_DIR/adapter in peft's
+format. A checkpoint in the reference format (a whole policy.pt) is exported likewise. OUT_DIR must not exist yet: it
+is written under a temporary name and renamed into place once whole."""
+
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+from omegaconf import OmegaConf
+
+import checkpoint
+import weights
+from adapters import apply_lora
+from build import place
+from distributed import Topology, init_process_group, launched_by_torchrun, leave_process_group, reported_errors
+from models import prepare_model
+from precision import parse_dtype
+from utils import UserError, get_local_dir
+
+
+def export_checkpoint(checkpoint_dir: Path, out_dir: Path, topology: Topology) -> None:
+    marker = checkpoint.describe(checkpoint_dir)
+    legacy = checkpoint.is_legacy(checkpoint_dir)
+    if marker is None and not legacy:
+        raise UserError(f"{checkpoint_dir} is not a complete checkpoint (no {checkpoint.MARKER})")
+    if out_dir.exists():
+        raise UserError(f"{out_dir} exists already; choose a new directory to export to")
+    tmp_dir = out_dir.with_name(out_dir.name + ".tmp")
+    topology.run_on_main(lambda: writing(lambda: checkpoint.fresh_dir(tmp_dir)))
+    try:
+        write(checkpoint_dir, tmp_dir, legacy, topology)
+        topology.run_on_main(lambda: writing(lambda: describe(checkpoint_dir, tmp_dir, out_dir)))
+    except UserError:
+        checkpoint.remove(tmp_dir, topology)
+        raise
+    print(f"exported {checkpoint_dir} to {out_dir}")
+
+
+def writing(write) -> None:
+    """write(), a failure to write being one line: what, where."""
+    try:
+        write()
+    except OSError as error:
+        raise UserError(f"could not write {error.filename} ({error.strerror or error})") from None
+
+
+def write(checkpoint_dir: Path, directory: Path, legacy: bool, topology: Topology) -> None:
+    """The export's weights in `directory`: consolidated from the checkpoint's shards, or, for a LoRA checkpoint, the
+    run's base with the adapters merged in. Collective."""
+    if legacy:
+        state = checkpoint.read_file(checkpoint_dir / "policy.pt", "export", mmap=True)["state"]
+    names = set(state) if legacy else set(weights.stored_shapes(checkpoint_dir / "policy"))
+    if any(".lora_" in name for name in names):
+        checkpoint.export(directory, lora_policy(checkpoint_dir, topology), topology, None)
+    elif legacy:
+        weights.export_weights(state, directory, topology)
+    else:
+        weights.consolidate(checkpoint_dir / "policy", directory, topology)
+
+
+def describe(checkpoint_dir: Path, tmp_dir: Path, out_dir: Path) -> None:
+    """The model's config, generation config and tokenizer beside the weights (rank 0), then the directory renamed
+    into place."""
+    source = (
+        checkpoint_dir if (checkpoint_dir / "config.json").exists() else run_config(checkpoint_dir).model.name_or_path
+    )
+    transformers.AutoConfig.from_pretrained(source).save_pretrained(tmp_dir)
+    try:
+        transformers.GenerationConfig.from_pretrained(source).save_pretrained(tmp_dir)
+    except OSError:  # a model that does not generate has none
+        pass
+    transformers.AutoTokenizer.from_pretrained(source).save_pretrained(tmp_dir)
+    checkpoint.sync(tmp_dir)
+    tmp_dir.rename(out_dir)
+
+
+def run_config(checkpoint_dir: Path):
+    """The resolved config.yaml of the run the checkpoint belongs to (its parent directory)."""
+    path = checkpoint_dir.parent / "config.yaml"
+    if not path.exists():
+        raise UserError(f"{path} does not exist: a LoRA checkpoint is exported with its run's config, beside it")
+    return OmegaConf.load(path)
+
+
+def lora_policy(checkpoint_dir: Path, topology: Topology) -> torch.nn.Module:
+    """The run's LoRA policy, its base read as the run read it and sharded over this command's processes, with the
+    checkpoint's adapters."""
+    config = run_config(checkpoint_dir)
+    dtype = parse_dtype(config.model.policy_dtype, "model.policy_dtype")
+    cache_dir = get_local_dir(config.local_dirs)
+    with topology.main_first():
+        policy, initial = prepare_model(config.model, dtype, cache_dir, config.seed)
+    policy = apply_lora(policy, config.lora, config.seed)
+    policy = place(policy, config, topology, None, initial)
+    part = checkpoint.ModelWeights(policy)
+    if checkpoint.is_legacy(checkpoint_dir):
+        part.load_whole(checkpoint.read_file(checkpoint_dir / "policy.pt", "export")["state"], broadcast=False)
+    else:
+        part.load(checkpoint_dir / "policy")
+    return policy
+
+
+def main(args: list[str]) -> None:
+    if len(args) != 2 or args[0] in ("-h", "--help"):
+        print(__doc__, file=sys.stderr if len(args) != 2 and args[:1] != ["--help"] else sys.stdout)
+        sys.exit(0 if args[:1] in (["-h"], ["--help"]) else 2)
+    distributed = launched_by_torchrun()
+    if distributed:
+        init_process_group(timeout_secs=1800)
+    try:
+        with reported_errors():
+            topology = Topology.create("FSDPTrainer" if distributed else "BasicTrainer")
+            export_checkpoint(Path(args[0]), Path(args[1]), topology)
+    finally:
+        if distributed:
+            leave_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

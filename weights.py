@@ -1,0 +1,233 @@
+"""Model weights between safetensors files and a placed model, without any rank holding the whole model.
+
+A model is built on the meta device (no memory), placed on the mesh (placement.py), and only then given memory:
+each rank allocates its own shards and reads just those from the files, a Hub model's, an export's or a checkpoint's.
+Each rank writes its shards of a checkpoint in parallel, each tagged with its offsets in the whole tensor, so that a
+checkpoint written by N ranks is read back on M ranks or on another mesh; the from_pretrained export is consolidated
+from those shards one tensor at a time, its files shared out over the ranks. torch.distributed.checkpoint (DCP) plans
+every read and write, with PyTorch's Hugging Face storage reader and writer: safetensors throughout, never pickle.
+Without a process group (BasicTrainer) the same calls run on the one process."""
+
+import hashlib
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+import transformers
+from accelerate import init_empty_weights
+from safetensors import SafetensorError
+from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint._consolidate_hf_safetensors import _consolidate_safetensors_files
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from distributed import Topology
+from utils import UserError, first_line
+
+# DCP says so at every call without a process group, which is how BasicTrainer runs it
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+# A rank's checkpoint file holds at most about this much: DCP serialises a safetensors file in memory before writing it,
+# so this bounds the host memory a save adds, while a 70B model on 16 ranks still makes only ~30 files a rank.
+RANK_FILE_BYTES = 512 * 2**20
+EXPORT_FILE_BYTES = 4 * 2**30  # the export's files (from_pretrained reads any number); written one tensor at a time
+INDEX = "model.safetensors.index.json"  # which export file holds each tensor
+
+
+def empty_model(config: transformers.PretrainedConfig, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
+    """The causal LM of `config` with its parameters on the meta device, which holds no memory, and its buffers
+    computed on the CPU: rotary frequencies and the like are in no weights file, and they are small."""
+    with init_empty_weights(include_buffers=False):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    model.tie_weights()  # init_empty_weights gives each tied name a meta parameter of its own: tie them again
+    return model
+
+
+def is_empty(model: nn.Module) -> bool:
+    """Whether the model's parameters are still on the meta device (built by empty_model, not yet materialized)."""
+    return any(parameter.is_meta for parameter in model.parameters())
+
+
+def class_name(model: nn.Module) -> str:
+    """The model's own class name: FSDP2 places a model by giving it a class of its own, FSDP<name>."""
+    return next(cls.__name__ for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
+
+
+def tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter (each tied one once) and buffer of the model, persistent or not, by name."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def real_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the tensors of an empty model that hold values already (its buffers, LoRA adapters initialised on
+    the CPU): placement keeps their shapes but materialize() allocates them anew."""
+    return {name: t.detach().clone() for name, t in tensors(model).items() if not t.is_meta}
+
+
+def materialize(model: nn.Module, device: torch.device, values: dict[str, torch.Tensor]) -> None:
+    """Give a placed empty model memory on `device`, each rank for its own shards, and put back `values`
+    (real_tensors before placement); the rest is uninitialised until read from files."""
+    tied = [names for names in parameter_names(model).values() if len(names) > 1]
+    model.to_empty(device=device)
+    for first, *others in tied:  # to_empty gives each module its own new parameter, where one was shared
+        parameter = model.get_parameter(first)
+        for name in others:
+            module, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(module), attribute, parameter)
+    assign_full(model, values)
+
+
+def parameter_names(model: nn.Module) -> dict[int, list[str]]:
+    """Every name of each parameter, by the parameter's identity: a tied weight has several."""
+    names = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return names
+
+
+def assign_full(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    """Copy whole tensors into the model's tensors of those names; a sharded one (a DTensor) takes only its own shard
+    of the value, which every rank has whole: no communication, whatever the mesh."""
+    targets = tensors(model)
+    with torch.no_grad():
+        for name, value in values.items():
+            target = targets[name]
+            if isinstance(target, DTensor):
+                value = value.to(target.device)
+                value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None).to_local()
+                target = target.to_local()
+            target.copy_(value)
+
+
+def stored_shapes(directory: Path) -> dict[str, torch.Size]:
+    """The whole shape of each tensor in a directory's safetensors files (a checkpoint's shards add up to it),
+    read from their headers alone."""
+    try:
+        metadata = HuggingFaceStorageReader(str(directory)).read_metadata()
+    except (OSError, SafetensorError) as error:
+        raise UserError(f"{directory} holds no readable safetensors files ({first_line(error)})") from None
+    return {name: entry.size for name, entry in metadata.state_dict_metadata.items()}
+
+
+def has_safetensors(directory: Path) -> bool:
+    return directory.is_dir() and any(directory.glob("*.safetensors"))
+
+
+def read_files(model: nn.Module, directory: Path, names: dict[str, str]) -> None:
+    """Read the model's tensors from the safetensors files in `directory`: names maps a model tensor's name to its
+    name in the files. Each rank reads only the slices of its own shards; values are cast to the model's dtypes."""
+    targets = tensors(model)
+    state = {stored: targets[name] for name, stored in names.items()}
+    try:
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=one_process())
+    except CheckpointException as error:
+        raise UserError(f"could not read the weights in {directory} ({failure(error)})") from None
+
+
+def write_shards(state: dict[str, torch.Tensor], directory: Path, world_size: int) -> None:
+    """Write each rank's shards of `state` (tensors or DTensors, on any device) as safetensors files in `directory`,
+    every rank its own files, each shard tagged with its offsets in the whole tensor. Collective."""
+    sizes = {name: value.numel() * value.element_size() for name, value in state.items()}  # a DTensor's: whole
+    groups = file_groups(sizes, RANK_FILE_BYTES * world_size)
+    writer = HuggingFaceStorageWriter(str(directory), save_distributed=True, fqn_to_index_mapping=groups)
+    dcp.save(state, storage_writer=writer, no_dist=one_process())
+
+
+def file_groups(sizes: dict[str, int], file_bytes: int) -> dict[str, int]:
+    """Tensor name -> file number (from 1): consecutive tensors, about file_bytes of whole tensors to a file."""
+    groups, index, size = {}, 1, 0
+    for name, nbytes in sizes.items():
+        if size and size + nbytes > file_bytes:
+            index, size = index + 1, 0
+        groups[name], size = index, size + nbytes
+    return groups
+
+
+def missing_shards(directory: Path) -> str | None:
+    """Why the shards in `directory` do not add up to whole tensors (a rank's files missing: a run directory that
+    the machines do not share), or None."""
+    metadata = HuggingFaceStorageReader(str(directory)).read_metadata()
+    if not metadata.state_dict_metadata:
+        return "it holds no tensors"
+    for name, entry in metadata.state_dict_metadata.items():
+        stored = sum(chunk.sizes.numel() for chunk in entry.chunks)
+        if stored != entry.size.numel():
+            return f"its files hold {stored} of the {entry.size.numel()} values of {name}"
+    return None
+
+
+def consolidate(shards: Path, directory: Path, topology: Topology) -> None:
+    """A from_pretrained weights directory (model-0000i-of-0000n.safetensors and model.safetensors.index.json) from a
+    directory of shards (write_shards): the files are shared out over the ranks, each written one whole tensor in
+    memory at a time. Collective; a failure to write on any rank is a UserError on every rank."""
+    entries = HuggingFaceStorageReader(str(shards)).read_metadata().state_dict_metadata
+    sizes = {name: entry.properties.dtype.itemsize * entry.size.numel() for name, entry in entries.items()}
+    groups = file_groups(sizes, EXPORT_FILE_BYTES)
+    count = max(groups.values())
+    files = {name: f"model-{index:05d}-of-{count:05d}.safetensors" for name, index in groups.items()}
+    mine = {name: file for name, file in files.items() if (groups[name] - 1) % topology.world_size == topology.rank}
+
+    def write_mine() -> None:
+        try:
+            if mine:
+                _consolidate_safetensors_files(str(shards), str(directory), mine, num_threads=1)
+        except OSError as error:
+            what = f"{error.filename or directory} ({error.strerror or first_line(error)})"
+            raise UserError(f"could not write {what}") from None
+
+    def write_index() -> None:
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": files}
+        (directory / INDEX).write_text(json.dumps(index, indent=2))
+
+    topology.run_everywhere(write_mine)
+    topology.run_on_main(write_index)  # once every rank has written its files
+
+
+def export_weights(state: dict[str, torch.Tensor], directory: Path, topology: Topology) -> None:
+    """The from_pretrained weights of `state` (whole names, sharded values) in `directory`: shards written by every
+    rank to a scratch directory, consolidated, and the scratch removed. Collective."""
+    scratch = directory / ".shards"
+    write_shards(state, scratch, topology.world_size)
+    consolidate(scratch, directory, topology)
+    topology.run_on_main(lambda: shutil.rmtree(scratch))
+
+
+def full_state(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a directory of safetensors files or shards, whole, on this process's CPU (for small states:
+    a LoRA checkpoint's adapters, and tests)."""
+    shapes = HuggingFaceStorageReader(str(directory)).read_metadata().state_dict_metadata
+    state = {name: torch.empty(entry.size, dtype=entry.properties.dtype) for name, entry in shapes.items()}
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=True)
+    return state
+
+
+def local_digest(model: nn.Module) -> str:
+    """sha256 of this rank's share of the model's weights: each tensor's name, whole shape, dtype and local values."""
+    digest = hashlib.sha256()
+    for name, value in tensors(model).items():
+        local = (value.to_local() if isinstance(value, DTensor) else value).detach().cpu().contiguous()
+        digest.update(f"{name}:{value.dtype}:{tuple(value.shape)}:{tuple(local.shape)}".encode())
+        digest.update(local.view(-1).view(torch.uint8).numpy())  # the tensor's own buffer: no copy
+    return digest.hexdigest()
+
+
+def one_process() -> bool:
+    """Whether DCP runs without a process group (BasicTrainer, export.py on one process)."""
+    return not torch.distributed.is_initialized()
+
+
+def failure(error: CheckpointException) -> str:
+    """The first rank's reason in DCP's collective error, in a few words: the file and what went wrong."""
+    for wrapped in error.failures.values():
+        cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped  # (exception, its traceback)
+        if isinstance(cause, CheckpointException):
+            return failure(cause)
+        if isinstance(cause, OSError):
+            return f"{cause.strerror or first_line(cause)}: {cause.filename}"
+        return first_line(cause)
+    return first_line(error)
