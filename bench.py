@@ -30,6 +30,9 @@
 12. `python bench.py --versus GIT_REF [--rounds N]`: this tree's training step against another version's,
    alternating fresh processes (2 rounds unless told): pairs/s, MFU, the share of the machine's fastest matmul rate,
    peak RSS.
+13. `python bench.py --scale`: each rank's peak resident memory while it reads the model, trains, saves (checkpoint
+   and export) and resumes, and the load, save and resume times, on 1, 2 and 4 processes, for a random 286M Llama
+   (hidden 1024, 20 layers, float32, AdamW; 2 steps of 4 HH pairs) and the same twice as deep.
 """
 
 import argparse
@@ -1259,6 +1262,178 @@ def reference_cache_at_a_million(tmp: Path, n: int) -> None:
     )
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Scale: what each rank holds while it reads the model, trains, saves and resumes
+
+# A 286M-parameter Llama: SmolLM2's vocabulary and tied embeddings, hidden 1024, 8 of 16 heads for keys and values.
+SCALE_MODEL = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=8,
+                   vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)  # fmt: skip
+SCALE_SMOKE = dict(SCALE_MODEL, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+SCALE_PHASES = ("load", "train", "save", "resume")
+
+
+def scale_model_dir(layers: int, smoke: bool) -> Path:
+    """A random Llama of SCALE_MODEL's shape (SCALE_SMOKE's) with `layers` blocks, float32, with SmolLM2's tokenizer:
+    written once under .cache/bench/ (not timed) and read by every run from there, as a pretrained model would be."""
+    directory = REPO_ROOT / ".cache" / "bench" / f"scale-llama-{layers}{'-smoke' if smoke else ''}"
+    if not (directory / "config.json").exists():
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(**(SCALE_SMOKE if smoke else SCALE_MODEL), num_hidden_layers=layers)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        tmp = directory.with_name(directory.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        bench_tokenizer()[0].save_pretrained(tmp)
+        tmp.rename(directory)
+    return directory
+
+
+class PhasePeaks:
+    """This process's peak resident memory in each named phase: the kernel's high-water mark (VmHWM), reset as each
+    phase starts (/proc/self/clear_refs), and the phase's seconds. What peaks between phases counts as "other"."""
+
+    def __init__(self):
+        self.peaks, self.seconds = {"other": 0}, {}
+
+    @staticmethod
+    def high_water_mark() -> int:
+        line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM"))
+        return int(line.split()[1]) * 1024
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        self.peaks["other"] = max(self.peaks["other"], self.high_water_mark())
+        Path("/proc/self/clear_refs").write_text("5")
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - start
+        self.peaks[name] = max(self.peaks.get(name, 0), self.high_water_mark())
+        Path("/proc/self/clear_refs").write_text("5")
+
+    def result(self) -> dict:
+        self.peaks["other"] = max(self.peaks["other"], self.high_water_mark())
+        return {"peaks": self.peaks, "seconds": self.seconds}
+
+
+def scale_rank(rank: int, world: int, port: int, overrides: list[str], resume: str | None, result_file: str) -> None:
+    """One rank of a --scale run: build (its policy's placement and reading timed as "load"), train, save the final
+    checkpoint and export ("save"); or, with `resume`, build and read that checkpoint ("resume")."""
+    import build
+    import config as configuration
+    from distributed import Topology, init_process_group
+    from trainers import Trainer
+
+    os.environ.update(rank_environment(rank, world, port))
+    torch.set_num_threads(1)
+    if world > 1:
+        init_process_group(timeout_secs=1800)
+    peaks = PhasePeaks()
+    place = build.place
+
+    def timed_place(*args, is_policy: bool = False, **kwargs):
+        if not is_policy:
+            return place(*args, is_policy=is_policy, **kwargs)
+        with peaks.phase("load"):
+            return place(*args, is_policy=is_policy, **kwargs)
+
+    build.place = timed_place
+    config = configuration.load(overrides + ([f"resume_from={resume}"] if resume else []))
+    topology = Topology.create(config.trainer)
+    parts = build.build(config, topology)
+    run_dir = Path(config.local_run_dir)
+    if resume:
+        config.resume_from = None
+        trainer = Trainer(parts, run_dir)
+        with peaks.phase("resume"):
+            trainer.resume(Path(resume))
+    else:
+        trainer = Trainer(parts, run_dir)
+        with peaks.phase("train"):
+            trainer.train()
+        with peaks.phase("save"):
+            trainer.save(run_dir / "LATEST", {}, final=True)
+    Path(f"{result_file}.{rank}").write_text(json.dumps(peaks.result()))
+    if world > 1:
+        leave_process_group()
+
+
+def scale_launch(result_file: str, world: int, overrides: list[str], resume: str | None) -> None:
+    """A --scale run of `world` ranks (spawned here, a fresh process group)."""
+    args = (world, free_port(), overrides, resume, result_file)
+    if world == 1:
+        scale_rank(0, *args)
+    else:
+        torch.multiprocessing.spawn(scale_rank, args=args, nprocs=world)
+    ranks = [json.loads(Path(f"{result_file}.{rank}").read_text()) for rank in range(world)]
+    Path(result_file).write_text(json.dumps(ranks))
+
+
+def scale_overrides(model_dir: Path, run_dir: Path, world: int) -> list[str]:
+    return [
+        "model=blank_model", f"model.name_or_path={model_dir}", "model.fsdp_policy_mp=null",
+        f"trainer={'BasicTrainer' if world == 1 else 'FSDPTrainer'}", f"datasets=[{HH_FILE}]",
+        f"local_dirs=[{REPO_ROOT / '.cache' / 'bench'}]", f"local_run_dir={run_dir}", "n_examples=8",
+        "batch_size=4", "eval_batch_size=4", "n_eval_examples=4", "eval_every=8", "do_first_eval=false",
+        "max_length=256", "max_prompt_length=128", "wandb.enabled=false", "plots=false",
+    ]  # fmt: skip
+
+
+def bench_scale(smoke: bool) -> None:
+    """smoke: hidden 64, 2 and 4 layers (the test suite's)."""
+    if not HH_FILE.exists():
+        sys.exit(f"--scale trains on HH harmless-base pairs: {HH_FILE} is missing")
+    print(
+        f"--scale: peak RSS (GiB) of each rank while it reads the model (load), trains 2 steps of 4 pairs (train), "
+        f"writes the final checkpoint and export (save) and reads that checkpoint in a new run (resume); the whole "
+        f"process's peak; and the times (s). float32, AdamW, max_length 256; {torch.__version__}, "
+        f"{os.cpu_count()} cores ({cpu_model()})"
+    )
+    one_process, four_ranks = {}, {}  # by layers: the one process's whole peak, the 4 ranks' whole peaks
+    depths = (2, 4) if smoke else (20, 40)
+    for layers in depths:
+        model_dir = scale_model_dir(layers, smoke)
+        n_parameters = sum(
+            v.numel() for v in transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict().values()
+        )
+        print(f"\nrandom Llama, {layers} layers: {n_parameters / 1e6:.0f}M parameters ({model_dir})")
+        print("ranks rank    load   train    save  resume   whole | load s  save s  resume s")
+        for world in (1, 2, 4):
+            with tempfile.TemporaryDirectory(dir=REPO_ROOT / ".cache") as tmp:
+                run_dir, result = Path(tmp) / "run", str(Path(tmp) / "result.json")
+                overrides = scale_overrides(model_dir, run_dir, world)
+                first = worker_subprocess("scale_launch", result, world=world, overrides=overrides, resume=None)
+                resumed_overrides = scale_overrides(model_dir, Path(tmp) / "resumed", world)
+                kwargs = dict(world=world, overrides=resumed_overrides, resume=str(run_dir / "LATEST"))
+                second = worker_subprocess("scale_launch", result, **kwargs)
+            for rank, (a, b) in enumerate(zip(first, second)):
+                peaks = {**a["peaks"], "resume": b["peaks"]["resume"]}
+                whole = max(*a["peaks"].values(), *b["peaks"].values())
+                if world == 1:
+                    one_process[layers] = whole
+                cells = " ".join(f"{peaks[phase] / 2**30:7.2f}" for phase in SCALE_PHASES)
+                times = f"{a['seconds']['load']:6.1f} {a['seconds']['save']:7.1f} {b['seconds']['resume']:9.1f}"
+                print(f"{world:5d} {rank:4d} {cells} {whole / 2**30:7.2f} | {times}")
+                if world == 4:
+                    four_ranks.setdefault(layers, []).append(whole)
+        four = four_ranks[layers]
+        print(
+            f"at 4 ranks: the highest rank peak is {max(four) / one_process[layers]:.2f}x the one-process peak "
+            f"(target 0.5x); rank 0 is {(four[0] - min(four[1:])) / 2**30:+.2f} GiB from the lowest other rank "
+            f"(target within 0.5 GiB)"
+        )
+    grown = [max(four_ranks[layers]) for layers in depths]
+    print(
+        f"\ntwice as deep: the highest 4-rank peak grew {(grown[1] - grown[0]) / 2**30:+.2f} GiB, while one "
+        f"process's grew {(one_process[depths[1]] - one_process[depths[0]]) / 2**30:+.2f} GiB"
+    )
+
+
+def cpu_model() -> str:
+    from precision import cpu_name
+
+    return cpu_name()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=int, default=1024, help="square matmul size")
@@ -1282,7 +1457,8 @@ def main() -> None:
     parser.add_argument(
         "--profile", nargs="*", metavar="KEY=VALUE", help="where a training step's time goes (train.py overrides)"
     )
-    parser.add_argument("--smoke", action="store_true", help="--gpu or --data at tiny sizes (the test suite's)")
+    parser.add_argument("--scale", action="store_true", help="each rank's memory at load, train, save, resume")
+    parser.add_argument("--smoke", action="store_true", help="--gpu, --data or --scale at tiny sizes (the tests')")
     parser.add_argument("--warmup", type=int, default=2, help="--levers, --compile, --lora: untimed steps")
     parser.add_argument("--steps", type=int, default=6, help="--levers, --compile, --lora: timed steps")
     args = parser.parse_args()
@@ -1302,6 +1478,8 @@ def main() -> None:
         return bench_attention()
     if args.data:
         return bench_data(args.smoke)
+    if args.scale:
+        return bench_scale(args.smoke)
     if args.versus:
         return bench_versus(args.versus, args.warmup, args.steps, args.rounds or 2)
     if args.profile is not None:

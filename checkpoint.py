@@ -118,12 +118,13 @@ def save(
     policy = parts["policy"].model
     marker = {"step": step, "metrics": metrics, "final": final, "loop": loop_state}
     small = {name: part.state_dict() for name, part in parts.items() if not collective(part)}
+    shapes = {name: tensor.shape for name, tensor in parts["policy"].state().items()}  # whole, whatever the sharding
 
     def finish() -> None:  # rank 0, once every rank has written its shards
         for name, state in small.items():
             if state:
                 torch.save({"step_idx": step, "state": state, "metrics": metrics}, tmp_dir / f"{name}.pt")
-        why = weights.missing_shards(tmp_dir / "policy")
+        why = weights.missing_shards(tmp_dir / "policy", shapes)
         if why is not None:
             raise UserError(
                 f"the checkpoint's policy/ is incomplete ({why}): with several machines, local_run_dir must be on a "

@@ -148,16 +148,18 @@ def file_groups(sizes: dict[str, int], file_bytes: int) -> dict[str, int]:
     return groups
 
 
-def missing_shards(directory: Path) -> str | None:
-    """Why the shards in `directory` do not add up to whole tensors (a rank's files missing: a run directory that
-    the machines do not share), or None."""
-    metadata = HuggingFaceStorageReader(str(directory)).read_metadata()
-    if not metadata.state_dict_metadata:
-        return "it holds no tensors"
-    for name, entry in metadata.state_dict_metadata.items():
-        stored = sum(chunk.sizes.numel() for chunk in entry.chunks)
-        if stored != entry.size.numel():
-            return f"its files hold {stored} of the {entry.size.numel()} values of {name}"
+def missing_shards(directory: Path, expected: dict[str, torch.Size]) -> str | None:
+    """Why the shards in `directory` are not every tensor of `expected` (name -> whole shape) whole: a rank's files
+    missing, say, in a run directory the machines do not share; or None."""
+    try:
+        stored = HuggingFaceStorageReader(str(directory)).read_metadata().state_dict_metadata
+    except (OSError, SafetensorError) as error:
+        return f"its files cannot be read ({first_line(error)})"
+    for name, shape in expected.items():
+        entry = stored.get(name)
+        covered = 0 if entry is None else sum(chunk.sizes.numel() for chunk in entry.chunks)
+        if covered != shape.numel() or entry.size != shape:
+            return f"its files hold {covered} of the {shape.numel()} values of {name}"
     return None
 
 

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import build
 import checkpoint
 import train
+import weights
 from checkpoint import replace_dir
 from conftest import assert_same_metrics, build_trainer, policy_state, read_jsonl
 from utils import UserError
@@ -197,3 +199,30 @@ def test_a_new_stateful_part_is_one_entry_and_resumes(make_config, tmp_path):
     (step_16 / "tally.pt").unlink()
     resumed.resume(step_16)
     assert fresh.count == 3
+
+
+def test_shards_that_do_not_add_up_are_never_a_checkpoint(make_config, tmp_path, monkeypatch):
+    # One rank's shards without the other's, as in a run directory the machines do not share: each file knows its
+    # offsets, not what is missing, so the check compares with the whole shapes the run knows.
+    whole = torch.arange(12.0).view(4, 3)
+    weights.write_shards({"w": whole}, tmp_path / "whole", world_size=1)
+    assert weights.missing_shards(tmp_path / "whole", {"w": whole.shape}) is None
+    half = tmp_path / "half"
+    half.mkdir()
+    metadata = {"DCP_SHARDING_INFO": json.dumps({"w": {"saved_offsets": [0, 0]}}), "DCP_VERSION": "1.0", "format": "pt"}
+    save_file({"w": whole[:2]}, half / "shard-00001-model-00001-of-00001.safetensors", metadata)  # rows 0-1 only
+    assert weights.missing_shards(half, {"w": whole.shape}) == "its files hold 6 of the 12 values of w"
+    # In a run: the save stops in one line, with nothing half-written left and the last checkpoint whole.
+    trainer = build_trainer(make_config())
+    trainer.example_counter = 8
+    trainer.save(trainer.run_dir / "step-8", {})
+    monkeypatch.setattr(weights, "missing_shards", lambda directory, shapes: "its files hold 6 of the 12 values of w")
+    trainer.example_counter = 16
+    with pytest.raises(UserError) as error:
+        trainer.save(trainer.run_dir / "step-16", {})
+    assert str(error.value).startswith(
+        f"could not write the checkpoint {trainer.run_dir / 'step-16'}: the checkpoint's policy/ is incomplete (its "
+        "files hold 6 of the 12 values of w): with several machines, local_run_dir must be on a filesystem they all "
+        "share; the last complete checkpoint"
+    )
+    assert sorted(p.name for p in trainer.run_dir.iterdir() if p.is_dir()) == ["step-8"]

@@ -57,13 +57,14 @@ def test_a_million_pairs_load_mapped_and_look_up_exactly(tmp_path):
 
 
 def test_weights_digest_sees_any_change():
-    model = torch.nn.Linear(4, 3)
-    before = reference_cache.weights_digest(model)
-    assert reference_cache.weights_digest(model) == before
+    model, one = torch.nn.Linear(4, 3), Topology()
+    before = reference_cache.weights_digest(model, one)
+    assert reference_cache.weights_digest(model, one) == before
     with torch.no_grad():
         model.weight[1, 2] += 1e-6
-    assert reference_cache.weights_digest(model) != before
-    assert reference_cache.weights_digest(model.to(torch.bfloat16)) != reference_cache.weights_digest(model.float())
+    assert reference_cache.weights_digest(model, one) != before
+    bfloat16 = reference_cache.weights_digest(model.to(torch.bfloat16), one)
+    assert bfloat16 != reference_cache.weights_digest(model.float(), one)
 
 
 def test_cached_reference_equals_live_reference_and_is_reused(make_config, tmp_path, capsys, monkeypatch):

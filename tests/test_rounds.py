@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import train
-from conftest import TINY_DIR, assert_same_metrics, read_jsonl, write_jsonl
+from conftest import TINY_DIR, assert_same_metrics, policy_state, read_jsonl, write_jsonl
 from rewards import load_reward
 from rounds import Rounds, round_lines
 from utils import UserError
@@ -133,8 +133,7 @@ def test_resuming_inside_a_round_or_at_its_end_matches_the_uninterrupted_run(mak
         assert_same_metrics(read_jsonl(whole / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl"))
         for index in range(3):
             assert read_round(resumed, index) == read_round(whole, index)
-        a = torch.load(whole / "LATEST" / "policy.pt", weights_only=True)["state"]
-        b = torch.load(resumed / "LATEST" / "policy.pt", weights_only=True)["state"]
+        a, b = policy_state(whole / "LATEST"), policy_state(resumed / "LATEST")
         for name in a:
             torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
 
