@@ -30,9 +30,10 @@
 12. `python bench.py --versus GIT_REF [--rounds N]`: this tree's training step against another version's,
    alternating fresh processes (2 rounds unless told): pairs/s, MFU, the share of the machine's fastest matmul rate,
    peak RSS.
-13. `python bench.py --scale`: each rank's peak resident memory while it reads the model, trains, saves (checkpoint
-   and export) and resumes, and the load, save and resume times, on 1, 2 and 4 processes, for a random 286M Llama
-   (hidden 1024, 20 layers, float32, AdamW; 2 steps of 4 HH pairs) and the same twice as deep.
+13. `python bench.py --scale [--versus GIT_REF]`: each rank's peak resident memory while it reads the model, trains,
+   saves (checkpoint and export) and resumes, and the load, save and resume times, on 1, 2 and 4 processes, for a
+   random 286M Llama (hidden 1024, 20 layers, float32, AdamW; 2 steps of 4 HH pairs) and the same twice as deep;
+   with --versus, another version's code on each configuration too, in turn.
 """
 
 import argparse
@@ -1339,8 +1340,9 @@ def scale_rank(rank: int, world: int, port: int, overrides: list[str], resume: s
     build.place = timed_place
     config = configuration.load(overrides + ([f"resume_from={resume}"] if resume else []))
     topology = Topology.create(config.trainer)
-    parts = build.build(config, topology)
     run_dir = Path(config.local_run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    parts = build.build(config, topology)
     if resume:
         config.resume_from = None
         trainer = Trainer(parts, run_dir)
@@ -1378,8 +1380,39 @@ def scale_overrides(model_dir: Path, run_dir: Path, world: int) -> list[str]:
     ]  # fmt: skip
 
 
-def bench_scale(smoke: bool) -> None:
-    """smoke: hidden 64, 2 and 4 layers (the test suite's)."""
+def scale_subprocess(root: Path, result_file: str, **kwargs) -> list[dict]:
+    """scale_launch of this bench.py over the project's code in `root` (this tree, or another version's: code_at), in
+    a fresh process; each rank's result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(Path(__file__), Path(tmp) / "scale_bench.py")  # a name of its own: root's modules come first
+        call = f"scale_bench.scale_launch(result_file={result_file!r}, **{kwargs!r})"
+        code = f"import sys; sys.path[:0] = [{str(root)!r}, {tmp!r}]; import scale_bench; {call}"
+        subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL)
+    return json.loads(Path(result_file).read_text())
+
+
+def scale_run(root: Path, model_dir: Path, world: int) -> list[dict]:
+    """Per rank: the peaks and seconds of a run (load, train, save) and of a new run resuming its checkpoint."""
+    with tempfile.TemporaryDirectory(dir=REPO_ROOT / ".cache") as tmp:
+        run_dir, result = Path(tmp) / "run", str(Path(tmp) / "result.json")
+        first = scale_subprocess(
+            root, result, world=world, overrides=scale_overrides(model_dir, run_dir, world), resume=None
+        )
+        resumed = scale_overrides(model_dir, Path(tmp) / "resumed", world)
+        second = scale_subprocess(root, result, world=world, overrides=resumed, resume=str(run_dir / "LATEST"))
+    return [
+        {
+            "peaks": {**a["peaks"], "resume": b["peaks"]["resume"]},
+            "whole": max(*a["peaks"].values(), *b["peaks"].values()),
+            "seconds": {**a["seconds"], "resume": b["seconds"]["resume"]},
+        }
+        for a, b in zip(first, second)
+    ]
+
+
+def bench_scale(smoke: bool, versus: str | None) -> None:
+    """smoke: hidden 64, 2 and 4 layers (the test suite's). versus: another version's code beside this tree's, each
+    configuration run by both in turn."""
     if not HH_FILE.exists():
         sys.exit(f"--scale trains on HH harmless-base pairs: {HH_FILE} is missing")
     print(
@@ -1388,44 +1421,40 @@ def bench_scale(smoke: bool) -> None:
         f"process's peak; and the times (s). float32, AdamW, max_length 256; {torch.__version__}, "
         f"{os.cpu_count()} cores ({cpu_model()})"
     )
-    one_process, four_ranks = {}, {}  # by layers: the one process's whole peak, the 4 ranks' whole peaks
-    depths = (2, 4) if smoke else (20, 40)
-    for layers in depths:
-        model_dir = scale_model_dir(layers, smoke)
-        n_parameters = sum(
-            v.numel() for v in transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict().values()
-        )
-        print(f"\nrandom Llama, {layers} layers: {n_parameters / 1e6:.0f}M parameters ({model_dir})")
-        print("ranks rank    load   train    save  resume   whole | load s  save s  resume s")
-        for world in (1, 2, 4):
-            with tempfile.TemporaryDirectory(dir=REPO_ROOT / ".cache") as tmp:
-                run_dir, result = Path(tmp) / "run", str(Path(tmp) / "result.json")
-                overrides = scale_overrides(model_dir, run_dir, world)
-                first = worker_subprocess("scale_launch", result, world=world, overrides=overrides, resume=None)
-                resumed_overrides = scale_overrides(model_dir, Path(tmp) / "resumed", world)
-                kwargs = dict(world=world, overrides=resumed_overrides, resume=str(run_dir / "LATEST"))
-                second = worker_subprocess("scale_launch", result, **kwargs)
-            for rank, (a, b) in enumerate(zip(first, second)):
-                peaks = {**a["peaks"], "resume": b["peaks"]["resume"]}
-                whole = max(*a["peaks"].values(), *b["peaks"].values())
-                if world == 1:
-                    one_process[layers] = whole
-                cells = " ".join(f"{peaks[phase] / 2**30:7.2f}" for phase in SCALE_PHASES)
-                times = f"{a['seconds']['load']:6.1f} {a['seconds']['save']:7.1f} {b['seconds']['resume']:9.1f}"
-                print(f"{world:5d} {rank:4d} {cells} {whole / 2**30:7.2f} | {times}")
-                if world == 4:
-                    four_ranks.setdefault(layers, []).append(whole)
-        four = four_ranks[layers]
+    with code_at(versus) if versus else contextlib.nullcontext() as other:
+        trees = {"this": REPO_ROOT, **({versus[:7]: other} if versus else {})}
+        whole = {}  # (code, layers, world) -> each rank's whole-process peak
+        depths = (2, 4) if smoke else (20, 40)
+        for layers in depths:
+            model_dir = scale_model_dir(layers, smoke)
+            model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+            n_parameters = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
+            del model
+            print(f"\nrandom Llama, {layers} layers: {n_parameters / 1e6:.0f}M parameters ({model_dir})")
+            print("code     ranks rank    load   train    save  resume   whole | load s  save s  resume s")
+            for world in (1, 2, 4):
+                for code, root in trees.items():
+                    ranks = scale_run(root, model_dir, world)
+                    whole[code, layers, world] = [rank["whole"] for rank in ranks]
+                    for index, rank in enumerate(ranks):
+                        cells = " ".join(f"{rank['peaks'].get(phase, 0) / 2**30:7.2f}" for phase in SCALE_PHASES)
+                        seconds = rank["seconds"]
+                        times = f"{seconds['load']:6.1f} {seconds['save']:7.1f} {seconds['resume']:9.1f}"
+                        print(f"{code:8} {world:5d} {index:4d} {cells} {rank['whole'] / 2**30:7.2f} | {times}")
+            for code in trees:
+                four, one = whole[code, layers, 4], whole[code, layers, 1][0]
+                print(
+                    f"{code}, at 4 ranks: the highest rank peak is {max(four) / one:.2f}x the one-process peak "
+                    f"(target 0.5x); rank 0 is {(four[0] - min(four[1:])) / 2**30:+.2f} GiB from the lowest other "
+                    f"rank (target within 0.5 GiB)"
+                )
+    for code in trees:
+        grown = [max(whole[code, layers, 4]) for layers in depths]
+        one = [whole[code, layers, 1][0] for layers in depths]
         print(
-            f"at 4 ranks: the highest rank peak is {max(four) / one_process[layers]:.2f}x the one-process peak "
-            f"(target 0.5x); rank 0 is {(four[0] - min(four[1:])) / 2**30:+.2f} GiB from the lowest other rank "
-            f"(target within 0.5 GiB)"
+            f"{code}, twice as deep: the highest 4-rank peak grew {(grown[1] - grown[0]) / 2**30:+.2f} GiB, while "
+            f"one process's grew {(one[1] - one[0]) / 2**30:+.2f} GiB"
         )
-    grown = [max(four_ranks[layers]) for layers in depths]
-    print(
-        f"\ntwice as deep: the highest 4-rank peak grew {(grown[1] - grown[0]) / 2**30:+.2f} GiB, while one "
-        f"process's grew {(one_process[depths[1]] - one_process[depths[0]]) / 2**30:+.2f} GiB"
-    )
 
 
 def cpu_model() -> str:
@@ -1452,7 +1481,9 @@ def main() -> None:
     )
     parser.add_argument("--attention", action="store_true", help="dense vs block-mask attention bookkeeping")
     parser.add_argument("--data", action="store_true", help="data at scale: tokenizing, caching, mapping")
-    parser.add_argument("--versus", metavar="GIT_REF", help="the training step against another version's, alternating")
+    parser.add_argument(
+        "--versus", metavar="GIT_REF", help="the training step (or with --scale, the memory) against another version's"
+    )
     parser.add_argument("--rounds", type=int, help="--versus: rounds of the two versions alternating (default 2)")
     parser.add_argument(
         "--profile", nargs="*", metavar="KEY=VALUE", help="where a training step's time goes (train.py overrides)"
@@ -1479,7 +1510,7 @@ def main() -> None:
     if args.data:
         return bench_data(args.smoke)
     if args.scale:
-        return bench_scale(args.smoke)
+        return bench_scale(args.smoke, args.versus)
     if args.versus:
         return bench_versus(args.versus, args.warmup, args.steps, args.rounds or 2)
     if args.profile is not None:

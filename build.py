@@ -27,7 +27,7 @@ from optim import build_optimizer, build_scheduler
 from placement import find_blocks, parallelize
 from precision import Precision, auto_compute_dtype, choose_compute_dtype, decide_precision, device_key, parse_dtype
 from preference_datasets import PreferencePair, batch_schedule
-from report import GIB, Hardware, data_report, fit_verdict
+from report import GIB, Hardware, Workload, data_report, fit_verdict
 from scoring import Scorer
 from telemetry import ModelFlops, peak_flops
 from tokenized import Examples, Tokenization, first_of_each_group, load_examples, mismatched, tokenize_pairs
@@ -305,7 +305,8 @@ def check_fit(config: DictConfig, topology: Topology, policy, data: Data, precis
     """Stop in one line, before any weight is read, where the run cannot fit this machine's memory (report.py)."""
     hardware = Hardware.here(topology.world_size)
     mesh = (topology.dp_size, topology.tp_size)
-    _, problem = fit_verdict(config, hardware, policy, data.train_examples, data.schedule, precision, live, mesh)
+    work = Workload(config, policy, data.train_examples, data.schedule, precision, live)
+    _, problem = fit_verdict(work, hardware, mesh)
     if problem is not None:
         raise UserError(problem)
 
@@ -407,7 +408,8 @@ def dry_run(config: DictConfig, world_size: int) -> None:
     hardware = planned or Hardware.here(world_size)
     mesh = mesh_shape(config.trainer, world_size, config.tensor_parallel_size)
     live = live_reference_model(config, objective.needs_reference)
-    plan, problem = fit_verdict(config, hardware, policy, data.train_examples, data.schedule, precision, live, mesh)
+    work = Workload(config, policy, data.train_examples, data.schedule, precision, live)
+    plan, problem = fit_verdict(work, hardware, mesh)
     print("\n".join(plan.lines(hardware)))
     if problem is not None:
         raise UserError(problem)

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 import weights
 from checkpoint import read_file
-from utils import UserError
+from utils import UserError, first_line
 
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -297,7 +297,11 @@ def weights_dir(name_or_path: str, cache_dir: Path, download: bool) -> Path:
     import huggingface_hub
 
     patterns = ["*.json", "*.safetensors"] if download else ["*.json"]
-    return Path(huggingface_hub.snapshot_download(path, cache_dir=str(cache_dir), allow_patterns=patterns))
+    try:
+        return Path(huggingface_hub.snapshot_download(path, cache_dir=str(cache_dir), allow_patterns=patterns))
+    except OSError as error:  # the Hub's HTTP errors and a file missing offline are OSErrors
+        what = "weights" if download else "config and index"
+        raise UserError(f"could not download the {what} of '{name_or_path}' ({first_line(error)})") from None
 
 
 def random_init_dir(config, dtype: torch.dtype, seed: int, cache_dir: Path, trust_remote_code: bool) -> Path:

@@ -166,24 +166,28 @@ class MemoryPlan:
         return lines
 
 
-def memory_plan(
-    config: DictConfig,
-    trainer: str,
-    mesh: tuple[int, int],
-    policy: torch.nn.Module,
-    train: Examples,
-    schedule: list[list[int]],
-    precision: Precision,
-    live_reference: bool,
-    on_gpu: bool,
-) -> MemoryPlan:
+@dataclass(frozen=True)
+class Workload:
+    """What a run trains, as far as its memory goes: the config, the policy's shapes (build.meta_policy, or the empty
+    model), its training examples and their schedule, its dtypes, and whether it keeps a live reference model."""
+
+    config: DictConfig
+    policy: torch.nn.Module
+    train: Examples
+    schedule: list[list[int]]
+    precision: Precision
+    live_reference: bool
+
+
+def memory_plan(work: Workload, trainer: str, mesh: tuple[int, int], on_gpu: bool) -> MemoryPlan:
     """One rank's memory on a (data-parallel, tensor-parallel) mesh, from the policy's shapes (meta_policy) and the
     run's largest micro-batch. Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
     Transformer Models"): 34 x hidden bytes per token and layer in 16-bit compute, without the attention scores
     (scaled dot-product attention does not keep them); activation checkpointing keeps each layer's input and one
     layer's activations. The weights are read sharded (weights.py) and written by every rank (checkpoint.py). Not
     counted: the framework itself (CUDA context, Python and torch: ~0.5-3 GiB)."""
-    training = device_memory(config, trainer, mesh, policy, train, schedule, precision, live_reference, on_gpu)
+    training = device_memory(work, trainer, mesh, on_gpu)
+    config, policy, precision = work.config, work.policy, work.precision
     dp, tp = mesh
     fsdp = TRAINERS[trainer].fsdp
     element = torch.finfo(precision.policy_weights).bits // 8
@@ -208,18 +212,9 @@ def count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
-def device_memory(
-    config: DictConfig,
-    trainer: str,
-    mesh: tuple[int, int],
-    policy: torch.nn.Module,
-    train: Examples,
-    schedule: list[list[int]],
-    precision: Precision,
-    live_reference: bool,
-    on_gpu: bool,
-) -> dict[str, float]:
+def device_memory(work: Workload, trainer: str, mesh: tuple[int, int], on_gpu: bool) -> dict[str, float]:
     """{part: bytes} one rank's device holds while training."""
+    config, policy, train, schedule, precision = work.config, work.policy, work.train, work.schedule, work.precision
     model_config = policy.config
     weights_dtype = precision.policy_weights
     n_parameters = sum(p.numel() for p in policy.parameters())
@@ -262,7 +257,7 @@ def device_memory(
         # torch's multi-tensor (foreach) step holds an intermediate per parameter, e.g. AdamW's denominators; the
         # fused one updates each element in place
         "optimizer step intermediates": 0 if fused else n_trainable * element / shards,
-        "reference weights": n_parameters * reference_bytes / shards if live_reference else 0,
+        "reference weights": n_parameters * reference_bytes / shards if work.live_reference else 0,
         "gathered block (FSDP)": 2 * sum(p.numel() for p in block.parameters()) * compute_bytes / tp
         if parallelism.fsdp
         else 0,
@@ -274,28 +269,18 @@ def device_memory(
     }
 
 
-def fit_verdict(
-    config: DictConfig,
-    hardware: Hardware,
-    policy: torch.nn.Module,
-    train: Examples,
-    schedule: list[list[int]],
-    precision: Precision,
-    live_reference: bool,
-    mesh: tuple[int, int],
-) -> tuple[MemoryPlan, str | None]:
+def fit_verdict(work: Workload, hardware: Hardware, mesh: tuple[int, int]) -> tuple[MemoryPlan, str | None]:
     """(the run's memory plan on its mesh, why it does not fit `hardware` with the smallest mesh that would, or
     None). Checked before any weight is read; a lower bound, so a run it refuses could not have fitted."""
 
     def plan(trainer: str, candidate: tuple[int, int]) -> MemoryPlan:
-        on_gpu = hardware.gpu_bytes is not None
-        return memory_plan(config, trainer, candidate, policy, train, schedule, precision, live_reference, on_gpu)
+        return memory_plan(work, trainer, candidate, on_gpu=hardware.gpu_bytes is not None)
 
-    current = plan(config.trainer, mesh)
+    current = plan(work.config.trainer, mesh)
     problem = current.fit_problem(hardware)
     if problem is None:
         return current, None
-    found = smallest_mesh(config, hardware, policy, plan)
+    found = smallest_mesh(work.config, hardware, work.policy, plan)
     return current, f"this run does not fit {hardware.describe()}: {problem} ({current.header}); {found}"
 
 

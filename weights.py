@@ -158,7 +158,7 @@ def missing_shards(directory: Path, expected: dict[str, torch.Size]) -> str | No
     for name, shape in expected.items():
         entry = stored.get(name)
         covered = 0 if entry is None else sum(chunk.sizes.numel() for chunk in entry.chunks)
-        if covered != shape.numel() or entry.size != shape:
+        if entry is None or covered != shape.numel() or entry.size != shape:
             return f"its files hold {covered} of the {shape.numel()} values of {name}"
     return None
 
@@ -200,8 +200,8 @@ def export_weights(state: dict[str, torch.Tensor], directory: Path, topology: To
 
 
 def full_state(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a directory of safetensors files or shards, whole, on this process's CPU (for small states:
-    a LoRA checkpoint's adapters, and tests)."""
+    """Every tensor of a directory of safetensors files or shards, whole, on this process's CPU: to inspect a small
+    checkpoint (the tests compare checkpoints with it)."""
     shapes = HuggingFaceStorageReader(str(directory)).read_metadata().state_dict_metadata
     state = {name: torch.empty(entry.size, dtype=entry.properties.dtype) for name, entry in shapes.items()}
     dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=True)

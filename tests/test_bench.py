@@ -1,10 +1,12 @@
-"""bench.py: the GPU campaign (--gpu) in its CPU smoke mode, so that it cannot rot between the rare GPU sessions; its
-command line."""
+"""bench.py: the GPU campaign (--gpu) and the scale campaign (--scale) in their smoke modes, so that they cannot rot
+between the sessions that run them; its command line."""
 
 import math
 import os
 import subprocess
 import sys
+
+import pytest
 
 from conftest import REPO_ROOT
 
@@ -42,3 +44,23 @@ def test_rounds_is_refused_without_versus_or_below_one():
         )
         assert result.returncode == 2, flags
         assert result.stderr.splitlines()[-1].endswith("at least 1, and only with --versus"), result.stderr
+
+
+@pytest.mark.slow
+def test_scale_smoke_measures_every_rank_in_every_phase():
+    # --scale at tiny sizes: each of 1, 2 and 4 ranks reports its peaks while loading, training, saving and resuming.
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench.py"), "--scale", "--smoke"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith("this ")]
+    assert [(int(row[1]), int(row[2])) for row in rows] == [(1, 0), (2, 0), (2, 1), (4, 0), (4, 1), (4, 2), (4, 3)] * 2
+    for row in rows:  # load, train, save, resume, whole: GiB; the whole process's peak is the highest
+        peaks = [float(value) for value in row[3:8]]
+        assert all(0 < peak for peak in peaks) and peaks[4] == max(peaks)
+    assert result.stdout.count("at 4 ranks: the highest rank peak is ") == 2 and "twice as deep" in result.stdout
