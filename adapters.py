@@ -152,8 +152,13 @@ def merged_weights(policy: nn.Module) -> dict[str, torch.Tensor]:
             stem = name.removesuffix(".base_layer.weight")
             a, b = (whole(own[f"{stem}.lora_{x}.default.weight"]).float() for x in "AB")
             value = added(value, scaling * (b @ a))
-        merged[name.removeprefix("base_model.model.").replace(".base_layer.", ".")] = value
+        merged[base_model_name(name)] = value
     return merged
+
+
+def base_model_name(name: str) -> str:
+    """A LoRA policy's tensor name in its base model (peft wraps each adapted layer's weight in base_layer)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:

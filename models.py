@@ -17,6 +17,7 @@ import transformers
 from omegaconf import DictConfig
 
 import weights
+from adapters import base_model_name
 from checkpoint import read_file
 from utils import UserError, first_line
 
@@ -199,11 +200,6 @@ def stored_names(
         else:
             names[name] = found
     return names, problems
-
-
-def base_model_name(name: str) -> str:
-    """A LoRA policy's tensor name in its base model (peft wraps each adapted layer's weight in base_layer)."""
-    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
 def transformers_config(model_config: DictConfig, cache_dir: Path) -> transformers.PretrainedConfig:

@@ -17,7 +17,7 @@ from placement import find_blocks, tensor_parallel_plan
 from precision import Precision
 from tokenized import Examples
 from utils import UserError
-from weights import RANK_FILE_BYTES
+from weights import rank_file_bytes
 
 GIB = 2**30
 SHOWN_TOKENS = 24  # of a long segment, the decoded example shows this many tokens at each end
@@ -194,7 +194,7 @@ def memory_plan(work: Workload, trainer: str, mesh: tuple[int, int], on_gpu: boo
     largest = max(p.numel() for p in policy.parameters()) * element
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad) * element / (dp * tp if fsdp else tp)
     # DCP serialises each safetensors file of a rank in memory, after staging a GPU's tensors on the host
-    rank_file = min(RANK_FILE_BYTES, trainable) * (2 if on_gpu else 1)
+    rank_file = min(rank_file_bytes(trainable), trainable) * (2 if on_gpu else 1)
     load = {"a weight's shard, read at a time": largest / (dp if fsdp else 1)}
     save = {"a checkpoint file, serialised": rank_file, "the export: one whole weight at a time": largest}
     n_parameters = sum(p.numel() for p in policy.parameters())

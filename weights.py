@@ -32,9 +32,10 @@ from utils import UserError, first_line
 # DCP says so at every call without a process group, which is how BasicTrainer runs it
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-# A rank's checkpoint file holds at most about this much: DCP serialises a safetensors file in memory before writing it,
-# so this bounds the host memory a save adds, while a 70B model on 16 ranks still makes only ~30 files a rank.
-RANK_FILE_BYTES = 512 * 2**20
+# DCP serialises each safetensors file in memory before writing it, so a rank's files are kept to an eighth of its share
+# of the weights (a save then adds about 3% to a rank's weights, gradients and AdamW state), between 16 MiB and 512 MiB:
+# the default job's 0.5 GiB of weights make 8 files, a 70B model's on 16 ranks ~35 files a rank.
+RANK_FILE_BYTES = (16 * 2**20, 512 * 2**20)
 EXPORT_FILE_BYTES = 4 * 2**30  # the export's files (from_pretrained reads any number); written one tensor at a time
 INDEX = "model.safetensors.index.json"  # which export file holds each tensor
 
@@ -133,12 +134,18 @@ def write_shards(state: dict[str, torch.Tensor], directory: Path, world_size: in
     """Write each rank's shards of `state` (tensors or DTensors, on any device) as safetensors files in `directory`,
     every rank its own files, each shard tagged with its offsets in the whole tensor. Collective."""
     sizes = {name: value.numel() * value.element_size() for name, value in state.items()}  # a DTensor's: whole
-    groups = file_groups(sizes, RANK_FILE_BYTES * world_size)
+    groups = file_groups(sizes, rank_file_bytes(sum(sizes.values()) / world_size) * world_size)
     writer = HuggingFaceStorageWriter(str(directory), save_distributed=True, fqn_to_index_mapping=groups)
     dcp.save(state, storage_writer=writer, no_dist=one_process())
 
 
-def file_groups(sizes: dict[str, int], file_bytes: int) -> dict[str, int]:
+def rank_file_bytes(share: float) -> float:
+    """The most a rank's checkpoint file holds, for a rank's share of `share` bytes of weights (RANK_FILE_BYTES)."""
+    smallest, largest = RANK_FILE_BYTES
+    return min(largest, max(smallest, share / 8))
+
+
+def file_groups(sizes: dict[str, int], file_bytes: float) -> dict[str, int]:
     """Tensor name -> file number (from 1): consecutive tensors, about file_bytes of whole tensors to a file."""
     groups, index, size = {}, 1, 0
     for name, nbytes in sizes.items():
