@@ -145,6 +145,11 @@ ERRORS = [
     ("model.policy_dtype=float16", "model.policy_dtype=float16 would train without loss scaling"),
     ("model.fsdp_reduce_dtype=fp8", "model.fsdp_reduce_dtype=fp8 is not a dtype"),
     ("model.fsdp_reduce_dtype=bfloat16", "model.fsdp_reduce_dtype=bfloat16 sets how FSDPTrainer reduces gradients"),
+    # dry_run=true planning for other machines (plan.*)
+    ("plan.gpus_per_node=8 plan.gpu_memory_gib=80", "plan.gpus_per_node=8 describes machines for dry_run=true to plan"),
+    ("dry_run=true plan.gpus_per_node=8", "plan.gpu_memory_gib=null: planning for other machines takes"),
+    ("dry_run=true plan.nodes=0", "plan.nodes=0 must be positive"),
+    ("dry_run=true plan.gpus_per_node=8 plan.gpu_memory_gib=80 nproc=2", "nproc=2 with plan.*: the planned world is"),
     # models, archives, checkpoints, run directories
     ("model.name_or_path={d}/no-model model.random_init=false", "could not load model '{d}/no-model'"),
     ("model.archive={d}/garbage.pt", "model.archive: {d}/garbage.pt is not a readable checkpoint"),
