@@ -12,7 +12,8 @@ packed: one segment per example, [prompt | response_1 | response_2], segments pa
     the context and position it has in the padded layout (Wang & Hegde 2024, "Accelerating Direct Preference
     Optimization with Prefix Sharing"). Who may attend to whom is a function of per-token ids (`packed_mask_mod`):
     evaluated densely it is the [R, 1, T, T] mask SDPA takes; handed to FlexAttention it becomes a block mask that
-    skips fully masked blocks and never holds a [T, T] tensor.
+    skips fully masked blocks and never holds a [T, T] tensor. A layer with a sliding window or chunked attention
+    sees less (`AttentionSpan`), measured in the position ids, which are the padded layout's positions.
 """
 
 from dataclasses import dataclass
@@ -20,6 +21,26 @@ from dataclasses import dataclass
 import torch
 
 LAYOUTS = ("packed", "padded")
+
+
+@dataclass(frozen=True)
+class AttentionSpan:
+    """How far a layer type's queries see besides the packed layout's rule: only keys fewer than `window`
+    positions back (sliding-window attention: Mistral, Gemma 2 and 3, GPT-OSS), only keys in the query's own block
+    of `chunk` positions (chunked attention: Llama 4); None: no such limit. transformers' masks state both on
+    a padded row's indices (`key > query - window`, `key // chunk == query // chunk`), which are a packed token's
+    position ids."""
+
+    window: int | None = None
+    chunk: int | None = None
+
+    def describe(self) -> str:
+        limits = [f"window {self.window}"] if self.window is not None else []
+        limits += [f"chunks of {self.chunk}"] if self.chunk is not None else []
+        return ", ".join(limits) or "full"
+
+
+FULL_ATTENTION = AttentionSpan()
 
 
 @dataclass
@@ -211,21 +232,32 @@ def pack(examples: list[dict], pad_token_id: int, row_tokens: int | None = None,
     return ModelBatch(input_ids, position_ids, None, segment_ids, branch_ids, **fields)
 
 
-def packed_mask_mod(segment_ids: torch.Tensor, branch_ids: torch.Tensor):
+def packed_mask_mod(
+    segment_ids: torch.Tensor,
+    branch_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    span: AttentionSpan = FULL_ATTENTION,
+):
     """FlexAttention's mask_mod(batch, head, query, key) -> whether query may attend to key, for packed rows:
-    the same segment, causal, and a response sees the prompt and its own branch, never another response. A padding
-    query attends to itself only: a query with no key gives NaN in SDPA, which would reach the gradients."""
+    the same segment, causal, and a response sees the prompt and its own branch, never another response; within
+    the layer type's span of positions. A padding query attends to itself only: a query with no key gives NaN in
+    SDPA, which would reach the gradients."""
 
     def mask_mod(b, h, q, k):
         real = segment_ids[b, q] >= 0
         same_segment = segment_ids[b, q] == segment_ids[b, k]
         visible_branch = (branch_ids[b, k] == 0) | (branch_ids[b, q] == branch_ids[b, k])
-        return (real & same_segment & visible_branch & (k <= q)) | (~real & (q == k))
+        visible = real & same_segment & visible_branch & (k <= q)
+        if span.window is not None:
+            visible = visible & (position_ids[b, q] - position_ids[b, k] < span.window)
+        if span.chunk is not None:
+            visible = visible & (position_ids[b, q] // span.chunk == position_ids[b, k] // span.chunk)
+        return visible | (~real & (q == k))
 
     return mask_mod
 
 
-def dense_mask(batch: ModelBatch) -> torch.Tensor:
+def dense_mask(batch: ModelBatch, span: AttentionSpan = FULL_ATTENTION) -> torch.Tensor:
     """[R, 1, T, T] bool, True where a query may attend a key: packed_mask_mod evaluated at every pair, on the
     batch's device."""
     rows, length = batch.input_ids.shape
@@ -233,4 +265,4 @@ def dense_mask(batch: ModelBatch) -> torch.Tensor:
     b = torch.arange(rows, device=device)[:, None, None]
     q = torch.arange(length, device=device)[None, :, None]
     k = torch.arange(length, device=device)[None, None, :]
-    return packed_mask_mod(batch.segment_ids, batch.branch_ids)(b, None, q, k)[:, None]
+    return packed_mask_mod(batch.segment_ids, batch.branch_ids, batch.position_ids, span)(b, None, q, k)[:, None]

@@ -4,6 +4,8 @@ from existing logits, or fused with the LM head (hidden states in, log-probs of 
 Shapes: T = sequence length, V = vocabulary size, N = hidden-state rows, M = scored tokens.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 # Float32 elements of one chunk of logits: the log-prob computation never holds more, whatever the batch, sequence
@@ -79,26 +81,65 @@ def token_logps_from_logits(logits, rows, targets, with_sum_sq: bool = False):
     return (token_logps, log_sum_sq) if with_sum_sq else token_logps
 
 
+@dataclass(frozen=True)
+class LogitMap:
+    """The elementwise map some models apply to their LM head's output before the softmax: times `scale` (Cohere's
+    `logit_scale`; Granite divides by `logits_scaling`), then soft-capped into (-cap, cap) as cap * tanh(x / cap)
+    (Gemma 2's `final_logit_softcapping`, Team Gemma 2024, arXiv:2408.00118); cap None: no cap. The identity by
+    default. Applied in float32 to the upcast logits, in place."""
+
+    scale: float = 1.0
+    cap: float | None = None
+
+    def apply_(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.scale != 1.0:
+            logits.mul_(self.scale)
+        if self.cap is not None:
+            logits.div_(self.cap).tanh_().mul_(self.cap)
+        return logits
+
+    def slope(self, mapped: torch.Tensor) -> torch.Tensor | float:
+        """The map's derivative at each element, from its output y: the scale, times 1 - (y / cap)^2 = 1 - tanh^2
+        under a cap (a new tensor, the shape of `mapped`; a float without a cap)."""
+        if self.cap is None:
+            return self.scale
+        return (mapped / self.cap).square_().neg_().add_(1).mul_(self.scale)
+
+    def describe(self) -> str:
+        parts = [f"times {self.scale:g}"] if self.scale != 1.0 else []
+        parts += [f"soft-capped at {self.cap:g}"] if self.cap is not None else []
+        return ", ".join(parts)
+
+
+IDENTITY = LogitMap()
+
+
+def scaled_(tensor: torch.Tensor, factor: torch.Tensor | float) -> torch.Tensor:
+    """tensor * factor in place, and no pass over `tensor` for a factor of 1."""
+    return tensor if isinstance(factor, float) and factor == 1.0 else tensor.mul_(factor)
+
+
 class _ChunkedHeadLogps(torch.autograd.Function):
-    """log_softmax((hidden[rows] @ weight.T + bias).float())[target]: the LM head and the float32 log-softmax
-    fused, chunk by chunk, so that the [M, V] logits never exist.
+    """log_softmax(f(hidden[rows] @ weight.T + bias))[target], f a LogitMap applied after the upcast: the LM head
+    and the float32 log-softmax fused, chunk by chunk, so that the [M, V] logits never exist.
 
     The logits are computed in `compute_dtype` (the autocast dtype, or the weight's), exactly as the model's own
     head would under the same autocast, then upcast, as the reference implementation upcasts its logits.
 
-    Backward, with g the gradient of each scored token's log-prob and P the softmax of its logits:
-    d/dlogits = g (onehot(target) - P), so
-      grad_hidden = g * W[target] - g * (P @ W)            (the row scale applied to [C, H], not to [C, V])
-      grad_weight = scatter(target, g * h) - P^T @ (g * h)  (likewise)
-    P is the only [C, V] operand: one pass turns the recomputed logits into it in place (exp(logits - logsumexp)),
-    and the last chunk's P is kept from the forward (at most one chunk: 64 MiB on a CPU), so a micro-batch of one
-    chunk's rows computes its logits once, not twice. Three [C, V] GEMMs per chunk instead of four, no [C, V]
-    temporaries besides P, and the weight cast to the compute dtype once per pass.
+    Backward, with g the gradient of each scored token's log-prob, P the softmax of its mapped logits and f' the
+    map's slope: d/dlogits = g (onehot(target) - P) * f' = g (f'_target onehot(target) - Q), Q = P * f', so
+      grad_hidden = g f'_target * W[target] - g * (Q @ W)            (the row scale applied to [C, H], not [C, V])
+      grad_weight = scatter(target, g f'_target * h) - Q^T @ (g * h)  (likewise)
+    Q is the only [C, V] operand (P itself without a map): one pass turns the recomputed logits into it in place
+    (exp(f(logits) - logsumexp), times f' under a map), and the last chunk's Q is kept from the forward (at most one
+    chunk: 64 MiB on a CPU), so a micro-batch of one chunk's rows computes its logits once, not twice. Three [C, V]
+    GEMMs per chunk instead of four, no [C, V] temporaries besides Q (and f' under a soft cap), and the weight cast
+    to the compute dtype once per pass.
     """
 
     @staticmethod
     @torch.profiler.record_function("fused head forward")
-    def forward(ctx, hidden, weight, bias, rows, targets, compute_dtype, keep_probs, with_sum_sq):
+    def forward(ctx, hidden, weight, bias, rows, targets, compute_dtype, logit_map, keep_probs, with_sum_sq):
         # hidden: [N, H]; weight: [V, H]; bias: [V] or None; rows, targets: [M]. Returns ([M] float32 log-probs,
         # [M] float32 log sum_v p_v^2 of each row, or [0] unless with_sum_sq). keep_probs: a backward will follow
         # (needs_input_grad cannot tell: it is set under no_grad too, as in the reference pass).
@@ -107,27 +148,29 @@ class _ChunkedHeadLogps(torch.autograd.Function):
         logsumexp = torch.empty_like(token_logps)
         log_sum_sq = torch.empty(rows.numel() if with_sum_sq else 0, dtype=torch.float32, device=hidden.device)
         weight_c, bias_c = cast(weight, compute_dtype), cast(bias, compute_dtype)  # once, not per chunk
-        probs = None
+        kept = None
         for start in range(0, rows.numel(), step):
             end = start + step
-            logits = head_logits(hidden[rows[start:end]], weight_c, bias_c, compute_dtype).float()
+            logits = logit_map.apply_(head_logits(hidden[rows[start:end]], weight_c, bias_c, compute_dtype).float())
             logsumexp[start:end] = torch.logsumexp(logits, dim=-1)
             token_logps[start:end] = logits.gather(-1, targets[start:end, None]).squeeze(-1) - logsumexp[start:end]
-            last = end >= rows.numel()
-            if with_sum_sq or (keep_probs and last):  # the softmax, in place: these logits are not needed again
+            keep = keep_probs and end >= rows.numel()
+            if with_sum_sq or keep:  # the softmax, in place: these logits are not needed again
+                slope = logit_map.slope(logits) if keep else 1.0  # before the softmax overwrites the mapped logits
                 probs = logits.sub_(logsumexp[start:end, None]).exp_()
                 if with_sum_sq:
                     log_sum_sq[start:end] = log_sum_squares(probs)
-        ctx.save_for_backward(hidden, weight, bias, rows, targets, logsumexp, probs if keep_probs else None)
-        ctx.compute_dtype = compute_dtype
+                kept = scaled_(probs, slope) if keep else None
+        ctx.save_for_backward(hidden, weight, bias, rows, targets, token_logps, logsumexp, kept)
+        ctx.compute_dtype, ctx.logit_map = compute_dtype, logit_map
         ctx.mark_non_differentiable(log_sum_sq)
         return token_logps, log_sum_sq
 
     @staticmethod
     @torch.profiler.record_function("fused head backward")
     def backward(ctx, grad_token_logps, _):
-        hidden, weight, bias, rows, targets, logsumexp, last_probs = ctx.saved_tensors
-        dtype = ctx.compute_dtype
+        hidden, weight, bias, rows, targets, token_logps, logsumexp, last_probs = ctx.saved_tensors
+        dtype, logit_map = ctx.compute_dtype, ctx.logit_map
         step = chunk_rows(weight.shape[0], weight.device)
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = grad_bias = None  # float32 sums over the chunks
@@ -138,14 +181,17 @@ class _ChunkedHeadLogps(torch.autograd.Function):
             chunk_hidden = hidden[rows[start:end]].to(dtype)
             if start == starts[-1]:
                 probs = last_probs
-            else:  # recomputed: exp(logits - logsumexp), in place
-                probs = head_logits(chunk_hidden, weight_c, bias_c, dtype).float()
-                probs.sub_(logsumexp[start:end, None]).exp_()
+            else:  # recomputed: exp(f(logits) - logsumexp) * f', in place
+                logits = logit_map.apply_(head_logits(chunk_hidden, weight_c, bias_c, dtype).float())
+                slope = logit_map.slope(logits)
+                probs = scaled_(logits.sub_(logsumexp[start:end, None]).exp_(), slope)
             probs = probs.to(dtype)  # the GEMMs' operand (a copy only under 16-bit compute)
             grad, chunk_targets = grad_token_logps[start:end], targets[start:end]
+            # g f'_target: the target's mapped logit is its log-prob plus the logsumexp.
+            target_grad = grad * logit_map.slope(token_logps[start:end] + logsumexp[start:end])
             if grad_hidden is not None:
                 from_probs = torch.mm(probs, weight_c).float().mul_(-grad[:, None])
-                from_targets = weight_c[chunk_targets].float().mul_(grad[:, None])
+                from_targets = weight_c[chunk_targets].float().mul_(target_grad[:, None])
                 grad_hidden.index_add_(0, rows[start:end], from_probs.add_(from_targets).to(hidden.dtype))
             if ctx.needs_input_grad[1]:
                 scaled = chunk_hidden * -grad[:, None].to(dtype)  # [C, H]: the row scale, on the small operand
@@ -155,14 +201,14 @@ class _ChunkedHeadLogps(torch.autograd.Function):
                     grad_weight.addmm_(probs.T, scaled)
                 else:  # a [V, H] product in the compute dtype, summed in float32
                     grad_weight.add_(torch.mm(probs.T, scaled))
-                grad_weight.index_add_(0, chunk_targets, chunk_hidden.float() * grad[:, None])
+                grad_weight.index_add_(0, chunk_targets, chunk_hidden.float() * target_grad[:, None])
             if ctx.needs_input_grad[2]:
                 chunk_bias = torch.mv(probs.T.float(), -grad)
                 grad_bias = chunk_bias if grad_bias is None else grad_bias.add_(chunk_bias)
-                grad_bias.index_add_(0, chunk_targets, grad.float())
+                grad_bias.index_add_(0, chunk_targets, target_grad.float())
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -177,8 +223,9 @@ def head_logits(
         return torch.nn.functional.linear(hidden.to(dtype), weight, bias)
 
 
-def token_logps_from_hidden(hidden, weight, bias, rows, targets, with_sum_sq: bool = False):
-    """[M] float32 log-probs of `targets` under the LM head applied to hidden[rows], never holding [M, V] logits.
+def token_logps_from_hidden(hidden, weight, bias, rows, targets, with_sum_sq: bool = False, logit_map=IDENTITY):
+    """[M] float32 log-probs of `targets` under the LM head applied to hidden[rows], then `logit_map`, never holding
+    [M, V] logits.
 
     hidden: [N, H]; weight: [V, H]; bias: [V] or None; rows, targets: [M] (rows may repeat: the last prompt token
     predicts the first token of every response). with_sum_sq: also [M] log sum_v p_v^2 of each row (no gradient),
@@ -187,6 +234,6 @@ def token_logps_from_hidden(hidden, weight, bias, rows, targets, with_sum_sq: bo
     compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     token_logps, log_sum_sq = _ChunkedHeadLogps.apply(
-        hidden, weight, bias, rows, targets, compute_dtype, trains, with_sum_sq
+        hidden, weight, bias, rows, targets, compute_dtype, logit_map, trains, with_sum_sq
     )
     return (token_logps, log_sum_sq) if with_sum_sq else token_logps

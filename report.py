@@ -236,10 +236,12 @@ def device_memory(work: Workload, trainer: str, mesh: tuple[int, int], on_gpu: b
         for start in range(0, len(indices), micro)
     ]
     rows = max(n_rows * length for n_rows, length in shapes)
-    # packed rows on a CPU take a dense [R, 1, T, T] mask: bool, and the additive one in the compute dtype (on CUDA
-    # the block mask holds a few integers per 128 x 128 block instead)
+    # packed rows on a CPU take a dense [R, 1, T, T] mask: bool, and the additive one in the compute dtype, one per
+    # layer type (full and sliding-window layers: Gemma 2 and 3, GPT-OSS); on CUDA the block mask holds a few integers
+    # per 128 x 128 block instead
     dense_masks = config.layout == "packed" and (config.packed_attention == "dense" or not on_gpu)
-    mask = max(n_rows * length**2 for n_rows, length in shapes) * (1 + compute_bytes)
+    layer_types = len(set(getattr(model_config, "layer_types", None) or ["full_attention"]))
+    mask = max(n_rows * length**2 for n_rows, length in shapes) * (1 + compute_bytes) * layer_types
     per_layer = (10 + 24 / tp) * hidden * compute_bytes / 2  # 34 at tp 1: tensor parallelism splits 24 of them
     activations = rows * (
         2 * hidden * compute_bytes * n_layers + per_layer if config.activation_checkpointing else per_layer * n_layers

@@ -16,8 +16,18 @@ from dataclasses import dataclass
 
 import torch
 
-from layouts import ModelBatch, dense_mask, make_batch, pack, packed_mask_mod, pad, segment_lengths
-from logprobs import token_logps_from_hidden, token_logps_from_logits
+from layouts import (
+    FULL_ATTENTION,
+    AttentionSpan,
+    ModelBatch,
+    dense_mask,
+    make_batch,
+    pack,
+    packed_mask_mod,
+    pad,
+    segment_lengths,
+)
+from logprobs import IDENTITY, LogitMap, token_logps_from_hidden, token_logps_from_logits
 from utils import first_line
 
 # Probe inputs: two examples with prompts of 3 and 1 tokens and responses of 1 to 3 tokens.
@@ -28,6 +38,22 @@ PROBE_EXAMPLES = [
 ATTENTIONS = ("auto", "dense", "block")
 # FlexAttention's tile: block-mask rows are padded to a multiple of it, so that the compiled kernel sees few shapes.
 FLEX_BLOCK = 128
+# The span each of transformers' layer types (`config.layer_types`) attends over, from the config's constants.
+LAYER_SPANS = {
+    "full_attention": lambda config: FULL_ATTENTION,
+    "sliding_attention": lambda config: AttentionSpan(window=config.sliding_window),
+    "chunked_attention": lambda config: AttentionSpan(chunk=config.attention_chunk_size),
+}
+# The probes' window and chunks: shorter than PROBE_EXAMPLES' sequences, so that a model that ignores them shows it.
+PROBE_SPAN = 2
+# The elementwise maps transformers' causal LMs apply to their head's output, by where each reads its constant at
+# every forward and the constant's identity value: the fused head applies them itself (logprobs.LogitMap), so for its
+# forward the model's own is set to the identity.
+HEAD_OUTPUT_MAPS = {
+    "final_logit_softcapping": ("config", None),  # Gemma 2 and 3: cap * tanh(logits / cap)
+    "logit_scale": ("model", 1.0),  # Cohere, Cohere 2: logits * logit_scale
+    "logits_scaling": ("config", 1.0),  # Granite, Granite MoE: logits / logits_scaling
+}
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -36,21 +62,67 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-def block_mask(batch: ModelBatch):
-    """FlexAttention's BlockMask of a packed batch, from its per-token ids: fully masked 128 x 128 blocks are listed
-    as skipped, and no [T, T] tensor is made (the compiled builder works block by block: at T = 32k on a CPU, 0.5 s
-    and no extra memory, against 18 s and 10 GB uncompiled; `python bench.py --attention`)."""
+def block_mask(batch: ModelBatch, span: AttentionSpan = FULL_ATTENTION):
+    """FlexAttention's BlockMask of a packed batch, from its per-token ids: fully masked 128 x 128 blocks (beyond a
+    window, too) are listed as skipped, and no [T, T] tensor is made (the compiled builder works block by block: at
+    T = 32k on a CPU, 0.5 s and no extra memory, against 18 s and 10 GB uncompiled; `python bench.py --attention`)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     rows, length = batch.input_ids.shape
     device = batch.input_ids.device
-    mask_mod = packed_mask_mod(batch.segment_ids, batch.branch_ids)
+    mask_mod = packed_mask_mod(batch.segment_ids, batch.branch_ids, batch.position_ids, span)
     return create_block_mask(mask_mod, rows, None, length, length, device=device, _compile=True)
 
 
-def packed_mask(batch: ModelBatch, attention: str):
-    """A packed batch's attention on its device: the [R, 1, T, T] boolean mask ("dense") or a BlockMask ("block")."""
-    return block_mask(batch) if attention == "block" else dense_mask(batch)
+def packed_mask(batch: ModelBatch, attention: str, spans: dict[str, AttentionSpan] | None = None):
+    """A packed batch's attention on its device: the [R, 1, T, T] boolean mask ("dense") or a BlockMask ("block"),
+    built once per distinct span. spans: each layer type's (None: full attention everywhere); where layer types
+    differ, transformers takes a dict of masks by layer type, and otherwise one mask for every layer."""
+    build = block_mask if attention == "block" else dense_mask
+    masks = {span: build(batch, span) for span in set((spans or {"": FULL_ATTENTION}).values())}
+    if len(masks) == 1:
+        return next(iter(masks.values()))
+    return {layer_type: masks[span] for layer_type, span in spans.items()}
+
+
+def attention_spans(model: torch.nn.Module) -> dict[str, AttentionSpan] | str:
+    """Each layer type's span from the model's config, or why the packed layout has no mask for one of them. A
+    config without `layer_types` has one type for every layer: windowed where it sets a sliding window (Mistral,
+    Mixtral, Starcoder2, Phi-3), as transformers then masks every layer."""
+    config, name = model.config, type(model_class(model)).__name__
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+        return {"full_attention": FULL_ATTENTION} if window is None else {"sliding_attention": AttentionSpan(window)}
+    unknown = sorted(set(layer_types) - set(LAYER_SPANS))
+    if unknown:
+        return f"{name} has {', '.join(unknown)} layers, which take no packed mask"
+    return {layer_type: LAYER_SPANS[layer_type](config) for layer_type in sorted(set(layer_types))}
+
+
+def describe_spans(spans: dict[str, AttentionSpan]) -> str:
+    if len(set(spans.values())) == 1:
+        span = next(iter(spans.values()))
+        return "" if span == FULL_ATTENTION else span.describe()
+    return ", ".join(f"{layer_type} {span.describe()}" for layer_type, span in spans.items())
+
+
+@contextlib.contextmanager
+def probe_spans(model: torch.nn.Module):
+    """The model's sliding window and attention chunks set to PROBE_SPAN for the forwards inside this block: every
+    layer type's mask (ours, and transformers' own in the padded layout) reads them from the config at each
+    forward."""
+    config = model.config
+    saved = {
+        key: getattr(config, key) for key in ("sliding_window", "attention_chunk_size") if getattr(config, key, None)
+    }
+    for key in saved:
+        setattr(config, key, PROBE_SPAN)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(config, key, value)
 
 
 @contextlib.contextmanager
@@ -69,26 +141,53 @@ def attention_implementation(model: torch.nn.Module, name: str | None):
         config._attn_implementation = previous
 
 
+def head_output_maps(model: torch.nn.Module) -> dict[str, tuple[object, float | None]]:
+    """The HEAD_OUTPUT_MAPS this model applies: attribute -> (the object it is read from, its value)."""
+    found = {}
+    for attribute, (owner, identity) in HEAD_OUTPUT_MAPS.items():
+        holder = model_class(model).config if owner == "config" else model_class(model)
+        value = getattr(holder, attribute, identity)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value != identity:
+            found[attribute] = (holder, value)
+    return found
+
+
+def head_logit_map(model: torch.nn.Module) -> LogitMap:
+    """The map the model applies to its head's output, as a LogitMap (the identity for most models)."""
+    values = {attribute: value for attribute, (_, value) in head_output_maps(model).items()}
+    scale = values.get("logit_scale", 1.0) / values.get("logits_scaling", 1.0)
+    return LogitMap(scale=scale, cap=values.get("final_logit_softcapping"))
+
+
 @contextlib.contextmanager
-def head_returns_token_logps(model: torch.nn.Module, rows: torch.Tensor, targets: torch.Tensor, with_sum_sq: bool):
+def head_returns_token_logps(
+    model: torch.nn.Module, rows: torch.Tensor, targets: torch.Tensor, with_sum_sq: bool, logit_map: LogitMap
+):
     """For the forwards inside this block, the model's LM head maps the kept hidden states [R, K, H] to the
-    float32 log-probs [M] of `targets` at flat kept rows `rows` (chunked: no [M, V] logits). with_sum_sq: the
-    block yields a dict that the forward fills with "log_sum_sq", [M] log sum_v p_v^2 (the model returns one
-    tensor, its head's)."""
+    float32 log-probs [M] of `targets` at flat kept rows `rows` (chunked: no [M, V] logits), its output mapped by
+    `logit_map` first, and the model's own map of the head's output is the identity. with_sum_sq: the block yields
+    a dict that the forward fills with "log_sum_sq", [M] log sum_v p_v^2 (the model returns one tensor, its
+    head's)."""
     head, extras = model.get_output_embeddings(), {}
+    own_maps = head_output_maps(model)
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        out = token_logps_from_hidden(hidden.flatten(0, -2), head.weight, head.bias, rows, targets, with_sum_sq)
+        hidden = hidden.flatten(0, -2)
+        out = token_logps_from_hidden(hidden, head.weight, head.bias, rows, targets, with_sum_sq, logit_map)
         if not with_sum_sq:
             return out
         extras["log_sum_sq"] = out[1]
         return out[0]
 
     head.forward = forward
+    for attribute, (holder, _) in own_maps.items():
+        setattr(holder, attribute, HEAD_OUTPUT_MAPS[attribute][1])
     try:
         yield extras
     finally:
         del head.forward
+        for attribute, (holder, value) in own_maps.items():
+            setattr(holder, attribute, value)
 
 
 def sequence_logps(
@@ -100,28 +199,32 @@ def sequence_logps(
     attention: str = "dense",
     tail_weight: float = 1.0,
     with_sum_sq: bool = False,
+    spans: dict[str, AttentionSpan] | None = None,
+    logit_map: LogitMap = IDENTITY,
 ):
     """[S] float32 summed log-probs of each sequence's scored tokens, in one forward pass of `model`.
 
     autocast_dtype: run the forward under torch.autocast in this dtype (None: no autocast).
     mask_dtype: the dtype attention computes in, for the additive dense mask of the packed layout.
     scored_head: the head runs only on the hidden states that predict a scored token, fused with the float32
-    log-softmax; otherwise the model returns all [R, T, V] logits and the log-softmax is chunked over them.
-    attention: for a packed batch whose mask is not built yet (see Scorer.batch), "dense" ([R, 1, T, T] additive
-    mask, SDPA) or "block" (FlexAttention).
+    log-softmax and `logit_map` (the model's own map of its head's output, head_logit_map); otherwise the model
+    returns all [R, T, V] logits and the log-softmax is chunked over them.
+    attention, spans: for a packed batch whose mask is not built yet (see Scorer.batch), "dense" ([R, 1, T, T]
+    additive mask, SDPA) or "block" (FlexAttention), and each layer type's span (packed_mask).
     tail_weight: the weight of the tokens beyond the example's shortest response (response_sums).
     with_sum_sq: also [S] sums of log sum_v p_v^2 over each sequence's scored tokens (WPO), no gradient, from the
     same logits: (logps, log_sum_sq)."""
-    mask = batch.attention_mask if batch.attention_mask is not None else packed_mask(batch, attention)
-    flex = not torch.is_tensor(mask)  # a BlockMask
-    if not flex and mask.dim() == 4:
-        mask = additive_mask(mask, mask_dtype)
+    mask = batch.attention_mask if batch.attention_mask is not None else packed_mask(batch, attention, spans)
+    flex = not torch.is_tensor(next(iter(mask.values())) if isinstance(mask, dict) else mask)  # BlockMasks
+    if not flex:
+        mask = model_mask(mask, mask_dtype)
     inputs = dict(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids, use_cache=False)
     device = batch.input_ids.device
     autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
     with autocast, attention_implementation(model, "flex_attention" if flex else None):
         if scored_head:
-            with head_returns_token_logps(model, batch.score_rows, batch.score_targets, with_sum_sq) as extras:
+            rows, targets = batch.score_rows, batch.score_targets
+            with head_returns_token_logps(model, rows, targets, with_sum_sq, logit_map) as extras:
                 token_logps = model(**inputs, logits_to_keep=batch.keep_positions).logits
             log_sum_sq = extras.get("log_sum_sq")
         else:
@@ -130,6 +233,16 @@ def sequence_logps(
             token_logps, log_sum_sq = out if with_sum_sq else (out, None)
     logps = response_sums(token_logps.float().view(-1), batch, tail_weight)
     return (logps, response_sums(log_sum_sq.view(-1), batch)) if with_sum_sq else logps
+
+
+def model_mask(mask, dtype: torch.dtype):
+    """A dense mask as the model takes it: a padded batch's [R, T] as it is, a packed batch's boolean [R, 1, T, T]
+    as the additive float mask (once per distinct tensor of a dict by layer type)."""
+    if not isinstance(mask, dict):
+        return additive_mask(mask, dtype) if mask.dim() == 4 else mask
+    distinct = {id(tensor): tensor for tensor in mask.values()}
+    additive = {key: additive_mask(tensor, dtype) for key, tensor in distinct.items()}
+    return {layer_type: additive[id(tensor)] for layer_type, tensor in mask.items()}
 
 
 def response_sums(token_values: torch.Tensor, batch: ModelBatch, tail_weight: float = 1.0) -> torch.Tensor:
@@ -155,17 +268,19 @@ def model_class(model: torch.nn.Module):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def compare(model, batch: ModelBatch, expected: ModelBatch, dtype, device, mismatch: str, **options) -> str | None:
+def compare(
+    model, batch: ModelBatch, expected: ModelBatch, dtype, device, tried: str, mismatch: str, **options
+) -> str | None:
     """None when `batch` gives `expected`'s log-probs (padded, all logits) within rounding, else why not, starting
-    with the model's name; mismatch: what a numeric difference means. No autocast: the model computes in `dtype`
-    (its weights', or FSDP's mixed precision)."""
+    with the model's name; tried: what the model is given; mismatch: what a numeric difference means. No autocast:
+    the model computes in `dtype` (its weights', or FSDP's mixed precision)."""
     name = type(model_class(model)).__name__
     try:
         with torch.no_grad():
             got = sequence_logps(model, batch.to(device), None, dtype, **options)
             want = sequence_logps(model, expected.to(device), None, dtype, scored_head=False)
     except Exception as error:  # any failure means: not this model
-        return f"{name} failed with it ({type(error).__name__}: {first_line(error)})"
+        return f"{name} failed with {tried} ({type(error).__name__}: {first_line(error)})"
     if not torch.allclose(got, want, rtol=probe_tolerance(dtype), atol=probe_tolerance(dtype)):
         return f"{name} {mismatch} (log-probs differ by {(got - want).abs().max():.2g})"
     return None
@@ -173,31 +288,35 @@ def compare(model, batch: ModelBatch, expected: ModelBatch, dtype, device, misma
 
 def scored_head_problem(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why the fused scored-positions head cannot replace this model's LM head, or None when it can: the model must
-    take `logits_to_keep` as positions per row and return its head's output unchanged (no soft-capping or scaling
-    after the head)."""
+    take `logits_to_keep` as positions per row and change its head's output by no more than the map the fused head
+    applies too (head_logit_map: soft-capping, logit scaling)."""
     name = type(model_class(model)).__name__
     if "logits_to_keep" not in inspect.signature(model_class(model).forward).parameters:
         return f"{name}.forward takes no logits_to_keep"
     if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
         return f"{name}'s output embedding is not a Linear layer"
-    batch = pad(PROBE_EXAMPLES, 0)
-    return compare(model, batch, batch, dtype, device, "changes its head's output", scored_head=True)
+    batch, logit_map = pad(PROBE_EXAMPLES, 0), head_logit_map(model)
+    mismatch = "changes its head's output" + (f" other than {logit_map.describe()}" if logit_map != IDENTITY else "")
+    tried = "the fused head"
+    return compare(model, batch, batch, dtype, device, tried, mismatch, scored_head=True, logit_map=logit_map)
 
 
-def packing_problem(model: torch.nn.Module, max_length: int, dtype: torch.dtype, device: torch.device) -> str | None:
+def packing_problem(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why this model cannot take the packed layout, or None when it can: it must honour a custom 4-D attention
-    mask and explicit position ids, which the probe checks numerically against the padded layout."""
-    config, name = model.config, type(model_class(model)).__name__
-    implementation = getattr(config, "_attn_implementation", None)
+    mask (one per layer type where they differ) and explicit position ids, which the probe checks numerically
+    against the padded layout, both examples in one row, with the model's windows and chunks cut to PROBE_SPAN."""
+    implementation = getattr(model.config, "_attn_implementation", None)
     if implementation not in ("sdpa", "eager"):
         return f"attention implementation {implementation!r} takes no 4-D mask (sdpa and eager do)"
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    if window is not None and window < max_length:
-        return (
-            f"{name}'s sliding window ({window} tokens, below max_length={max_length}) is not applied to a custom mask"
-        )
-    mismatch = "does not honour a custom 4-D mask and position ids"
-    return compare(model, pack(PROBE_EXAMPLES, 0), pad(PROBE_EXAMPLES, 0), dtype, device, mismatch, scored_head=False)
+    with probe_spans(model):
+        spans = attention_spans(model)
+        if isinstance(spans, str):
+            return spans
+        packed = pack(PROBE_EXAMPLES, 0, row_tokens=sum(segment_lengths(PROBE_EXAMPLES)))
+        mismatch = "does not honour a custom 4-D mask and position ids"
+        tried = "a custom 4-D mask and position ids"
+        expected = pad(PROBE_EXAMPLES, 0)
+        return compare(model, packed, expected, dtype, device, tried, mismatch, scored_head=False, spans=spans)
 
 
 def block_attention_problem(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -210,15 +329,19 @@ def block_attention_problem(model: torch.nn.Module, dtype: torch.dtype, device: 
     if device.type != "cuda":
         return "FlexAttention has no backward pass on CPU"
     packed = pack(PROBE_EXAMPLES, 0, row_tokens=sum(segment_lengths(PROBE_EXAMPLES)), multiple=FLEX_BLOCK)
-    mismatch = "computes other log-probs with a block mask"
-    return compare(model, packed, pad(PROBE_EXAMPLES, 0), dtype, device, mismatch, scored_head=False, attention="block")
+    tried, mismatch = "a block mask", "computes other log-probs with a block mask"
+    with probe_spans(model):
+        spans, expected = attention_spans(model), pad(PROBE_EXAMPLES, 0)
+        options = dict(scored_head=False, attention="block", spans=spans)
+        return compare(model, packed, expected, dtype, device, tried, mismatch, **options)
 
 
 @dataclass
 class Scorer:
     """How this run turns tokenized examples into per-sequence log-probs: the layout and, for packed rows, the
-    attention path; whether the head runs on scored positions only; who applies the compute dtype (torch.autocast,
-    or FSDP's mixed precision); and the token budget of a packed row."""
+    attention path and each layer type's span; whether the head runs on scored positions only, and the map of its
+    output it applies; who applies the compute dtype (torch.autocast, or FSDP's mixed precision); and the token
+    budget of a packed row."""
 
     layout: str
     attention: str
@@ -228,6 +351,8 @@ class Scorer:
     autocast: bool
     row_tokens: int | None = None
     tail_weight: float = 1.0  # LD-DPO's alpha (response_sums); 1: plain sums
+    spans: dict[str, AttentionSpan] | None = None  # packed rows' span per layer type (None: full attention)
+    logit_map: LogitMap = IDENTITY  # the scored head's map of its output
 
     @classmethod
     def create(
@@ -249,7 +374,7 @@ class Scorer:
         device = topology.device
         layout, attention, scored_head = settings.layout, settings.packed_attention, settings.scored_logits_only
         notes = []
-        problem = packing_problem(model, settings.max_length, probe_dtype, device) if layout == "packed" else None
+        problem = packing_problem(model, probe_dtype, device) if layout == "packed" else None
         if problem:
             notes.append(f"layout: padded, not packed: {problem}")
             layout = "padded"
@@ -266,17 +391,23 @@ class Scorer:
             notes.append(f"logits: computed at every position, not only where a token is scored: {problem}")
             scored_head = False
         layout, attention, scored_head, notes = topology.broadcast((layout, attention, scored_head, notes))
+        spans = attention_spans(model) if layout == "packed" else None
+        logit_map = head_logit_map(model) if scored_head else IDENTITY
         row_tokens = settings.pack_row_tokens
-        scorer = cls(layout, attention, scored_head, pad_token_id, device, autocast, row_tokens, tail_weight)
+        scorer = cls(
+            layout, attention, scored_head, pad_token_id, device, autocast, row_tokens, tail_weight, spans, logit_map
+        )
         for note in notes:
             print(note)
         print(f"scoring: {scorer.describe()}")
         return scorer
 
     def describe(self) -> str:
-        attention = f" ({self.attention} attention)" if self.layout == "packed" else ""
+        spans = describe_spans(self.spans) if self.spans else ""
+        attention = f" ({self.attention} attention{'; ' + spans if spans else ''})" if self.layout == "packed" else ""
+        head = f"scored logits{' ' + self.logit_map.describe() if self.logit_map != IDENTITY else ''}"
         tails = f", response tails weighted {self.tail_weight:g}" if self.tail_weight != 1.0 else ""
-        return f"{self.layout} layout{attention}, {'scored' if self.scored_head else 'all'} logits{tails}"
+        return f"{self.layout} layout{attention}, {head if self.scored_head else 'all logits'}{tails}"
 
     def row_budget(self, examples: list[dict]) -> int | None:
         """Tokens per packed row: `pack_row_tokens` when set; with a block mask the whole micro-batch in one row
@@ -293,7 +424,7 @@ class Scorer:
         batch = make_batch(self.layout, examples, self.pad_token_id, self.row_budget(examples), multiple)
         batch = batch.to(self.device)
         if self.layout == "packed":
-            batch.attention_mask = packed_mask(batch, self.attention)
+            batch.attention_mask = packed_mask(batch, self.attention, self.spans)
         return batch
 
     def __call__(self, model: torch.nn.Module, batch: ModelBatch, compute: torch.dtype | None, with_sum_sq=False):
@@ -303,5 +434,13 @@ class Scorer:
         autocast = compute if self.autocast else None
         mask_dtype = compute or next(model.parameters()).dtype
         return sequence_logps(
-            model, batch, autocast, mask_dtype, self.scored_head, self.attention, self.tail_weight, with_sum_sq
+            model,
+            batch,
+            autocast,
+            mask_dtype,
+            self.scored_head,
+            self.attention,
+            self.tail_weight,
+            with_sum_sq,
+            logit_map=self.logit_map,
         )

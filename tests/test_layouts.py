@@ -2,7 +2,17 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from layouts import dense_mask, left_padded_prompts, pack, pack_rows, packed_mask_mod, pad, segment_lengths
+from layouts import (
+    FULL_ATTENTION,
+    AttentionSpan,
+    dense_mask,
+    left_padded_prompts,
+    pack,
+    pack_rows,
+    packed_mask_mod,
+    pad,
+    segment_lengths,
+)
 from preference_datasets import PreferencePair
 from tokenized import Tokenization, tokenize_pairs
 
@@ -124,9 +134,11 @@ MASK_LAYOUTS = {
 }
 
 
-def expected_mask(batch) -> torch.Tensor:
+def expected_mask(batch, span: AttentionSpan = FULL_ATTENTION) -> torch.Tensor:
     """[R, T, T] written from the padded layout's meaning: a token sees the tokens before it (by position) in its own
-    padded sequence [prompt | its response], i.e. its example's prompt and its own response; padding sees itself."""
+    padded sequence [prompt | its response], i.e. its example's prompt and its own response; padding sees itself.
+    With a window, only the tokens fewer than `window` positions back; with chunks, only those of its own chunk of
+    positions (transformers' sliding-window and chunked masks of a padded row)."""
     rows, length = batch.input_ids.shape
     mask = torch.zeros(rows, length, length, dtype=torch.bool)
     for r in range(rows):
@@ -137,20 +149,26 @@ def expected_mask(batch) -> torch.Tensor:
                 if example_q < 0:
                     mask[r, q, k] = q == k
                 elif example_q == example_k and part_k in (0, part_q):
-                    mask[r, q, k] = batch.position_ids[r, k] <= batch.position_ids[r, q]
+                    position_q, position_k = batch.position_ids[r, q].item(), batch.position_ids[r, k].item()
+                    in_window = span.window is None or position_q - position_k < span.window
+                    in_chunk = span.chunk is None or position_q // span.chunk == position_k // span.chunk
+                    mask[r, q, k] = position_k <= position_q and in_window and in_chunk
     return mask
 
 
 @pytest.mark.parametrize("sft", [False, True])
 @pytest.mark.parametrize("layout", list(MASK_LAYOUTS))
-def test_the_mask_mod_is_the_padded_layouts_visibility(layout, sft):
+@pytest.mark.parametrize("span", [FULL_ATTENTION, AttentionSpan(window=2), AttentionSpan(chunk=3)], ids=str)
+def test_the_mask_mod_is_the_padded_layouts_visibility(layout, sft, span):
     examples = [{**ex, "responses": ex["responses"][:1]} if sft else ex for ex in MASK_EXAMPLES]
     batch = MASK_LAYOUTS[layout](examples)
-    expected = expected_mask(batch)
-    assert torch.equal(dense_mask(batch)[:, 0], expected)
+    expected = expected_mask(batch, span)
+    assert torch.equal(dense_mask(batch, span)[:, 0], expected)
+    if span != FULL_ATTENTION:
+        assert not torch.equal(expected, expected_mask(batch))  # the examples are longer than the span
     # FlexAttention evaluates the same mask_mod: its dense rendering is the same mask, and its block mask covers it
     rows, length = batch.input_ids.shape
-    mask_mod = packed_mask_mod(batch.segment_ids, batch.branch_ids)
+    mask_mod = packed_mask_mod(batch.segment_ids, batch.branch_ids, batch.position_ids, span)
     assert torch.equal(create_mask(mask_mod, rows, 1, length, length, device="cpu")[:, 0], expected)
     blocks = create_block_mask(mask_mod, rows, None, length, length, device="cpu", BLOCK_SIZE=4)
     listed = blocks.to_dense().bool()[:, 0].repeat_interleave(4, 1).repeat_interleave(4, 2)[:, :length, :length]
@@ -163,6 +181,22 @@ def test_a_block_mask_skips_the_blocks_between_segments():
     examples = [{"prompt": list(range(1, 33)), "responses": [list(range(16)), list(range(16))]} for _ in range(8)]
     batch = pack(examples, 0, row_tokens=sum(segment_lengths(examples)))
     assert batch.input_ids.shape == (1, 512)
-    mask_mod = packed_mask_mod(batch.segment_ids, batch.branch_ids)
+    mask_mod = packed_mask_mod(batch.segment_ids, batch.branch_ids, batch.position_ids)
     blocks = create_block_mask(mask_mod, 1, None, 512, 512, device="cpu", BLOCK_SIZE=64)
     assert blocks.kv_num_blocks.sum() + blocks.full_kv_num_blocks.sum() == 8
+
+
+def test_a_block_mask_skips_the_blocks_beyond_a_window():
+    # One 512-token sequence, a 64-token window, 64-token blocks: query block i sees key blocks i - 1 and i only,
+    # so 1 + 2 x 7 = 15 of 64 blocks are computed (without the window, the causal half: 36).
+    examples = [{"prompt": list(range(1, 448)), "responses": [list(range(65))]}]
+    batch = pack(examples, 0)
+    assert batch.input_ids.shape == (1, 512)
+
+    def computed_blocks(span: AttentionSpan) -> int:
+        mask_mod = packed_mask_mod(batch.segment_ids, batch.branch_ids, batch.position_ids, span)
+        blocks = create_block_mask(mask_mod, 1, None, 512, 512, device="cpu", BLOCK_SIZE=64)
+        return int(blocks.kv_num_blocks.sum() + blocks.full_kv_num_blocks.sum())
+
+    assert computed_blocks(AttentionSpan(window=64)) == 15
+    assert computed_blocks(FULL_ATTENTION) == 36

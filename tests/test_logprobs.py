@@ -97,38 +97,52 @@ def test_chunk_size_is_bounded_in_elements_not_rows():
     assert logprobs.chunk_rows(2**17, cuda) == 2048  # a GPU's chunk: 1 GiB of float32 logits
 
 
+# (scale, cap) of the head's output map: none, Cohere's scale, Granite's 1 / scaling, Gemma 2's soft cap, both.
+LOGIT_MAPS = [(1.0, None), (4.0, None), (0.25, None), (1.0, 0.5), (3.0, 2.0)]
+
+
+def mapped(logits: torch.Tensor, scale: float, cap: float | None) -> torch.Tensor:
+    """The maps as the models write them: logits * scale, then cap * tanh(logits / cap)."""
+    logits = logits * scale
+    return logits if cap is None else cap * torch.tanh(logits / cap)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows_per_chunk", [3, 4096])
-def test_fused_head_logps_match_head_then_log_softmax(dtype, bias, rows_per_chunk, chunk_rows_of):
-    # The fused head equals lm_head(hidden[rows]).float().log_softmax()[targets], in value and in the gradients of
-    # hidden, weight and bias, including rows used twice (the last prompt token predicts chosen[0] and rejected[0]);
-    # in 3 chunks (two recomputed in the backward, the last kept from the forward) and in one (kept).
+@pytest.mark.parametrize("scale, cap", LOGIT_MAPS)
+def test_fused_head_logps_match_head_then_log_softmax(dtype, bias, rows_per_chunk, scale, cap, chunk_rows_of):
+    # The fused head equals f(lm_head(hidden[rows]).float()).log_softmax()[targets], f the model's map of its
+    # logits, in value and in the gradients of hidden, weight and bias, including rows used twice (the last prompt
+    # token predicts chosen[0] and rejected[0]); in 3 chunks (two recomputed in the backward, the last kept from the
+    # forward) and in one (kept). Logits of about +-3 put a cap of 0.5 deep in tanh's curve.
     chunk_rows_of(rows_per_chunk, 40)
     torch.manual_seed(2)
-    hidden = torch.randn(6, 16, requires_grad=True)
+    hidden = (3 * torch.randn(6, 16)).requires_grad_()
     head = torch.nn.Linear(16, 40, bias=bias)
     rows = torch.tensor([0, 2, 2, 3, 5, 5, 5, 1])
     targets = torch.randint(0, 40, (8,))
     weights = torch.randn(8)
     autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+    logit_map = logprobs.LogitMap(scale, cap)
     with autocast:
-        fused = logprobs.token_logps_from_hidden(hidden, head.weight, head.bias, rows, targets)
+        fused = logprobs.token_logps_from_hidden(hidden, head.weight, head.bias, rows, targets, logit_map=logit_map)
     (fused * weights).sum().backward()
     fused_grads = [hidden.grad, head.weight.grad] + ([head.bias.grad] if bias else [])
     hidden.grad = None
     head.zero_grad(set_to_none=True)
     with autocast:
         logits = head(hidden)
-    naive = logits.float().log_softmax(-1)[rows, targets]
+    naive = mapped(logits.float(), scale, cap).log_softmax(-1)[rows, targets]
     (naive * weights).sum().backward()
     naive_grads = [hidden.grad, head.weight.grad] + ([head.bias.grad] if bias else [])
     assert fused.dtype == torch.float32
-    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(fused, naive, rtol=0, atol=tolerance)
+    # float32: log-probs to an ulp or two (they reach -40 here, where an ulp is 4e-6), gradients to 1e-5.
+    tolerance, grad_tolerance = (1e-6, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
+    torch.testing.assert_close(fused, naive, rtol=tolerance, atol=tolerance)
     for a, b in zip(fused_grads, naive_grads):
         assert a.dtype == b.dtype
-        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(a, b, rtol=grad_tolerance, atol=grad_tolerance)
 
 
 def test_fused_head_never_holds_logits(chunk_rows_of):

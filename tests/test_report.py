@@ -129,6 +129,20 @@ def test_memory_estimate_counts_the_real_model(
     assert parts["attention mask (packed, dense)"] == micro * 16 * 16 * (1 + 4)  # a row of 16 per pair, float32
 
 
+def test_memory_estimate_counts_a_dense_mask_per_layer_type(make_config, tiny_tokenizer):
+    # Sliding-window and full layers each take their own [R, 1, T, T] mask (Gemma 2 and 3, GPT-OSS): twice the bytes.
+    config = make_config()
+    examples = eight_examples(tiny_tokenizer, "q" * 5, "a" * 3, "b" * 6)
+    precision = precision_of(config)
+    policy = build.meta_policy(config, precision, Path(config.local_dirs[0]))
+    masks = []
+    for layer_types in (None, ["sliding_attention", "full_attention"]):
+        policy.config.layer_types = layer_types
+        work = report.Workload(config, policy, examples, [list(range(8))], precision, False)
+        masks.append(report.memory_plan(work, config.trainer, (1, 1), on_gpu=False).training)
+    assert [parts["attention mask (packed, dense)"] for parts in masks] == [8 * 16 * 16 * 5, 2 * 8 * 16 * 16 * 5]
+
+
 def test_tensor_parallel_memory_estimate_counts_the_unfused_step(make_config, tiny_tokenizer):
     # tensor parallelism alone leaves norms and embeddings plain beside the DTensors: torch's default step, not fused
     config = make_config("trainer=TensorParallelTrainer", "nproc=2")

@@ -160,7 +160,7 @@ def test_probes_accept_models_that_take_both():
     for architecture in ("llama", "gpt2"):
         for attention in ("sdpa", "eager"):
             model = tiny_model(architecture, attention)
-            assert packing_problem(model, 64, torch.float32, CPU) is None
+            assert packing_problem(model, torch.float32, CPU) is None
             assert scored_head_problem(model, torch.float32, CPU) is None
 
 
@@ -195,34 +195,72 @@ def test_block_attention_probe_needs_cuda_and_declared_support():
     )
 
 
-def test_packing_probe_rejects_what_cannot_take_a_custom_mask():
+def test_packing_probe_rejects_what_cannot_take_a_custom_mask(monkeypatch):
+
     model = tiny_model("llama", "sdpa")
     model.config._attn_implementation = "flash_attention_2"
     assert "attention implementation 'flash_attention_2' takes no 4-D mask" in packing_problem(
-        model, 64, torch.float32, CPU
+        model, torch.float32, CPU
     )
     model = tiny_model("llama", "sdpa")
     original = model.forward
     model.forward = lambda input_ids, attention_mask=None, position_ids=None, **kwargs: original(input_ids, **kwargs)
-    assert "does not honour a custom 4-D mask and position ids" in packing_problem(model, 64, torch.float32, CPU)
-    windowed = transformers.MistralConfig(
+    assert "does not honour a custom 4-D mask and position ids" in packing_problem(model, torch.float32, CPU)
+    model = tiny_model("llama", "sdpa")
+    model.config.layer_types = ["linear_attention", "full_attention"]  # a recurrent layer type (Qwen3-Next)
+    assert packing_problem(model, torch.float32, CPU) == (
+        "LlamaForCausalLM has linear_attention layers, which take no packed mask"
+    )
+
+
+def windowed_mistral(window: int) -> torch.nn.Module:
+    config = transformers.MistralConfig(
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=1,
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=259,
-        sliding_window=16,
+        sliding_window=window,
     )
-    model = transformers.AutoModelForCausalLM.from_config(windowed)
-    assert "sliding window (16 tokens, below max_length=64) is not applied to a custom mask" in packing_problem(
-        model, 64, torch.float32, CPU
-    )
-    assert packing_problem(model, 16, torch.float32, CPU) is None  # a window no sequence can exceed changes nothing
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def test_scored_head_probe_rejects_models_that_change_the_head_output():
-    # Gemma 2 soft-caps its logits after the head: log-probs in place of logits would be soft-capped too.
+def test_packing_probe_checks_windows_shorter_than_its_examples(monkeypatch):
+    # A 4096-token window is cut to 2 for the probe, against 6-token examples: packed rows without the window
+    # compute other log-probs than transformers' own windowed mask of the padded rows, and the probe says so.
+    import scoring
+
+    model = windowed_mistral(4096)
+    assert packing_problem(model, torch.float32, CPU) is None
+    assert model.config.sliding_window == 4096  # restored
+    monkeypatch.setattr(scoring, "attention_spans", lambda model: {"full_attention": scoring.FULL_ATTENTION})
+    assert "MistralForCausalLM does not honour a custom 4-D mask" in packing_problem(model, torch.float32, CPU)
+
+
+@pytest.mark.parametrize("scored_head", [True, False])
+def test_windowed_packed_rows_equal_padded(examples, scored_head):
+    # Mistral with a window of 4: the packed rows' windowed mask gives the padded layout's log-probs and gradients.
+    import scoring
+
+    model = windowed_mistral(4)
+    expected, expected_grads = logps_and_gradients(model, pad(examples, 0), scored_head=False)
+    model.zero_grad(set_to_none=True)
+    logps = sequence_logps(
+        model, pack(examples, 0), None, torch.float32, scored_head, spans=scoring.attention_spans(model)
+    )
+    (logps * torch.linspace(-1, 1, logps.numel())).sum().backward()
+    torch.testing.assert_close(logps.detach(), expected, rtol=1e-6, atol=1e-5)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+    unwindowed = sequence_logps(model, pack(examples, 0), None, torch.float32, scored_head)
+    assert (unwindowed - expected).abs().max() > 1e-2  # the window matters for these examples
+
+
+def test_scored_head_probe_accepts_the_maps_it_applies_and_rejects_other_changes():
+    # Gemma 2 soft-caps its logits after the head, Cohere scales them: the fused head applies both itself. A scale
+    # it does not know (a tensor, where Cohere keeps a number) changes the head's output: all logits, as before.
     config = transformers.Gemma2Config(
         hidden_size=32,
         intermediate_size=64,
@@ -233,9 +271,22 @@ def test_scored_head_probe_rejects_models_that_change_the_head_output():
         vocab_size=259,
         final_logit_softcapping=0.5,
     )
-    assert "Gemma2ForCausalLM changes its head's output" in scored_head_problem(
-        transformers.AutoModelForCausalLM.from_config(config), torch.float32, CPU
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert scored_head_problem(model, torch.float32, CPU) is None
+    assert model.config.final_logit_softcapping == 0.5  # restored after the forward
+    config = transformers.CohereConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=259,
+        logit_scale=4.0,
     )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert scored_head_problem(model, torch.float32, CPU) is None
+    model.logit_scale = torch.tensor(4.0)
+    assert "CohereForCausalLM changes its head's output" in scored_head_problem(model, torch.float32, CPU)
     model = tiny_model("llama", "sdpa")
     original = model.forward
     model.forward = lambda input_ids, attention_mask=None, position_ids=None, use_cache=None: original(
@@ -282,6 +333,6 @@ def test_a_packed_batch_builds_its_mask_once_for_policy_and_live_reference(make_
 
     trainer = build_trainer(make_config("reference_cache=false", "gradient_accumulation_steps=2"))
     built = []
-    monkeypatch.setattr(scoring, "dense_mask", lambda batch: built.append(batch) or dense_mask(batch))
+    monkeypatch.setattr(scoring, "dense_mask", lambda batch, span: built.append(batch) or dense_mask(batch, span))
     trainer.train_step([trainer.data.train_examples[i] for i in trainer.data.schedule[0]])
     assert len(built) == 2  # one per micro-batch, though the policy and the live reference both score each
