@@ -16,6 +16,7 @@ import checkpoint
 from conftest import (
     PADDED_BASELINE,
     REPO_ROOT,
+    TINY_DIR,
     arithmetic_pairs,
     assert_same_metrics,
     assert_same_weights,
@@ -460,3 +461,41 @@ def test_rounds_match_basic_trainer_across_processes(tmp_path, pairs_file, train
     assert [r["rounds/round"] for r in basic if "rounds/round" in r] == [0, 1, 2]
     assert_same_metrics(basic, run)
     assert_same_weights(tmp_path / "basic", tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_a_sliding_window_model_packs_alike_on_one_rank_and_across_processes(tmp_path, pairs_file):
+    # A Qwen2 with a 4-token window on its second layer (full attention on its first): packed rows with a mask per
+    # layer type, under FSDP and tensor parallelism on 2 ranks, reproduce BasicTrainer's padded run (transformers'
+    # own windowed masks, all logits) step by step and weight by weight.
+    import transformers
+
+    model_dir = tmp_path / "qwen2-window"
+    tiny = transformers.AutoConfig.from_pretrained(TINY_DIR)
+    config = transformers.Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=tiny.vocab_size,
+        eos_token_id=tiny.eos_token_id,
+        pad_token_id=tiny.pad_token_id,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,
+    )
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    transformers.AutoTokenizer.from_pretrained(TINY_DIR).save_pretrained(model_dir)
+    model = ("model=blank_model", f"model.name_or_path={model_dir}", "model.fsdp_policy_mp=null")
+    padded = tmp_path / "padded"
+    launch(padded, pairs_file, *model, "trainer=BasicTrainer", *PADDED_BASELINE)
+    for trainer in ("FSDPTrainer", "TensorParallelTrainer"):
+        run_dir = tmp_path / trainer
+        result = launch(run_dir, pairs_file, *model, f"trainer={trainer}")
+        packed = "scoring: packed layout (dense attention; full_attention full, sliding_attention window 4)"
+        assert packed in result.stdout
+        assert_same_metrics(read_jsonl(padded / "metrics.jsonl"), read_jsonl(run_dir / "metrics.jsonl"))
+        assert_same_weights(padded, run_dir)
