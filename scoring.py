@@ -79,7 +79,7 @@ def packed_mask(batch: ModelBatch, attention: str, spans: dict[str, AttentionSpa
     built once per distinct span. spans: each layer type's (None: full attention everywhere); where layer types
     differ, transformers takes a dict of masks by layer type, and otherwise one mask for every layer."""
     build = block_mask if attention == "block" else dense_mask
-    masks = {span: build(batch, span) for span in set((spans or {"": FULL_ATTENTION}).values())}
+    masks = {span: build(batch, span) for span in set((spans or {"full_attention": FULL_ATTENTION}).values())}
     if len(masks) == 1:
         return next(iter(masks.values()))
     return {layer_type: masks[span] for layer_type, span in spans.items()}

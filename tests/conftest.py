@@ -18,6 +18,20 @@ import torch
 torch.set_num_threads(2)
 
 TINY_DIR = REPO_ROOT / "assets" / "tiny-llama"
+# A tiny causal LM of any architecture (tiny_lm_config): 2 layers of width 64 over 300 token ids.
+TINY_LM_SIZES = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=300,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 HH_TEST_FILE = REPO_ROOT.parent / "shared" / "data" / "hh-rlhf" / "harmless-base" / "test.jsonl.gz"
 
 
@@ -206,3 +220,14 @@ def assert_resume_matches_uninterrupted(make_config, tmp_path: Path, *overrides:
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=name)
+
+
+def tiny_lm_config(model_type: str, **overrides):
+    """transformers' config of `model_type` at TINY_LM_SIZES, with `overrides` (head_dim=None: one the config derives
+    itself)."""
+    import transformers
+
+    sizes = {**TINY_LM_SIZES, **overrides}
+    if sizes["head_dim"] is None:
+        del sizes["head_dim"]
+    return transformers.AutoConfig.for_model(model_type, **sizes)

@@ -23,6 +23,7 @@ from conftest import (
     build_trainer,
     read_jsonl,
     run_cli,
+    tiny_lm_config,
     tiny_run_overrides,
     write_jsonl,
 )
@@ -472,12 +473,8 @@ def test_a_sliding_window_model_packs_alike_on_one_rank_and_across_processes(tmp
 
     model_dir = tmp_path / "qwen2-window"
     tiny = transformers.AutoConfig.from_pretrained(TINY_DIR)
-    config = transformers.Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    config = tiny_lm_config(
+        "qwen2",
         vocab_size=tiny.vocab_size,
         eos_token_id=tiny.eos_token_id,
         pad_token_id=tiny.pad_token_id,

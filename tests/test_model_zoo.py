@@ -11,26 +11,14 @@ import pytest
 import torch
 import transformers
 
+from conftest import TINY_LM_SIZES, tiny_lm_config
 from distributed import Topology
 from placement import TENSOR_PARALLEL_STYLES, tensor_parallel_plan
 from scoring import Scorer
 from utils import UserError
 
-VOCAB = 300
+VOCAB = TINY_LM_SIZES["vocab_size"]
 WINDOW = 4
-SIZES = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=VOCAB,
-    max_position_embeddings=256,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 MIXED = ["sliding_attention", "full_attention"]
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 
@@ -150,14 +138,6 @@ ZOO = {
 }
 
 
-def tiny_config(model_type: str) -> transformers.PretrainedConfig:
-    overrides = ZOO[model_type][0]
-    sizes = {**SIZES, **overrides}
-    if sizes["head_dim"] is None:  # a config that derives it
-        del sizes["head_dim"]
-    return transformers.AutoConfig.for_model(model_type, **sizes)
-
-
 def zoo_examples() -> list[dict]:
     """Pairs whose segments (prompt + both responses) span 9 to 32 tokens: longer than the window and the chunks,
     one-token responses and a one-token prompt included."""
@@ -204,7 +184,9 @@ def tensor_parallel(model) -> str:
 @pytest.mark.parametrize("model_type", list(ZOO))
 def test_default_path_equals_a_plain_forward_of_each_sequence(model_type, capsys):
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()  # eval: no dropout
+    model = transformers.AutoModelForCausalLM.from_config(
+        tiny_lm_config(model_type, **ZOO[model_type][0])
+    ).eval()  # eval: no dropout
     settings = SimpleNamespace(
         layout="packed", packed_attention="auto", scored_logits_only=True, max_length=64, pack_row_tokens=None
     )

@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import TINY_DIR
+from conftest import TINY_DIR, tiny_lm_config
 from layouts import dense_mask, pack, pad, segment_lengths
 from preference_datasets import PreferencePair
 from scoring import FLEX_BLOCK, block_attention_problem, packing_problem, scored_head_problem, sequence_logps
@@ -214,17 +214,8 @@ def test_packing_probe_rejects_what_cannot_take_a_custom_mask(monkeypatch):
 
 
 def windowed_mistral(window: int) -> torch.nn.Module:
-    config = transformers.MistralConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=259,
-        sliding_window=window,
-    )
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config)
+    return transformers.AutoModelForCausalLM.from_config(tiny_lm_config("mistral", sliding_window=window))
 
 
 def test_packing_probe_checks_windows_shorter_than_its_examples(monkeypatch):
@@ -261,29 +252,10 @@ def test_windowed_packed_rows_equal_padded(examples, scored_head):
 def test_scored_head_probe_accepts_the_maps_it_applies_and_rejects_other_changes():
     # Gemma 2 soft-caps its logits after the head, Cohere scales them: the fused head applies both itself. A scale
     # it does not know (a tensor, where Cohere keeps a number) changes the head's output: all logits, as before.
-    config = transformers.Gemma2Config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        vocab_size=259,
-        final_logit_softcapping=0.5,
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_lm_config("gemma2", final_logit_softcapping=0.5))
     assert scored_head_problem(model, torch.float32, CPU) is None
     assert model.config.final_logit_softcapping == 0.5  # restored after the forward
-    config = transformers.CohereConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=259,
-        logit_scale=4.0,
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_lm_config("cohere", logit_scale=4.0))
     assert scored_head_problem(model, torch.float32, CPU) is None
     model.logit_scale = torch.tensor(4.0)
     assert "CohereForCausalLM changes its head's output" in scored_head_problem(model, torch.float32, CPU)
