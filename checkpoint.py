@@ -14,7 +14,6 @@ newest complete one and `prune` keeps the disk from filling. Checkpoints in the 
 policy.pt and optimizer.pt, written before the sharded one) are still read."""
 
 import json
-import os
 import pickle
 import re
 import shutil
@@ -31,11 +30,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+import storage
 import weights
 from adapters import is_adapted, is_quantized, merged_weights
 from distributed import Topology
 from utils import UserError, first_line
 
+DESCRIPTION_BYTES = 16 << 20  # the config, tokenizer and small parts of a checkpoint: a few MiB, rarely more
 LEGACY_FILES = ("policy", "optimizer", "scheduler")  # the reference format's files, which it requires
 MARKER = "checkpoint.json"  # written last: a directory without it was not written by save()
 STEP_DIR = re.compile(r"step-(\d+)")
@@ -63,6 +64,10 @@ class ModelWeights:
     def save(self, directory: Path, world_size: int) -> None:
         weights.write_shards(self.state(), directory, world_size)
 
+    def nbytes(self) -> int:
+        """What save() writes: the tensors whole (over every rank)."""
+        return sum(weights.whole_bytes(tensor) for tensor in self.state().values())
+
     def load(self, directory: Path) -> None:
         weights.read_files(self.model, directory, {name: name for name in self.state()})
 
@@ -83,6 +88,10 @@ class OptimizerState(ModelWeights):
     def save(self, directory: Path, world_size: int) -> None:
         state = get_optimizer_state_dict(self.model, self.optimizer)
         dcp.save(state, checkpoint_id=str(directory), no_dist=weights.one_process())
+
+    def nbytes(self) -> int:
+        states = self.optimizer.state.values()
+        return sum(weights.whole_bytes(value) for state in states for value in state.values() if torch.is_tensor(value))
 
     def load(self, directory: Path) -> None:
         state = get_optimizer_state_dict(self.model, self.optimizer)  # this run's shards, to be filled
@@ -108,17 +117,27 @@ def save(
     loop_state: dict,
     tokenizer,
     final: bool = False,
+    previous: Path | None = None,
+    keep_last: int | None = None,
 ) -> None:
     """Write each part (parts: name -> a collective part, or an object with state_dict(); "policy" a ModelWeights)
     with the model's config and tokenizer to a temporary directory, every rank its shards; at the run's end (`final`)
     the from_pretrained export too (export); then checkpoint.json with `loop_state` (the training loop's counters), and
-    swap the directory in whole. A failure to write (a full disk, no permission, a directory the machines do not share)
-    is a UserError on every rank, and leaves no temporary directory behind."""
+    swap the directory in whole. First the space it needs (space_needed; `previous`: this run's last checkpoint) is
+    checked against the free space, after pruning what keep_last would prune after it (make_room). A failure to write
+    (a full disk, a quota, no permission, a directory the machines do not share) is a WriteFailed on every rank,
+    and leaves no temporary directory behind."""
     tmp_dir = output_dir.with_name(output_dir.name + ".tmp")
     policy = parts["policy"].model
     marker = {"step": step, "metrics": metrics, "final": final, "loop": loop_state}
     small = {name: part.state_dict() for name, part in parts.items() if not collective(part)}
     shapes = {name: tensor.shape for name, tensor in parts["policy"].state().items()}  # whole, whatever the sharding
+
+    def start() -> None:  # rank 0
+        needed = space_needed(parts, final, previous)
+        make_room(output_dir.parent, needed, keep_last)
+        storage.require_space(output_dir.parent, needed, f"the checkpoint {output_dir.name}")
+        storage.new_dir(tmp_dir)
 
     def finish() -> None:  # rank 0, once every rank has written its shards
         for name, state in small.items():
@@ -131,42 +150,58 @@ def save(
                 "filesystem they all share"
             )
         (tmp_dir / MARKER).write_text(json.dumps(marker, indent=1))
-        sync(tmp_dir)
-        replace_dir(tmp_dir, output_dir)
+        storage.sync(tmp_dir)
+        storage.replace_dir(tmp_dir, output_dir)
+
+    def on_main(write) -> None:
+        topology.run_on_main(lambda: written(output_dir, write))
 
     try:
-        topology.run_on_main(lambda: written(output_dir, lambda: fresh_dir(tmp_dir)))
-        for name, part in parts.items():
-            if collective(part):
-                part.save(tmp_dir / name, topology.world_size)
-        topology.run_on_main(lambda: written(output_dir, lambda: describe_model(tmp_dir, policy, tokenizer)))
+        on_main(start)
+        with storage.writing(output_dir):  # DCP's writes, on every rank: a failure on any is raised on every one
+            for name, part in parts.items():
+                if collective(part):
+                    part.save(tmp_dir / name, topology.world_size)
+        on_main(lambda: describe_model(tmp_dir, policy, tokenizer))
         if final:
             export(tmp_dir, policy, topology, tmp_dir / "policy")
-        topology.run_on_main(lambda: written(output_dir, finish))
-    except CheckpointException as error:  # DCP's: raised on every rank when any rank failed to write
+        on_main(finish)
+    except UserError as error:
         remove(tmp_dir, topology)
-        raise UserError(f"could not write the checkpoint {output_dir} ({weights.failure(error)})") from None
-    except UserError:
-        remove(tmp_dir, topology)
-        raise
+        raise storage.as_final(error, tmp_dir, output_dir) from None
     print(f"saved {output_dir}")
 
 
 def written(output_dir: Path, write) -> None:
-    """write(), with a failure to write as one line naming the checkpoint, the reason and the file."""
+    """write(), with a failure to write as one line naming the checkpoint (storage.writing)."""
     try:
-        write()
-    except OSError as error:  # a full disk, a read-only or vanished directory
-        raise UserError(
-            f"could not write the checkpoint {output_dir} ({error.strerror or first_line(error)}: {error.filename})"
-        ) from None
+        with storage.writing(output_dir):
+            write()
+    except storage.WriteFailed:
+        raise
     except UserError as error:
         raise UserError(f"could not write the checkpoint {output_dir}: {error}") from None
 
 
-def fresh_dir(directory: Path) -> None:
-    shutil.rmtree(directory, ignore_errors=True)  # left by a crashed save: none of it may leak into this one
-    directory.mkdir(parents=True)
+def space_needed(parts: dict, final: bool, previous: Path | None) -> int:
+    """The bytes save() will write: the size of this run's previous step-N checkpoint, else every collective part's
+    tensors whole plus what the config, tokenizer and small parts take; at the run's end also the export (the whole
+    model's weights). 2% to spare."""
+    if previous is not None and STEP_DIR.fullmatch(previous.name) and previous.is_dir():
+        total = storage.tree_bytes(previous)
+    else:
+        total = sum(part.nbytes() for part in parts.values() if collective(part)) + DESCRIPTION_BYTES
+    if final:
+        total += sum(weights.whole_bytes(tensor) for tensor in weights.tensors(parts["policy"].model).values())
+    return int(total * 1.02)
+
+
+def make_room(run_dir: Path, needed: int, keep_last: int | None) -> None:
+    """Where the filesystem has less than `needed` free, prune now what keep_last would prune once the checkpoint is
+    written: the older step-N checkpoints beyond keep_last - 1, never the newest complete one (nor the best)."""
+    free = storage.free_bytes(run_dir)
+    if keep_last is not None and free is not None and free < needed:
+        prune(run_dir, max(keep_last - 1, 1))
 
 
 def remove(directory: Path, topology: Topology) -> None:
@@ -193,7 +228,9 @@ def export(directory: Path, policy, topology: Topology, shards: Path) -> None:
     original ones; merge the adapter into the original base instead. Collective."""
     if is_adapted(policy):
         adapters = {name: adapter_whole(t) for name, t in ModelWeights(policy).state().items()}
-        topology.run_on_main(lambda: policy.save_pretrained(directory / "adapter", state_dict=adapters))
+        topology.run_on_main(
+            lambda: written(directory, lambda: policy.save_pretrained(directory / "adapter", state_dict=adapters))
+        )
         if is_quantized(policy):
             print(
                 "export: the adapter only (adapter/), not a merged model: the base is 4-bit. Merge it into the "
@@ -208,16 +245,6 @@ def export(directory: Path, policy, topology: Topology, shards: Path) -> None:
 def adapter_whole(tensor: torch.Tensor) -> torch.Tensor:
     """An adapter's tensor whole, on the CPU (collective where sharded)."""
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu()
-
-
-def sync(directory: Path) -> None:
-    """Flush the directory's files and entries to disk: after a power cut, a renamed directory is whole too."""
-    for path in [*directory.rglob("*"), directory]:
-        descriptor = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
 
 
 def is_legacy(checkpoint_dir: Path) -> bool:
@@ -440,22 +467,6 @@ def prune(run_dir: Path, keep_last: int) -> None:
     best = min(evaluated)[1] if evaluated else None
     for _, directory in steps[:-keep_last]:
         if directory != best:
-            doomed = directory.with_name(directory.name + ".deleted")
-            directory.rename(doomed)
-            shutil.rmtree(doomed)
-    for leftover in run_dir.glob("step-*.deleted"):  # from a kill mid-deletion
-        shutil.rmtree(leftover)
-
-
-def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
-    """Move a fully written `tmp_dir` to `final_dir`; an older `final_dir` is removed only afterwards,
-    so a crash at any point leaves either the old or the new directory complete."""
-    old_dir = final_dir.with_name(final_dir.name + ".old")
-    if old_dir.exists():
-        shutil.rmtree(old_dir)
-    if final_dir.exists():
-        final_dir.rename(old_dir)
-    tmp_dir.rename(final_dir)
-    sync(final_dir.parent)
-    if old_dir.exists():
-        shutil.rmtree(old_dir)
+            storage.remove_tree(directory)
+    for leftover in run_dir.glob("step-*.deleted*"):  # from a kill mid-deletion
+        shutil.rmtree(leftover, ignore_errors=True)

@@ -17,6 +17,7 @@ import transformers
 from omegaconf import OmegaConf
 
 import checkpoint
+import storage
 import weights
 from adapters import apply_lora
 from build import place
@@ -34,22 +35,30 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, topology: Topology) -
     if out_dir.exists():
         raise UserError(f"{out_dir} exists already; choose a new directory to export to")
     tmp_dir = out_dir.with_name(out_dir.name + ".tmp")
-    topology.run_on_main(lambda: writing(lambda: checkpoint.fresh_dir(tmp_dir)))
+
+    def on_main(write) -> None:
+        def written() -> None:
+            with storage.writing(out_dir):
+                write()
+
+        topology.run_on_main(written)
+
     try:
-        write(checkpoint_dir, tmp_dir, legacy, topology)
-        topology.run_on_main(lambda: writing(lambda: describe(checkpoint_dir, tmp_dir, out_dir)))
-    except UserError:
+        on_main(lambda: start(checkpoint_dir, tmp_dir, out_dir, legacy))
+        with storage.writing(out_dir):  # DCP's writes, on every rank
+            write(checkpoint_dir, tmp_dir, legacy, topology)
+        on_main(lambda: describe(checkpoint_dir, tmp_dir, out_dir))
+    except UserError as error:
         checkpoint.remove(tmp_dir, topology)
-        raise
+        raise storage.as_final(error, tmp_dir, out_dir) from None
     print(f"exported {checkpoint_dir} to {out_dir}")
 
 
-def writing(write) -> None:
-    """write(), a failure to write being one line: what, where."""
-    try:
-        write()
-    except OSError as error:
-        raise UserError(f"could not write {error.filename} ({error.strerror or error})") from None
+def start(checkpoint_dir: Path, tmp_dir: Path, out_dir: Path, legacy: bool) -> None:
+    """An empty temporary directory beside out_dir, once out_dir's filesystem has room for the weights (rank 0)."""
+    source = checkpoint_dir / ("policy.pt" if legacy else "policy")
+    storage.require_space(out_dir.parent, int(storage.tree_bytes(source) * 1.02), f"the export {out_dir.name}")
+    storage.new_dir(tmp_dir)
 
 
 def write(checkpoint_dir: Path, directory: Path, legacy: bool, topology: Topology) -> None:
@@ -78,8 +87,8 @@ def describe(checkpoint_dir: Path, tmp_dir: Path, out_dir: Path) -> None:
     except OSError:  # a model that does not generate has none
         pass
     transformers.AutoTokenizer.from_pretrained(source).save_pretrained(tmp_dir)
-    checkpoint.sync(tmp_dir)
-    tmp_dir.rename(out_dir)
+    storage.sync(tmp_dir)
+    storage.publish(tmp_dir, out_dir, "config.json")
 
 
 def run_config(checkpoint_dir: Path):

@@ -3,6 +3,7 @@ initialisation of a config (`model.random_init`), or, offline, the SmolLM2 copy 
 the meta device and its weights are read once it is placed, each rank its own shards (weights.py); a model whose files
 cannot be read so is loaded whole."""
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -16,6 +17,7 @@ import torch
 import transformers
 from omegaconf import DictConfig
 
+import storage
 import weights
 from adapters import base_model_name
 from checkpoint import read_file
@@ -76,16 +78,24 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    with written_model(target) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+
+@contextlib.contextmanager
+def written_model(target: Path):
+    """A temporary directory to save a model into, then published as `target` (another process's copy, published
+    first, stands); a failure to write is one line naming `target`, and leaves nothing behind."""
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     try:
-        tmp.rename(target)
-    except OSError:  # another process finished the same conversion first
-        if not (target / "config.json").exists():
-            raise
-        shutil.rmtree(tmp)
+        with storage.writing(target, advice="free space there, or set local_dirs to a directory with room"):
+            storage.new_dir(tmp)
+            yield tmp
+            storage.sync(tmp)
+            storage.publish(tmp, target, "config.json")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_tokenizer(model_config: DictConfig, cache_dir: Path):
@@ -309,15 +319,10 @@ def random_init_dir(config, dtype: torch.dtype, seed: int, cache_dir: Path, trus
     if not (target / "config.json").exists():
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
         transformers.utils.logging.disable_progress_bar()  # stderr is for errors: one line each
         try:
-            model.save_pretrained(tmp)
+            with written_model(target) as tmp:
+                model.save_pretrained(tmp)
         finally:
             transformers.utils.logging.enable_progress_bar()
-        try:
-            tmp.rename(target)
-        except OSError:  # another process wrote the same initialisation first
-            shutil.rmtree(tmp)
     return target

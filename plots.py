@@ -3,8 +3,9 @@ reading metrics.jsonl."""
 
 import json
 import math
-import os
 from pathlib import Path
+
+import storage
 
 PANELS = (  # (title, [(metric, label)]): train metrics dotted, eval metrics solid
     ("loss", [("loss/train", "train"), ("loss/eval", "eval")]),
@@ -77,8 +78,9 @@ def write_plots(run_dir: Path) -> Path:
         ax.set_visible(False)
     figure.suptitle(run_dir.name)
     path = run_dir / "plots.png"
-    tmp = path.with_name(f"plots.{os.getpid()}.tmp.png")
-    figure.savefig(tmp, dpi=100)
-    plt.close(figure)
-    tmp.replace(path)
+    try:
+        with storage.replaced(path) as tmp:
+            figure.savefig(tmp, dpi=100, format="png")
+    finally:
+        plt.close(figure)
     return path

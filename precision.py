@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+import storage
 from utils import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -119,12 +120,10 @@ def cpu_matmul_flops(cache_dir: Path) -> dict[str, float]:
     if isinstance(rates, dict) and all(isinstance(rates.get(name), (int, float)) for name in ("float32", "bfloat16")):
         return rates
     rates = probe_cpu_matmul_flops()
-    tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(json.dumps({**cached, machine: rates}, indent=1))
-        tmp.replace(cache_file)
-    except OSError:
-        pass  # the answer stands; it is only measured again next time
+        storage.write_text(cache_file, json.dumps({**cached, machine: rates}, indent=1))
+    except storage.WriteFailed as error:  # the answer stands; it is measured again next time
+        print(f"precision probe: not cached ({error})")
     return rates
 
 

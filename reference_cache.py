@@ -15,7 +15,6 @@ memory-mapped and looked up by binary search: a million pairs load in millisecon
 """
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 import tqdm
 
+import storage
 import weights
 from layouts import to_device
 from utils import UserError, first_line
@@ -125,8 +125,17 @@ def load(path: Path, weights: str, computation: str) -> tuple[ReferenceTable, st
 
 
 def save(path: Path, weights: str, computation: str, table: ReferenceTable) -> None:
-    """Write atomically: a crash leaves the previous file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write atomically: a crash leaves the previous file or the new one, never half of one. A failure to write is
+    one line: the run goes on with the log-probs it holds, uncached."""
+    try:
+        with storage.writing(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+        write(path, weights, computation, table)
+    except storage.WriteFailed as error:
+        print(f"reference log-probs: not cached ({error}); this run goes on with them in memory")
+
+
+def write(path: Path, weights: str, computation: str, table: ReferenceTable) -> None:
     state = {
         "format": FORMAT,
         "weights": weights,
@@ -134,9 +143,8 @@ def save(path: Path, weights: str, computation: str, table: ReferenceTable) -> N
         "keys": torch.from_numpy(np.ascontiguousarray(table.keys).view(np.uint8).reshape(-1, 16).copy()),
         "logps": torch.from_numpy(np.ascontiguousarray(table.logps, dtype=np.float32)),
     }
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)
+    with storage.replaced(path) as tmp:
+        torch.save(state, tmp)
 
 
 class LiveReference:

@@ -18,11 +18,11 @@ a resume from the checkpoint that ends a round starts the next one afresh."""
 
 import hashlib
 import json
-import os
 
 import numpy as np
 
 import reference_cache
+import storage
 from build import Data, fill_reference_cache, reference_computation
 from preference_datasets import batch_schedule
 from report import data_report
@@ -163,11 +163,10 @@ class Rounds:
         prompt_texts, completion_texts = self.texts([p for p in prompts for _ in range(k)], completions)
         rewards = self.reward(prompt_texts, completion_texts)
         lines = round_lines(round_index, prompts, groups, prompt_texts[::k], completion_texts, completions, rewards)
-        self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"round-{round_index}.jsonl"
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text("".join(json.dumps(line) + "\n" for line in lines))
-        tmp.replace(path)
+        with storage.writing(path):
+            self.directory.mkdir(parents=True, exist_ok=True)
+        storage.write_text(path, "".join(json.dumps(line) + "\n" for line in lines))
         return lines
 
     def read(self, round_index: int) -> list[dict]:

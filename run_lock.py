@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+import storage
 from utils import UserError
 
 LOCK_FILE = ".lock"  # neither a log nor a checkpoint: checkpoint.newest/prune and the "already holds a run" check
@@ -138,17 +139,16 @@ class RunLock:
                 return
             raise UserError(f"could not lock {self.path}: it keeps being replaced")
         except OSError as error:
-            raise UserError(
-                f"local_run_dir={self.run_dir} cannot be written ({error.strerror}: {error.filename or self.path})"
-            ) from None
+            where = Path(error.filename or self.path)  # the run directory itself, where it cannot be made
+            raise storage.failed(where, error, advice="choose a writable local_run_dir") from None
 
     def acquire_without_flock(self) -> None:
         """The lock file is the lock: linked into place whole (atomic, also on NFS), or refused while its holder
         may still run."""
         mine = Holder.me()
         tmp = self.path.with_name(f"{LOCK_FILE}.{mine.host}.{mine.pid}.tmp")
-        tmp.write_bytes(mine.dump())
         try:
+            tmp.write_bytes(mine.dump())  # removed below, also when the disk is too full for it
             for _ in range(100):
                 try:
                     os.link(tmp, self.path)

@@ -35,6 +35,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+import storage
 from preference_datasets import (
     LabelledCompletion,
     PreferencePair,
@@ -343,8 +344,13 @@ def cached_examples(source: Source, tokenizer, tokenizer_digest: str, settings: 
         return examples
     if why:
         print(f"tokenized data: rebuilding {directory}, since {why}")
-        set_aside(directory)
-    examples, meta = build_cache(source, tokenizer, settings, directory, key)
+        storage.remove_tree(directory)
+    try:
+        examples, meta = build_cache(source, tokenizer, settings, directory, key)
+    except storage.WriteFailed as error:  # a full or read-only cache directory: the run goes on without the cache
+        examples, line = tokenize_source(source, tokenizer, settings)
+        print(f"{line} (tokenized in memory, not cached: {error})")
+        return examples
     print(f"{meta['data_line']} (tokenized, cached in {directory})")
     return examples
 
@@ -381,76 +387,56 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+def source_chunks(source: Source, tokenizer, settings: Tokenization, counts: RowCounts) -> Iterator[Examples]:
+    """The source's examples, a chunk of CHUNK_PAIRS rows at a time (counted in `counts`, checked at its end)."""
+    encode = batch_encoder(tokenizer)
+    for pairs in chunks(iter_pairs(source.rows(), tokenizer, counts), CHUNK_PAIRS):
+        yield tokenize_chunk(pairs, encode, tokenizer.eos_token_id, settings)
+    counts.check()
+
+
 def build_cache(source: Source, tokenizer, settings: Tokenization, directory: Path, key: str):
     """(examples, meta) of the source, tokenized chunk by chunk into a temporary directory that is then renamed to
-    `directory`, whole; where another process got there first, its copy stands and ours is dropped."""
+    `directory`, whole; where another process got there first, its copy stands and ours is dropped. A failure to
+    write is a storage.WriteFailed naming `directory`, and leaves nothing behind."""
     temporary = directory.with_name(f"{directory.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        temporary.mkdir(parents=True)
-        counts = RowCounts(source.label)
-        n_responses = 1 if settings.sft else 2
-        encode = batch_encoder(tokenizer)
-        parts, written = [], 0
-        with open(temporary / "tokens.bin", "wb") as tokens_file:
-            for pairs in chunks(iter_pairs(source.rows(), tokenizer, counts), CHUNK_PAIRS):
-                chunk = tokenize_chunk(pairs, encode, tokenizer.eos_token_id, settings)
-                tokens_file.write(chunk.token_parts[0].tobytes())
-                parts.append(dataclasses.replace(chunk, token_parts=[], offsets=chunk.offsets + written))
-                written += len(chunk.token_parts[0])
-            counts.check()
-            tokens_file.flush()
-            os.fsync(tokens_file.fileno())
-        examples = Examples.concatenate(parts, n_responses)
-        for name in PER_EXAMPLE:
-            np.save(temporary / f"{name}.npy", getattr(examples, name), allow_pickle=False)
-        files = ["tokens.bin", *(f"{name}.npy" for name in PER_EXAMPLE)]
-        meta = {
-            "format": FORMAT,
-            "key": key,
-            "data_line": counts.line(),
-            "examples": len(examples),
-            "tokens": written,
-            "checksums": {name: file_digest(temporary / name) for name in files},
-        }
-        write_synced(temporary / "meta.json", json.dumps(meta, indent=1))
-        examples = mapped(temporary, meta)  # a mapping outlives a rename or a deletion of its file
-        publish(temporary, directory)
+        with storage.writing(directory):
+            temporary.mkdir(parents=True)
+            counts = RowCounts(source.label)
+            parts, written = [], 0
+            with open(temporary / "tokens.bin", "wb") as tokens_file:
+                for chunk in source_chunks(source, tokenizer, settings, counts):
+                    tokens_file.write(chunk.token_parts[0].tobytes())
+                    parts.append(dataclasses.replace(chunk, token_parts=[], offsets=chunk.offsets + written))
+                    written += len(chunk.token_parts[0])
+            examples = Examples.concatenate(parts, 1 if settings.sft else 2)
+            for name in PER_EXAMPLE:
+                np.save(temporary / f"{name}.npy", getattr(examples, name), allow_pickle=False)
+            files = ["tokens.bin", *(f"{name}.npy" for name in PER_EXAMPLE)]
+            meta = {
+                "format": FORMAT,
+                "key": key,
+                "data_line": counts.line(),
+                "examples": len(examples),
+                "tokens": written,
+                "checksums": {name: file_digest(temporary / name) for name in files},
+            }
+            (temporary / "meta.json").write_text(json.dumps(meta, indent=1))
+            storage.sync(temporary)
+            examples = mapped(temporary, meta)  # a mapping outlives a rename or a deletion of its file
+            storage.publish(temporary, directory, "meta.json")
         release_free_memory()  # what the chunks took while they were tokenized
         return examples, meta
-    except OSError as error:
-        raise UserError(
-            f"tokenized data: could not write {directory} ({error.strerror or first_line(error)}); "
-            "local_dirs names where caches go"
-        ) from None
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
 
 
-def write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def publish(temporary: Path, directory: Path) -> None:
-    """Rename the finished copy into place; a copy published meanwhile by another process (the same key: the same
-    ids) stands, and ours is dropped."""
-    try:
-        temporary.rename(directory)
-    except OSError:
-        if not (directory / "meta.json").exists():
-            raise
-
-
-def set_aside(directory: Path) -> None:
-    """Remove a copy that cannot be used: renamed away first (atomic), so no process maps half of it."""
-    aside = directory.with_name(f"{directory.name}.unusable-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        directory.rename(aside)
-    except FileNotFoundError:  # another process set it aside already
-        return
-    shutil.rmtree(aside, ignore_errors=True)
+def tokenize_source(source: Source, tokenizer, settings: Tokenization) -> tuple[Examples, str]:
+    """(the source's examples in memory, its data line): for a cache that cannot be written."""
+    counts = RowCounts(source.label)
+    parts = list(source_chunks(source, tokenizer, settings, counts))
+    return Examples.concatenate(parts, 1 if settings.sft else 2), counts.line()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -24,13 +24,14 @@ from omegaconf import DictConfig, OmegaConf
 
 import checkpoint
 import config as configuration
+import storage
 from build import build, dry_run
 from distributed import Topology, launch, planned_world_size, process_rank, reported_errors
 from report import Hardware
 from rounds import Rounds
 from run_lock import RunLock
 from trainers import LOGS, Trainer
-from utils import UserError, get_local_run_dir, set_seed
+from utils import UserError, first_line, get_local_run_dir, set_seed
 
 
 def prepare_run_dir(config: DictConfig, hold: contextlib.ExitStack | None = None) -> Path:
@@ -55,11 +56,7 @@ def prepare_run_dir(config: DictConfig, hold: contextlib.ExitStack | None = None
                 f"local_run_dir={run_dir}"
             )
         config.local_run_dir = str(run_dir)
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            OmegaConf.save(config, run_dir / "config.yaml", resolve=True)
-        except OSError as error:
-            raise UserError(f"local_run_dir={run_dir} cannot be written ({error.strerror}: {error.filename})") from None
+        storage.write_text(run_dir / "config.yaml", OmegaConf.to_yaml(config, resolve=True))
     return run_dir
 
 
@@ -71,7 +68,7 @@ def init_wandb(config: DictConfig, run_dir: Path):
 
     id_file = run_dir / "wandb-run-id"
     if not id_file.exists():
-        id_file.write_text(secrets.token_hex(8))  # wandb run ids: letters and digits
+        storage.write_text(id_file, secrets.token_hex(8))  # wandb run ids: letters and digits
 
     mode = os.environ.get("WANDB_MODE") or None
     if mode is None and not has_wandb_login():
@@ -90,9 +87,26 @@ def init_wandb(config: DictConfig, run_dir: Path):
     try:
         return wandb.init(mode=mode or "online", **kwargs)
     except Exception as error:  # no network, server down, bad key: log offline rather than lose the run
+        if mode == "offline":
+            return no_wandb(error, run_dir)
         print(f"wandb: could not start online ({type(error).__name__}), logging offline to {run_dir}/wandb")
         wandb.teardown()  # the failed attempt still holds the run id in wandb's service
+    try:
         return wandb.init(mode="offline", **kwargs)
+    except Exception as error:
+        return no_wandb(error, run_dir)
+
+
+def no_wandb(error: Exception, run_dir: Path) -> None:
+    """No wandb run (its offline directory cannot be written, say): the run goes on, logging to metrics.jsonl."""
+    import wandb
+
+    print(f"wandb: could not start ({first_line(error)}); the run logs to {run_dir / 'metrics.jsonl'} only")
+    wandb.teardown()
+
+
+def wants_wandb(config: DictConfig) -> bool:
+    return config.wandb.enabled and not config.debug
 
 
 def has_wandb_login() -> bool:
@@ -121,9 +135,7 @@ def run(config: DictConfig) -> None:
         run_dir = Path(run_dir)
         config.local_run_dir = str(run_dir)
         print(f"run directory: {run_dir}; {topology.describe()}")
-        wandb_run = (
-            init_wandb(config, run_dir) if config.wandb.enabled and not config.debug and topology.is_main else None
-        )
+        wandb_run = topology.run_on_main(lambda: init_wandb(config, run_dir)) if wants_wandb(config) else None
         trainer = build_trainer(config, topology, run_dir, wandb_run)
         if config.rounds.n:
             Rounds(trainer).run()

@@ -27,8 +27,9 @@ import reference_cache
 from build import Data, RunParts
 from optim import clip_grad_norm
 from plots import write_plots
+from storage import append_jsonl, truncate_jsonl
 from telemetry import Throughput, step_amounts
-from utils import Interrupted, UserError, append_jsonl, metric_mean, truncate_jsonl
+from utils import Interrupted, UserError, metric_mean
 
 PROGRESS_BAR = {"desc": "train", "unit": "step", "dynamic_ncols": True}
 LOGS = ("metrics.jsonl", "samples.jsonl", "plots.png")  # what a run writes besides checkpoints
@@ -159,7 +160,7 @@ class Trainer:
                 self.batch_counter += 1
                 progress.update()
                 progress.set_postfix(loss=f"{self.log.add_step(step_metrics, amounts):.4f}")
-                stopping = self.topology.any(stop.received is not None)
+                stopping = self.topology.any(stop.received is not None or self.log.failure is not None)
                 # Metrics of every step count: they are averaged over the interval, not sampled at its end. The
                 # interval also closes where a checkpoint may follow, so the log holds every step up to it.
                 round_end = self.batch_counter == self.round_start + len(schedule)
@@ -168,6 +169,7 @@ class Trainer:
                     self.log.close_interval(*self.counters())
                     last_log = time.time()
                 if stopping:
+                    self.check_logs()
                     self.stop(stop.received)
 
     def finish(self) -> None:
@@ -217,7 +219,7 @@ class Trainer:
         metrics = self.evaluator.evaluate(self.policy)
         self.log.metrics(metrics, *self.counters())
         if self.config.plots and self.topology.is_main:
-            write_plots(self.run_dir)
+            self.log.write(lambda: write_plots(self.run_dir))
         print(f"eval at {self.example_counter} examples: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
         if self.config.sample_during_eval:
             self.log.samples(
@@ -233,16 +235,38 @@ class Trainer:
         c = self.config
         if c.debug:
             return
+        self.check_logs()
         loop = dict(last_eval_at=self.last_eval_at, nonfinite_in_a_row=self.nonfinite_in_a_row, round=self.round_state)
         try:
-            parts, step = self.checkpoint_parts, self.example_counter
-            checkpoint.save(output_dir, step, metrics, parts, self.topology, loop, self.tokenizer, final)
+            parts, step, previous = self.checkpoint_parts, self.example_counter, self.last_checkpoint
+            checkpoint.save(
+                output_dir, step, metrics, parts, self.topology, loop, self.tokenizer, final, previous, c.keep_last
+            )
         except UserError as error:
-            last = self.last_checkpoint or "none yet"
-            raise UserError(f"{error}; the last complete checkpoint, {last}, is intact") from None
+            raise self.stopped(error) from None
         self.last_checkpoint, self.last_saved_at = output_dir, self.example_counter
         if c.keep_last is not None and not final:
             self.topology.run_on_main(lambda: checkpoint.prune(self.run_dir, c.keep_last))
+
+    def check_logs(self) -> None:
+        """Stop every rank, if rank 0 could not write the run's logs (RunLog.write). Collective."""
+        failure = self.topology.broadcast(self.log.failure)
+        if failure is not None:
+            raise self.stopped(UserError(failure))
+
+    def stopped(self, error: UserError) -> UserError:
+        """A write failure's line, with what is safe and how to go on."""
+        last = self.last_checkpoint
+        if last is None:
+            kept = "no checkpoint was written yet"
+        elif checkpoint.describe(last) is None:
+            kept = f"no complete checkpoint is left ({last} is gone)"
+        else:
+            kept = f"the last complete checkpoint, {last}, is intact"
+        return UserError(
+            f"{error}; stopped after {self.example_counter} examples, {kept}. To continue once that is fixed, run the "
+            f"same command with resume_from=auto local_run_dir={self.run_dir}"
+        )
 
 
 def check_nonfinite(in_a_row: int, allowed: int, step: int, last_checkpoint: Path | None) -> None:
@@ -282,6 +306,16 @@ class RunLog:
     def __init__(self, run_dir: Path, wandb_run, is_main: bool, throughput: Callable[[], Throughput]):
         self.run_dir, self.wandb_run, self.is_main, self.throughput = run_dir, wandb_run, is_main, throughput
         self.interval, self.interval_speed = defaultdict(list), throughput()
+        self.failure: str | None = None  # a write that failed (rank 0): the loop stops every rank at its next check
+
+    def write(self, write: Callable[[], None]) -> None:
+        """write() (rank 0), or nothing after a failure to write: that is kept for Trainer.check_logs, which stops every
+        rank (this one alone cannot: the others would wait for it in their next collective)."""
+        if self.failure is None:
+            try:
+                write()
+            except UserError as error:
+                self.failure = str(error)
 
     def add_step(self, step_metrics: dict[str, list[float]], amounts: dict[str, float]) -> float:
         """Add a training step to the interval; the interval's mean training loss so far."""
@@ -299,15 +333,14 @@ class RunLog:
         if not self.is_main:
             return
         metrics = {**metrics, "counters/examples": examples, "counters/updates": updates}
-        append_jsonl(self.run_dir / "metrics.jsonl", {"step": examples, **metrics})
+        self.write(lambda: append_jsonl(self.run_dir / "metrics.jsonl", {"step": examples, **metrics}))
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=examples)
 
     def samples(self, samples: list[dict], examples: int, updates: int) -> None:
         if not self.is_main:
             return
-        for sample in samples:
-            append_jsonl(self.run_dir / "samples.jsonl", sample)
+        self.write(lambda: append_jsonl(self.run_dir / "samples.jsonl", *samples))
         if self.wandb_run is not None:
             import wandb
 
@@ -340,8 +373,9 @@ class RunLog:
             at_step = (evaluated or "loss/eval" not in record) and "rounds/round" not in record
             return record["step"] < step or record["step"] == step and at_step
 
-        truncate_jsonl(self.run_dir / "metrics.jsonl", kept)
-        truncate_jsonl(self.run_dir / "samples.jsonl", lambda r: r["step"] < step or evaluated and r["step"] == step)
+        self.write(lambda: truncate_jsonl(self.run_dir / "metrics.jsonl", kept))
+        samples_kept = lambda r: r["step"] < step or evaluated and r["step"] == step  # noqa: E731
+        self.write(lambda: truncate_jsonl(self.run_dir / "samples.jsonl", samples_kept))
 
 
 class StopSignals:

@@ -3,7 +3,6 @@
 import ctypes
 import dataclasses
 import getpass
-import json
 import math
 import os
 import random
@@ -123,27 +122,6 @@ def metric_mean(name: str, values: list[float]) -> float:
         if not values:
             return math.nan
     return sum(values) / len(values)
-
-
-def append_jsonl(path: Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def truncate_jsonl(path: Path, keep) -> None:
-    """Rewrite a JSON-lines log with the records for which keep(record) holds; a line cut short by a kill is
-    dropped. The rewrite replaces the file whole."""
-    if not path.exists():
-        return
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(record) + "\n" for record in records if keep(record)))
-    tmp.replace(path)
 
 
 def first_line(error: Exception) -> str:

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+import storage
 from distributed import Topology
 from utils import UserError, first_line
 
@@ -182,16 +183,13 @@ def consolidate(shards: Path, directory: Path, topology: Topology) -> None:
     mine = {name: file for name, file in files.items() if (groups[name] - 1) % topology.world_size == topology.rank}
 
     def write_mine() -> None:
-        try:
+        with storage.writing(directory, sum(sizes[name] for name in mine)):
             if mine:
                 _consolidate_safetensors_files(str(shards), str(directory), mine, num_threads=1)
-        except OSError as error:
-            what = f"{error.filename or directory} ({error.strerror or first_line(error)})"
-            raise UserError(f"could not write {what}") from None
 
     def write_index() -> None:
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": files}
-        (directory / INDEX).write_text(json.dumps(index, indent=2))
+        storage.write_text(directory / INDEX, json.dumps(index, indent=2))
 
     topology.run_everywhere(write_mine)
     topology.run_on_main(write_index)  # once every rank has written its files
@@ -201,7 +199,8 @@ def export_weights(state: dict[str, torch.Tensor], directory: Path, topology: To
     """The from_pretrained weights of `state` (whole names, sharded values) in `directory`: shards written by every
     rank to a scratch directory, consolidated, and the scratch removed. Collective."""
     scratch = directory / ".shards"
-    write_shards(state, scratch, topology.world_size)
+    with storage.writing(directory):
+        write_shards(state, scratch, topology.world_size)
     consolidate(scratch, directory, topology)
     topology.run_on_main(lambda: shutil.rmtree(scratch))
 
@@ -223,6 +222,11 @@ def local_digest(model: nn.Module) -> str:
         digest.update(f"{name}:{value.dtype}:{tuple(value.shape)}:{tuple(local.shape)}".encode())
         digest.update(local.view(-1).view(torch.uint8).numpy())  # the tensor's own buffer: no copy
     return digest.hexdigest()
+
+
+def whole_bytes(tensor: torch.Tensor) -> int:
+    """A tensor's bytes whole: a DTensor's over every rank."""
+    return tensor.numel() * tensor.element_size()
 
 
 def one_process() -> bool:

@@ -11,6 +11,7 @@ os.environ["WANDB_MODE"] = "disabled"  # tests that exercise wandb set their own
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(1, str(Path(__file__).parent / "faults"))  # ballast.fill
 
 import pytest
 import torch
@@ -231,3 +232,51 @@ def tiny_lm_config(model_type: str, **overrides):
     if sizes["head_dim"] is None:
         del sizes["head_dim"]
     return transformers.AutoConfig.for_model(model_type, **sizes)
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Real storage faults: a filesystem of a given size, filled on demand, and a read-only view of a directory
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """mount(size, name="disk"): a real filesystem of `size` (a size-limited tmpfs, e.g. "16m") mounted at
+    tmp_path/name, unmounted after the test. Skipped, with the reason, where this process may not mount one."""
+    mounted = []
+
+    def mount(size: str, name: str = "disk") -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        result = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+        )
+        if result.returncode:
+            pytest.skip(f"a size-limited tmpfs cannot be mounted here ({result.stderr.strip()}): needs root")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """view(directory): a read-only bind mount of `directory` (writes there fail with EROFS, even for root),
+    unmounted after the test. Skipped, with the reason, where this process may not mount."""
+    mounted = []
+
+    def view(directory: Path) -> Path:
+        path = tmp_path / f"{directory.name}-read-only"
+        path.mkdir()
+        for options in (["--bind"], ["-o", "remount,ro,bind"]):
+            result = subprocess.run(["mount", *options, str(directory), str(path)], capture_output=True, text=True)
+            if result.returncode:
+                pytest.skip(f"a read-only bind mount cannot be made here ({result.stderr.strip()}): needs root")
+            if not mounted:
+                mounted.append(path)
+        return path
+
+    yield view
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

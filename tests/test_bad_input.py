@@ -168,7 +168,7 @@ ERRORS = [
     ("model.archive={d}/no-data-files", "model.archive: {d}/no-data-files is a directory but not a checkpoint"),
     ("resume_from=auto local_run_dir=null", "resume_from=auto continues the run in local_run_dir"),
     ("local_run_dir={d}/a-file/run", "local_run_dir={d}/a-file/run must be a directory, but {d}/a-file is a file"),
-    ("local_run_dir=/proc/dpo-run", "local_run_dir=/proc/dpo-run cannot be written"),
+    ("local_run_dir=/proc/dpo-run", "could not write /proc/dpo-run (No such file or directory); choose a writable"),
     # a value with spaces the shell split, not having been quoted (these cases split at spaces, as a shell does)
     ("local_run_dir={d}/my run", "run is not an override (key=value); a value with spaces is one argument only quoted"),
     ("local_run_dir={d}/my run", 'quoted for the shell: "local_run_dir={d}/my run"'),

@@ -1,8 +1,6 @@
 """Checkpoints (checkpoint.py): atomic directories, one-line errors, and the format of earlier versions."""
 
-import errno
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -13,32 +11,8 @@ import build
 import checkpoint
 import train
 import weights
-from checkpoint import replace_dir
 from conftest import assert_same_metrics, build_trainer, policy_state, read_jsonl
 from utils import UserError
-
-
-def test_replace_dir_swaps_whole_directories(tmp_path):
-    final = tmp_path / "LATEST"
-    final.mkdir()
-    (final / "policy.pt").write_text("old")
-    (final / "only-in-old").write_text("x")
-    new = tmp_path / "LATEST.tmp"
-    new.mkdir()
-    (new / "policy.pt").write_text("new")
-    replace_dir(new, final)
-    assert {p.name for p in final.iterdir()} == {"policy.pt"} and (final / "policy.pt").read_text() == "new"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST"]
-
-
-def test_replace_dir_after_a_crash_between_renames(tmp_path):
-    # A crash after moving the old directory aside leaves LATEST.old complete and no LATEST.
-    (tmp_path / "LATEST.old").mkdir()
-    new = tmp_path / "LATEST.tmp"
-    new.mkdir()
-    (new / "policy.pt").write_text("new")
-    replace_dir(new, tmp_path / "LATEST")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST"]
 
 
 def test_save_ignores_leftovers_of_a_crashed_save(make_config):
@@ -101,31 +75,6 @@ def test_keep_last_and_save_every_in_a_run(make_config):
     assert kept == sorted({"LATEST", "step-64", "step-72", f"step-{best}"})
     marker = json.loads((run_dir / "step-72" / "checkpoint.json").read_text())
     assert marker["step"] == 72 and marker["metrics"] == {} and not marker["final"]
-
-
-def test_a_full_disk_leaves_the_previous_checkpoint_intact(make_config, monkeypatch):
-    trainer = build_trainer(make_config())
-    trainer.example_counter = 8
-    trainer.save(trainer.run_dir / "step-8", {"loss/eval": 0.5})
-    before = {p.name: p.read_bytes() for p in (trainer.run_dir / "step-8").iterdir() if p.is_file()}
-    real_save = torch.save
-
-    def full_disk(obj, path, *args, **kwargs):
-        if isinstance(path, (str, os.PathLike)) and Path(path).name == "scheduler.pt":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        return real_save(obj, path, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "save", full_disk)
-    trainer.example_counter = 16
-    with pytest.raises(UserError) as error:
-        trainer.save(trainer.run_dir / "step-16", {"loss/eval": 0.4})
-    assert str(error.value) == (
-        f"could not write the checkpoint {trainer.run_dir / 'step-16'} (No space left on device: "
-        f"{trainer.run_dir / 'step-16.tmp' / 'scheduler.pt'}); the last complete checkpoint, "
-        f"{trainer.run_dir / 'step-8'}, is intact"
-    )
-    assert sorted(p.name for p in trainer.run_dir.iterdir() if p.is_dir()) == ["step-8"]  # no half step-16
-    assert {p.name: p.read_bytes() for p in (trainer.run_dir / "step-8").iterdir() if p.is_file()} == before
 
 
 def test_resume_from_a_bad_checkpoint_is_one_clear_line(make_config, tmp_path, monkeypatch):
@@ -226,3 +175,17 @@ def test_shards_that_do_not_add_up_are_never_a_checkpoint(make_config, tmp_path,
         "share; the last complete checkpoint"
     )
     assert sorted(p.name for p in trainer.run_dir.iterdir() if p.is_dir()) == ["step-8"]
+
+
+@pytest.mark.parametrize("keep_last", [1, 2, 3, None])
+def test_short_of_space_a_save_first_prunes_what_keep_last_would_never_the_newest(tmp_path, monkeypatch, keep_last):
+    """make_room: with too little free, the older checkpoints keep_last would prune after the save go first; the
+    newest complete one stays whatever keep_last says (a failed save must leave it), and nothing goes with room."""
+    for step in (8, 16, 24):
+        fake_checkpoint(tmp_path, f"step-{step}", step)
+    checkpoint.make_room(tmp_path, 1 << 20, keep_last)  # room enough: nothing pruned
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-16", "step-24", "step-8"]
+    monkeypatch.setattr(checkpoint.storage, "free_bytes", lambda path: 1000)
+    checkpoint.make_room(tmp_path, 1 << 20, keep_last)
+    kept = {1: ["step-24"], 2: ["step-24"], 3: ["step-16", "step-24"], None: ["step-16", "step-24", "step-8"]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == kept[keep_last]

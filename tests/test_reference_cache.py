@@ -140,3 +140,14 @@ def test_pairs_and_labelled_completions_keep_reference_files_of_their_own(make_c
 def assert_same_table(a: reference_cache.ReferenceTable, b: reference_cache.ReferenceTable) -> None:
     np.testing.assert_array_equal(a.keys, b.keys)
     np.testing.assert_array_equal(a.logps, b.logps)
+
+
+def test_a_cache_file_that_cannot_be_written_is_one_line_and_nothing_else(tmp_path, read_only, capsys):
+    (tmp_path / "cache").mkdir()
+    path = read_only(tmp_path / "cache") / "reference_logps" / "x.pt"
+    table = reference_cache.ReferenceTable.of(np.array([b"k" * 16], dtype="S16"), np.zeros((1, 2), np.float32))
+    reference_cache.save(path, "weights", "computation", table)
+    assert capsys.readouterr().out == (
+        f"reference log-probs: not cached (could not write {path} (Read-only file system); make it writable or write "
+        "elsewhere); this run goes on with them in memory\n"
+    )

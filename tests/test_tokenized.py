@@ -14,6 +14,7 @@ import pyarrow
 import pyarrow.parquet
 import pytest
 import transformers
+from ballast import fill
 
 import tokenized
 from conftest import REPO_ROOT, TINY_DIR, arithmetic_pairs, labelled_completions, write_jsonl
@@ -311,11 +312,36 @@ def test_a_damaged_or_foreign_copy_is_rebuilt_with_a_line(tmp_path, tiny_tokeniz
     assert "(tokenized earlier:" in capsys.readouterr().out
 
 
-def test_an_unwritable_cache_is_one_line_and_leaves_nothing(tmp_path, tiny_tokenizer):
-    path = write_jsonl(tmp_path / "pairs.jsonl", arithmetic_pairs(12))
-    (tmp_path / "file").write_text("")
-    with pytest.raises(UserError, match=r"^tokenized data: could not write .*file/tokenized/\w+ \(.*\); local_dirs"):
-        load_examples([str(path)], tiny_tokenizer, PAIRS, 0, 4, tmp_path / "file")
+@pytest.mark.parametrize("cache_kind", ["full", "read-only", "a file"])
+def test_a_cache_that_cannot_be_written_is_one_line_and_the_run_goes_on(
+    tmp_path, tiny_tokenizer, capsys, small_disk, read_only, cache_kind
+):
+    """A full disk mid-build, a read-only directory, a file in the way: the examples are tokenized in memory
+    instead, alike, with one line naming the directory, and nothing is left in the cache."""
+    path = write_jsonl(tmp_path / "pairs.jsonl", arithmetic_pairs(400))
+    expected = {
+        split: as_lists(e)
+        for split, e in load_examples([str(path)], tiny_tokenizer, PAIRS, 0, 4, tmp_path / "ok").items()
+    }
+    if cache_kind == "full":
+        cache = small_disk("64k")
+        fill(cache, leave=16 << 10)  # room for the directories, not for the tokens
+        reason = "No space left on device: "
+    elif cache_kind == "read-only":
+        (tmp_path / "ro").mkdir()
+        cache = read_only(tmp_path / "ro")
+        reason = "Read-only file system)"
+    else:
+        cache = tmp_path / "file"
+        cache.write_text("")
+        reason = "Not a directory)"
+    capsys.readouterr()
+    examples = load_examples([str(path)], tiny_tokenizer, PAIRS, 0, 4, cache)
+    assert {split: as_lists(e) for split, e in examples.items()} == expected
+    line = next(line for line in capsys.readouterr().out.splitlines() if "pairs.jsonl: 400 pairs" in line)
+    assert f"(tokenized in memory, not cached: could not write {cache}/tokenized/" in line and reason in line, line
+    if cache.is_dir():
+        assert [p.name for p in cache.rglob("*") if p.name != "ballast" and p.is_file()] == []
 
 
 BUILDER = textwrap.dedent(
@@ -323,17 +349,17 @@ BUILDER = textwrap.dedent(
     import sys, time
     from pathlib import Path
     sys.path.insert(0, {repo!r})
-    import transformers, tokenized
+    import transformers, tokenized, storage
     data, cache, ready, n = sys.argv[1:5]
-    publish = tokenized.publish
+    publish = storage.publish
 
-    def publish_together(temporary, directory):  # both have built: they rename at the same moment
+    def publish_together(temporary, directory, complete):  # both have built: they rename at the same moment
         Path(ready + sys.argv[5]).touch()
         while len(list(Path(ready).parent.glob(Path(ready).name + "*"))) < int(n):
             time.sleep(0.01)
-        publish(temporary, directory)
+        return publish(temporary, directory, complete)
 
-    tokenized.publish = publish_together
+    storage.publish = publish_together
     tokenizer = transformers.AutoTokenizer.from_pretrained({tiny!r})
     settings = tokenized.Tokenization(24, 10, False)
     examples = tokenized.load_examples([data], tokenizer, settings, 0, 4, Path(cache))

@@ -14,6 +14,8 @@ process of rank FAULT_RANK (default 0) stop at the Nth event of KIND:
   swap       SIGKILL right after the Nth rename (e.g. between replace_dir's two renames)
   interrupt  SIGINT at the Nth training step's optimizer step, as Ctrl-C would send it: to the process, or to the
              launcher that spawned it (its parent), which passes it on to every rank
+  fill       at the Nth training step's optimizer step, fill the filesystem of the directory FAULT_FILL (ballast.py),
+             as another job on a shared disk may; the process goes on
 """
 
 import os
@@ -38,7 +40,11 @@ if FAULT:
         counts[kind] = counts.get(kind, 0) + 1
         if counts[kind] != int(N):
             return
-        if kind == "interrupt":
+        if kind == "fill":
+            from ballast import fill
+
+            fill(pathlib.Path(os.environ["FAULT_FILL"]))
+        elif kind == "interrupt":
             spawned = "LOCAL_WORLD_SIZE" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
             os.kill(os.getppid() if spawned else os.getpid(), signal.SIGINT)
         else:
@@ -54,6 +60,7 @@ if FAULT:
         if called_from("train_step"):  # not loading a checkpoint's optimizer state, which takes an empty step
             event("step")
             event("interrupt")
+            event("fill")
 
     register_optimizer_step_pre_hook(before_step)
 
