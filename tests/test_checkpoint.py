@@ -172,7 +172,7 @@ def test_shards_that_do_not_add_up_are_never_a_checkpoint(make_config, tmp_path,
     assert str(error.value).startswith(
         f"could not write the checkpoint {trainer.run_dir / 'step-16'}: the checkpoint's policy/ is incomplete (its "
         "files hold 6 of the 12 values of w): with several machines, local_run_dir must be on a filesystem they all "
-        "share; the last complete checkpoint"
+        "share; stopped after 16 examples, the last complete checkpoint"
     )
     assert sorted(p.name for p in trainer.run_dir.iterdir() if p.is_dir()) == ["step-8"]
 
