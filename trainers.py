@@ -169,12 +169,11 @@ class Trainer:
                     self.log.close_interval(*self.counters())
                     last_log = time.time()
                 if stopping:
-                    self.check_logs()
+                    self.log.check(self.topology, lambda error: stopped(error, self))
                     self.stop(stop.received)
 
     def finish(self) -> None:
-        """The run's end: a final eval, the final checkpoint (LATEST, with the from_pretrained export) and the
-        summary. A signal from here on lets it finish (StopSignals takes it, and nothing asks): little is left."""
+        """The run's end: a final eval, checkpoint (LATEST, with the export) and summary; a signal now lets it end."""
         if self.finished:
             return
         with StopSignals():
@@ -229,44 +228,38 @@ class Trainer:
         return metrics
 
     def save(self, output_dir: Path, metrics: dict[str, float], final: bool = False) -> None:
-        """A checkpoint of policy, optimizer and scheduler (see checkpoint.py) and of the loop's counters; final: also
-        a from_pretrained copy of policy and tokenizer. keep_last prunes older step-N ones. Nothing is written under
-        debug=true."""
-        c = self.config
-        if c.debug:
+        """A checkpoint of the checkpoint parts and the loop's counters (checkpoint.py; final: with the from_pretrained
+        export); keep_last prunes older step-N ones. Nothing is written under debug=true."""
+        keep_last = self.config.keep_last
+        if self.config.debug:
             return
-        self.check_logs()
+        self.log.check(self.topology, lambda error: stopped(error, self))
         loop = dict(last_eval_at=self.last_eval_at, nonfinite_in_a_row=self.nonfinite_in_a_row, round=self.round_state)
         try:
             parts, step, previous = self.checkpoint_parts, self.example_counter, self.last_checkpoint
             checkpoint.save(
-                output_dir, step, metrics, parts, self.topology, loop, self.tokenizer, final, previous, c.keep_last
+                output_dir, step, metrics, parts, self.topology, loop, self.tokenizer, final, previous, keep_last
             )
         except UserError as error:
-            raise self.stopped(error) from None
+            raise stopped(error, self) from None
         self.last_checkpoint, self.last_saved_at = output_dir, self.example_counter
-        if c.keep_last is not None and not final:
-            self.topology.run_on_main(lambda: checkpoint.prune(self.run_dir, c.keep_last))
+        if keep_last is not None and not final:
+            self.topology.run_on_main(lambda: checkpoint.prune(self.run_dir, keep_last))
 
-    def check_logs(self) -> None:
-        """Stop every rank, if rank 0 could not write the run's logs (RunLog.write). Collective."""
-        failure = self.topology.broadcast(self.log.failure)
-        if failure is not None:
-            raise self.stopped(UserError(failure))
 
-    def stopped(self, error: UserError) -> UserError:
-        """A write failure's line, with what is safe and how to go on."""
-        last = self.last_checkpoint
-        if last is None:
-            kept = "no checkpoint was written yet"
-        elif checkpoint.describe(last) is None:
-            kept = f"no complete checkpoint is left ({last} is gone)"
-        else:
-            kept = f"the last complete checkpoint, {last}, is intact"
-        return UserError(
-            f"{error}; stopped after {self.example_counter} examples, {kept}. To continue once that is fixed, run the "
-            f"same command with resume_from=auto local_run_dir={self.run_dir}"
-        )
+def stopped(error: UserError, trainer: Trainer) -> UserError:
+    """A write failure's line, with where the run stopped, what is safe and how to go on."""
+    last = trainer.last_checkpoint
+    if last is None:
+        kept = "no checkpoint was written yet"
+    elif checkpoint.describe(last) is None:
+        kept = f"no complete checkpoint is left ({last} is gone)"
+    else:
+        kept = f"the last complete checkpoint, {last}, is intact"
+    return UserError(
+        f"{error}; stopped after {trainer.example_counter} examples, {kept}. To continue once that is fixed, run the "
+        f"same command with resume_from=auto local_run_dir={trainer.run_dir}"
+    )
 
 
 def check_nonfinite(in_a_row: int, allowed: int, step: int, last_checkpoint: Path | None) -> None:
@@ -309,13 +302,19 @@ class RunLog:
         self.failure: str | None = None  # a write that failed (rank 0): the loop stops every rank at its next check
 
     def write(self, write: Callable[[], None]) -> None:
-        """write() (rank 0), or nothing after a failure to write: that is kept for Trainer.check_logs, which stops every
-        rank (this one alone cannot: the others would wait for it in their next collective)."""
+        """write() (rank 0), or nothing after a failure to write: that is kept for check(), which stops every rank
+        (this one alone cannot: the others would wait for it in their next collective)."""
         if self.failure is None:
             try:
                 write()
             except UserError as error:
                 self.failure = str(error)
+
+    def check(self, topology, stop_line: Callable[[UserError], UserError]) -> None:
+        """Stop every rank with stop_line(rank 0's failure to write a log), if there was one. Collective."""
+        failure = topology.broadcast(self.failure)
+        if failure is not None:
+            raise stop_line(UserError(failure))
 
     def add_step(self, step_metrics: dict[str, list[float]], amounts: dict[str, float]) -> float:
         """Add a training step to the interval; the interval's mean training loss so far."""
