@@ -215,11 +215,7 @@ def sync(path: Path) -> None:
     """Flush a file, or a directory's files and entries, to disk: after a power cut, a renamed copy is whole too."""
     path = Path(path)
     for item in [*path.rglob("*"), path] if path.is_dir() else [path]:
-        descriptor = os.open(item, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+        sync_entries(item)
 
 
 def new_dir(directory: Path) -> None:
@@ -267,9 +263,9 @@ def publish(tmp_dir: Path, final_dir: Path, complete: str) -> bool:
     return True
 
 
-def sync_entries(directory: Path) -> None:
-    """Flush a directory's entries (a rename into it) to disk."""
-    descriptor = os.open(directory, os.O_RDONLY)
+def sync_entries(path: Path) -> None:
+    """Flush one file's content, or one directory's entries (a rename into it), to disk."""
+    descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
     finally:
