@@ -59,9 +59,9 @@ import torch
 import torch.distributed as dist
 import transformers
 
-import logprobs
-from distributed import free_port, leave_process_group, rank_environment
-from logprobs import token_logps_from_hidden, token_logps_from_logits
+from core import logprobs
+from core.logprobs import token_logps_from_hidden, token_logps_from_logits
+from modeling.distributed import free_port, leave_process_group, rank_environment
 from utils import REPO_ROOT
 
 IGNORE_INDEX = -100  # labels that are not scored (the reference implementation's convention)
@@ -116,10 +116,10 @@ def bench_trainer(overrides: list[str], data_file: str = str(HH_FILE), n_rows: i
 
     import config as configuration
     from build import build
-    from distributed import Topology
-    from host_memory import use_huge_pages
-    from models import load_tokenizer
+    from modeling.distributed import Topology
+    from modeling.models import load_tokenizer
     from preference_datasets import parse_rows, read_file_rows
+    from reporting.host_memory import use_huge_pages
     from trainers import Trainer
 
     use_huge_pages()  # before torch allocates anything
@@ -147,8 +147,8 @@ def lever_worker(
     precision was chosen and the first step's seconds. compile_blocks: torch.compile each transformer block
     (dynamic shapes) before the first step."""
 
-    from placement import find_blocks
-    from telemetry import Throughput, step_amounts
+    from modeling.placement import find_blocks
+    from reporting.telemetry import Throughput, step_amounts
 
     trainer, setup_seconds = bench_trainer(overrides, data_file, n_rows)
     config = trainer.config
@@ -203,8 +203,8 @@ def lever_worker(
 
 
 def bench_levers(warmup: int, steps: int) -> None:
-    from models import SMOLLM2_HUB_ID, resolve_model_dir
-    from precision import cpu_name
+    from modeling.models import SMOLLM2_HUB_ID, resolve_model_dir
+    from modeling.precision import cpu_name
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_dir = resolve_model_dir(SMOLLM2_HUB_ID, REPO_ROOT / ".cache")
@@ -294,8 +294,8 @@ def profile_worker(overrides: list[str], warmup: int, steps: int, result_file: s
 def bench_profile(overrides: list[str], warmup: int, steps: int) -> None:
     """The breakdown of a training step's CPU time for a configuration: the default's, or the one the overrides
     make, at 256 x 4 on SmolLM2 and the HH pairs (max_length=... and batch_size=... override those too)."""
-    from models import SMOLLM2_HUB_ID, resolve_model_dir
-    from precision import cpu_flags, cpu_name
+    from modeling.models import SMOLLM2_HUB_ID, resolve_model_dir
+    from modeling.precision import cpu_flags, cpu_name
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_dir = resolve_model_dir(SMOLLM2_HUB_ID, REPO_ROOT / ".cache")
@@ -355,7 +355,7 @@ def workload_overrides(model_dir: str, cache_dir: str, max_length: int, batch: i
 def with_machine_rates(cache_dir: str) -> str:
     """cache_dir holding this machine's measured matmul rates (precision_probe.json, measured once in ./.cache), so
     that every run's MFU, and `auto`'s choice, rest on the same numbers rather than on a fresh, noisy probe each."""
-    from precision import cpu_matmul_flops
+    from modeling.precision import cpu_matmul_flops
 
     cpu_matmul_flops(REPO_ROOT / ".cache")
     shutil.copy(REPO_ROOT / ".cache" / "precision_probe.json", cache_dir)
@@ -382,8 +382,8 @@ def bench_versus(ref: str, warmup: int, steps: int, rounds: int) -> None:
     in float32 (what `auto` picks on a CPU without fast bfloat16; measured separately only where the default is
     bfloat16) at 256 x 4: each run in a fresh process, the two versions alternating, `rounds` rounds (runs of one
     version vary by ~10% on a shared machine, so more rounds give a steadier ratio)."""
-    from models import SMOLLM2_HUB_ID, resolve_model_dir
-    from precision import REQUIRED_SPEEDUP, cpu_flags, cpu_matmul_flops, cpu_name
+    from modeling.models import SMOLLM2_HUB_ID, resolve_model_dir
+    from modeling.precision import REQUIRED_SPEEDUP, cpu_flags, cpu_matmul_flops, cpu_name
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_dir = resolve_model_dir(SMOLLM2_HUB_ID, REPO_ROOT / ".cache")
@@ -425,8 +425,8 @@ def bench_versus(ref: str, warmup: int, steps: int, rounds: int) -> None:
 
 def bench_compile(warmup: int, steps: int) -> None:
     """The default configuration at 256 x 4, eager against torch.compile of each block, alternating."""
-    from models import SMOLLM2_HUB_ID, resolve_model_dir
-    from precision import cpu_name
+    from modeling.models import SMOLLM2_HUB_ID, resolve_model_dir
+    from modeling.precision import cpu_name
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_dir = resolve_model_dir(SMOLLM2_HUB_ID, REPO_ROOT / ".cache")
@@ -449,8 +449,8 @@ def bench_compile(warmup: int, steps: int) -> None:
 
 def bench_lora(warmup: int, steps: int) -> None:
     """Full fine-tuning against LoRA (the preset: rank 16 on every linear layer) at 256 x 4, alternating."""
-    from models import SMOLLM2_HUB_ID, resolve_model_dir
-    from precision import cpu_name
+    from modeling.models import SMOLLM2_HUB_ID, resolve_model_dir
+    from modeling.precision import cpu_name
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_dir = resolve_model_dir(SMOLLM2_HUB_ID, REPO_ROOT / ".cache")
@@ -559,7 +559,7 @@ def trl_worker(
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    from telemetry import ModelFlops, peak_flops
+    from reporting.telemetry import ModelFlops, peak_flops
 
     cuda = torch.cuda.is_available()
     rows = [json.loads(line) for line in Path(data_file).read_text().splitlines()]
@@ -757,9 +757,9 @@ def bench_attention_bookkeeping() -> None:
     segment, and one row of T) and of the block mask (one row of T), and the attention scores each path computes as
     a share of T^2 (SDPA with an arbitrary mask computes every score of its rows; FlexAttention the 128 x 128 blocks
     not fully masked), against the scores the data needs (visible query-key pairs)."""
-    from layouts import dense_mask, pack, segment_lengths
-    from scoring import FLEX_BLOCK, additive_mask, block_mask
-    from telemetry import visible_pairs
+    from core.layouts import dense_mask, pack, segment_lengths
+    from core.scoring import FLEX_BLOCK, additive_mask, block_mask
+    from reporting.telemetry import visible_pairs
 
     def timed(build):
         """The result and seconds of the second of two builds (the first allocates, or compiles for a new shape)."""
@@ -800,11 +800,11 @@ def cpu_reference_pass_worker(result_file: str, attention: str, dtype: str, max_
     dense mask (rows of the longest segment) or block mask (one row), after a warm-up micro-batch."""
     from itertools import islice
 
-    from layouts import pack, segment_lengths
-    from models import SMOLLM2_HUB_ID, resolve_model_dir
+    from core.layouts import pack, segment_lengths
+    from core.scoring import FLEX_BLOCK, sequence_logps
+    from modeling.models import SMOLLM2_HUB_ID, resolve_model_dir
+    from persistence.tokenized import Tokenization, tokenize_pairs
     from preference_datasets import parse_rows, read_file_rows
-    from scoring import FLEX_BLOCK, sequence_logps
-    from tokenized import Tokenization, tokenize_pairs
 
     model_dir = resolve_model_dir(SMOLLM2_HUB_ID, REPO_ROOT / ".cache")
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
@@ -831,7 +831,7 @@ def cpu_reference_pass_worker(result_file: str, attention: str, dtype: str, max_
 
 
 def bench_attention() -> None:
-    from precision import cpu_name
+    from modeling.precision import cpu_name
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     print(
@@ -1116,8 +1116,8 @@ def data_worker(result_file: str, data_file: str, cache_dir: str) -> None:
     timed; the resident memory it adds per token, mapped, and after every token was read once (as an epoch reads
     them)."""
 
-    import tokenized
-    from tokenized import Tokenization, load_examples
+    from persistence import tokenized
+    from persistence.tokenized import Tokenization, load_examples
 
     tokenizer, _ = bench_tokenizer()
     builds = []
@@ -1146,9 +1146,9 @@ def data_worker(result_file: str, data_file: str, cache_dir: str) -> None:
 def data_rank(rank: int, world_size: int, port: int, data_file: str, cache_dir: str, result_file: str) -> None:
     """One rank of a multi-process start: the run's data as build.py prepares it (local rank 0 first, into the
     cache; the others map it); rank 0 writes the seconds until every rank has it and how many ranks tokenized."""
-    import tokenized
-    from distributed import Topology
-    from tokenized import Tokenization, load_examples
+    from modeling.distributed import Topology
+    from persistence import tokenized
+    from persistence.tokenized import Tokenization, load_examples
 
     os.environ.update(rank_environment(rank, world_size, port))
     torch.set_num_threads(1)
@@ -1173,7 +1173,8 @@ def data_rank(rank: int, world_size: int, port: int, data_file: str, cache_dir: 
 
 def data_start(world_size: int, data_file: Path, cache_dir: Path, result_file: Path) -> dict:
     code = (
-        f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r}); import bench, torch; from distributed import free_port; "
+        f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r}); import bench, torch; "
+        "from modeling.distributed import free_port; "
         f"torch.multiprocessing.spawn(bench.data_rank, args=({world_size}, free_port(), {str(data_file)!r}, "
         f"{str(cache_dir)!r}, {str(result_file)!r}), nprocs={world_size})"
     )
@@ -1185,7 +1186,7 @@ def bench_data(smoke: bool) -> None:
     """Prepared pairs/s, first run and rerun, and resident bytes per token at about 5k, 50k and 500k synthetic
     HH-length pairs (every text distinct), one process and a 2-process FSDP start; the issue's 46k construction
     through train.py's dry run; the reference log-prob cache at a million pairs."""
-    from precision import cpu_flags, cpu_name
+    from modeling.precision import cpu_flags, cpu_name
 
     sizes = (500, 2_000) if smoke else DATA_SIZES
     _, tokenizer_name = bench_tokenizer()
@@ -1221,7 +1222,7 @@ def bench_data(smoke: bool) -> None:
 def issue_construction(tmp: Path, n_rows: int) -> None:
     """The issue's measurement: HH rows repeated with a variant suffix in the prompt (responses repeat every 2,312
     rows), through `train.py dry_run=true` with the default model's tokenizer, first run and rerun."""
-    from models import SMOLLM2_HUB_ID, resolve_model_dir
+    from modeling.models import SMOLLM2_HUB_ID, resolve_model_dir
 
     data_file = synthetic_hh_file(tmp / "issue.jsonl", n_rows, distinct=False)
     model_dir = resolve_model_dir(SMOLLM2_HUB_ID, REPO_ROOT / ".cache")  # converted once, beforehand: not timed
@@ -1243,7 +1244,7 @@ def issue_construction(tmp: Path, n_rows: int) -> None:
 def reference_cache_at_a_million(tmp: Path, n: int) -> None:
     """The reference log-prob cache: save, load (memory-mapped) and look up every key of n synthetic entries."""
 
-    import reference_cache
+    from persistence import reference_cache
 
     rng = np.random.default_rng(0)
     keys = rng.integers(0, 256, size=(n, 16), dtype=np.uint8).view("S16").reshape(-1)
@@ -1325,7 +1326,7 @@ def scale_rank(rank: int, world: int, port: int, overrides: list[str], resume: s
     checkpoint and export ("save"); or, with `resume`, build and read that checkpoint ("resume")."""
     import build
     import config as configuration
-    from distributed import Topology, init_process_group
+    from modeling.distributed import Topology, init_process_group
     from trainers import Trainer
 
     os.environ.update(rank_environment(rank, world, port))
@@ -1499,7 +1500,7 @@ def window_model_dir() -> Path:
 
 
 def bench_window(warmup: int, steps: int, rounds: int = 2) -> None:
-    from precision import cpu_flags, cpu_name
+    from modeling.precision import cpu_flags, cpu_name
 
     model_dir = window_model_dir()
     print(
@@ -1530,7 +1531,7 @@ def bench_window(warmup: int, steps: int, rounds: int = 2) -> None:
 
 
 def cpu_model() -> str:
-    from precision import cpu_name
+    from modeling.precision import cpu_name
 
     return cpu_name()
 

@@ -13,24 +13,30 @@ import torch
 import transformers
 from omegaconf import DictConfig, OmegaConf
 
-import checkpoint
-import reference_cache
-import weights
-from adapters import AdaptersDisabled, apply_lora, is_adapted, quantization_config
-from distributed import TRAINERS, Topology, mesh_shape
-from evaluation import Evaluator
-from layouts import ModelBatch, to_device
-from losses import PairStats
-from models import InitialWeights, load_tokenizer, prepare_model, resolve_model_dir
-from objective import build_objective
-from optim import build_optimizer, build_scheduler
-from placement import find_blocks, parallelize
-from precision import Precision, auto_compute_dtype, choose_compute_dtype, decide_precision, device_key, parse_dtype
+from core.evaluation import Evaluator
+from core.layouts import ModelBatch, to_device
+from core.losses import PairStats
+from core.objective import build_objective
+from core.optim import build_optimizer, build_scheduler
+from core.scoring import Scorer
+from modeling import weights
+from modeling.adapters import AdaptersDisabled, apply_lora, is_adapted, quantization_config
+from modeling.distributed import TRAINERS, Topology, mesh_shape
+from modeling.models import InitialWeights, load_tokenizer, prepare_model, resolve_model_dir
+from modeling.placement import find_blocks, parallelize
+from modeling.precision import (
+    Precision,
+    auto_compute_dtype,
+    choose_compute_dtype,
+    decide_precision,
+    device_key,
+    parse_dtype,
+)
+from persistence import checkpoint, reference_cache
+from persistence.tokenized import Examples, Tokenization, first_of_each_group, load_examples, mismatched, tokenize_pairs
 from preference_datasets import PreferencePair, batch_schedule
-from report import GIB, Hardware, Workload, data_report, fit_verdict
-from scoring import Scorer
-from telemetry import ModelFlops, peak_flops
-from tokenized import Examples, Tokenization, first_of_each_group, load_examples, mismatched, tokenize_pairs
+from reporting.report import GIB, Hardware, Workload, data_report, fit_verdict
+from reporting.telemetry import ModelFlops, peak_flops
 from utils import UserError, get_local_dir
 
 

@@ -25,14 +25,14 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
 
-from adapters import LoraSettings
-from distributed import TRAINERS, mesh_shape, planned_world_size
-from layouts import LAYOUTS
-from losses import LOSSES
-from optim import build_optimizer
-from precision import parse_dtype
-from rewards import check_reward
-from scoring import ATTENTIONS
+from core.layouts import LAYOUTS
+from core.losses import LOSSES
+from core.optim import build_optimizer
+from core.rewards import check_reward
+from core.scoring import ATTENTIONS
+from modeling.adapters import LoraSettings
+from modeling.distributed import TRAINERS, mesh_shape, planned_world_size
+from modeling.precision import parse_dtype
 from utils import NON_NEGATIVE, POSITIVE, REPO_ROOT, Range, UserError, check_ranges, first_line, ranged
 
 CONFIG_DIR = REPO_ROOT / "config"

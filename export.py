@@ -16,14 +16,19 @@ import torch
 import transformers
 from omegaconf import OmegaConf
 
-import checkpoint
-import storage
-import weights
-from adapters import apply_lora
 from build import place
-from distributed import Topology, init_process_group, launched_by_torchrun, leave_process_group, reported_errors
-from models import prepare_model
-from precision import parse_dtype
+from modeling import weights
+from modeling.adapters import apply_lora
+from modeling.distributed import (
+    Topology,
+    init_process_group,
+    launched_by_torchrun,
+    leave_process_group,
+    reported_errors,
+)
+from modeling.models import prepare_model
+from modeling.precision import parse_dtype
+from persistence import checkpoint, storage
 from utils import UserError, get_local_dir
 
 

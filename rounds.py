@@ -21,13 +21,12 @@ import json
 
 import numpy as np
 
-import reference_cache
-import storage
 from build import Data, fill_reference_cache, reference_computation
+from core.rewards import load_reward
+from persistence import reference_cache, storage
+from persistence.tokenized import Examples, first_of_each_group, from_ids
 from preference_datasets import batch_schedule
-from report import data_report
-from rewards import load_reward
-from tokenized import Examples, first_of_each_group, from_ids
+from reporting.report import data_report
 from trainers import Trainer
 from utils import UserError
 

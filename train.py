@@ -4,7 +4,7 @@ BasicTrainer runs in this process. FSDPTrainer and TensorParallelTrainer run on 
 process group: under torchrun this process is one rank; otherwise train.py starts one worker per GPU (or `nproc`
 CPU workers) on this machine (distributed.launch)."""
 
-from host_memory import use_huge_pages
+from reporting.host_memory import use_huge_pages
 
 use_huge_pages()  # before torch allocates anything (host_memory.py)
 
@@ -22,14 +22,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-import checkpoint
 import config as configuration
-import storage
 from build import build, dry_run
-from distributed import Topology, launch, planned_world_size, process_rank, reported_errors
-from report import Hardware
+from modeling.distributed import Topology, launch, planned_world_size, process_rank, reported_errors
+from persistence import checkpoint, storage
+from persistence.run_lock import RunLock
+from reporting.report import Hardware
 from rounds import Rounds
-from run_lock import RunLock
 from trainers import LOGS, Trainer
 from utils import UserError, first_line, get_local_run_dir, set_seed
 

@@ -22,13 +22,12 @@ from typing import Callable
 
 import tqdm
 
-import checkpoint
-import reference_cache
 from build import Data, RunParts
-from optim import clip_grad_norm
-from plots import write_plots
-from storage import append_jsonl, truncate_jsonl
-from telemetry import Throughput, step_amounts
+from core.optim import clip_grad_norm
+from persistence import checkpoint, reference_cache
+from persistence.storage import append_jsonl, truncate_jsonl
+from reporting.plots import write_plots
+from reporting.telemetry import Throughput, step_amounts
 from utils import Interrupted, UserError, metric_mean
 
 PROGRESS_BAR = {"desc": "train", "unit": "step", "dynamic_ncols": True}

@@ -117,7 +117,7 @@ def make_config(tmp_path, pairs_file):
 def build_trainer(config, run_dir=None):
     """A trainer as train.run builds it, without training."""
     import train
-    from distributed import Topology
+    from modeling.distributed import Topology
 
     run_dir = run_dir or train.prepare_run_dir(config)
     return train.build_trainer(config, Topology.create(config.trainer, config.tensor_parallel_size), run_dir)
@@ -170,7 +170,7 @@ PARAMETER_ATOL = 5e-6
 
 def policy_state(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     """A checkpoint's trainable weights, whole: its policy/ shards (or a reference-format policy.pt)."""
-    import weights
+    from modeling import weights
 
     if (checkpoint_dir / "policy").is_dir():
         return weights.full_state(checkpoint_dir / "policy")

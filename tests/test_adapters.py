@@ -10,9 +10,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-import checkpoint
 import train
-from adapters import AdaptersDisabled
 from conftest import (
     assert_resume_matches_uninterrupted,
     build_trainer,
@@ -22,7 +20,9 @@ from conftest import (
     run_cli,
     smollm2_two_steps,
 )
-from models import load_model
+from modeling.adapters import AdaptersDisabled
+from modeling.models import load_model
+from persistence import checkpoint
 from utils import UserError
 
 LORA = ("lora.enabled=true", "lora.rank=4", "lora.alpha=8")

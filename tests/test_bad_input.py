@@ -14,9 +14,9 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-import checkpoint
 import train
 from conftest import TINY_DIR, arithmetic_pairs, read_jsonl, tiny_run_overrides, write_jsonl
+from persistence import checkpoint
 
 GOOD = {"prompt": "Q: 1 + 1?\nA:", "chosen": " 2", "rejected": " 3"}
 

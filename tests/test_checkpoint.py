@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import save_file
 
 import build
-import checkpoint
 import train
-import weights
 from conftest import assert_same_metrics, build_trainer, policy_state, read_jsonl
+from modeling import weights
+from persistence import checkpoint
 from utils import UserError
 
 

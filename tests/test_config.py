@@ -7,8 +7,8 @@ import typing
 
 import pytest
 
-import checkpoint
 import train
+from persistence import checkpoint
 from utils import UserError
 
 
@@ -179,7 +179,7 @@ def schemas_by_option():
     from omegaconf import OmegaConf
 
     from config import CONFIG_DIR, Config
-    from losses import LOSSES
+    from core.losses import LOSSES
 
     yield [], Config, ""
     for path in sorted((CONFIG_DIR / "loss").glob("*.yaml")):

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
 from conftest import MEASURED, optimizer_state, policy_state, read_jsonl, run_cli, tiny_run_overrides
+from persistence import checkpoint
 
 FAULTS_DIR = Path(__file__).parent / "faults"  # sitecustomize.py: the FAULT=KIND:N hooks
 # The most events of each kind an attempt is sure to reach (see faults/sitecustomize.py), so each one is killed.

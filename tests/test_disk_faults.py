@@ -12,12 +12,11 @@ import pytest
 import torch
 from ballast import fill
 
-import checkpoint
 import export
-import storage
 import train
 from conftest import MEASURED, policy_state, read_jsonl, records, run_cli, tiny_run_overrides
-from distributed import Topology
+from modeling.distributed import Topology
+from persistence import checkpoint, storage
 from utils import UserError
 
 FAULTS_DIR = Path(__file__).parent / "faults"  # sitecustomize.py: the FAULT=KIND:N hooks

@@ -12,7 +12,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import checkpoint
 from conftest import (
     PADDED_BASELINE,
     REPO_ROOT,
@@ -27,7 +26,15 @@ from conftest import (
     tiny_run_overrides,
     write_jsonl,
 )
-from distributed import Topology, free_port, init_process_group, leave_process_group, mesh_shape, rank_environment
+from modeling.distributed import (
+    Topology,
+    free_port,
+    init_process_group,
+    leave_process_group,
+    mesh_shape,
+    rank_environment,
+)
+from persistence import checkpoint
 
 
 def launch(run_dir, pairs_file, *overrides: str, launcher: str = "spawn", nproc: int = 2):
@@ -349,7 +356,7 @@ def test_a_stopped_run_lets_go_of_what_it_held():
     import gc
     import weakref
 
-    from distributed import reported_errors
+    from modeling.distributed import reported_errors
     from utils import Interrupted
 
     class Trainer:

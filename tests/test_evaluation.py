@@ -5,7 +5,7 @@ import torch
 
 import train
 from conftest import build_trainer, read_jsonl
-from evaluation import SeededSampling
+from core.evaluation import SeededSampling
 
 
 def test_sampling_during_eval_strips_prompt(make_config):

@@ -41,8 +41,11 @@ def probe(setup: str, **environment) -> dict:
     return json.loads(out.stdout)
 
 
+TUNE = "from reporting.host_memory import use_huge_pages\nuse_huge_pages()"
+
+
 def test_large_blocks_go_on_huge_pages_with_512_times_fewer_faults():
-    untuned, tuned = probe(""), probe("from host_memory import use_huge_pages\nuse_huge_pages()")
+    untuned, tuned = probe(""), probe(TUNE)
     assert untuned["huge_kib"] == 0 and tuned["huge_kib"] >= 32 * 1024
     assert untuned["faults"] > 8000  # 64 MiB faulted in again at every allocation: 16k pages of 4 KiB
     assert tuned["faults"] < 1000  # 32 pages of 2 MiB
@@ -53,4 +56,4 @@ def test_train_py_sets_it_up_before_torch_allocates():
 
 
 def test_the_users_own_setting_wins():
-    assert probe("from host_memory import use_huge_pages\nuse_huge_pages()", THP_MEM_ALLOC_ENABLE="0")["huge_kib"] == 0
+    assert probe(TUNE, THP_MEM_ALLOC_ENABLE="0")["huge_kib"] == 0

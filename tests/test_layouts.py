@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from layouts import (
+from core.layouts import (
     FULL_ATTENTION,
     AttentionSpan,
     dense_mask,
@@ -13,8 +13,8 @@ from layouts import (
     pad,
     segment_lengths,
 )
+from persistence.tokenized import Tokenization, tokenize_pairs
 from preference_datasets import PreferencePair
-from tokenized import Tokenization, tokenize_pairs
 
 
 def token_sequences(batch) -> torch.Tensor:

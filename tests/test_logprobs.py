@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-import logprobs
-from logprobs import token_logps_from_logits
+from core import logprobs
+from core.logprobs import token_logps_from_logits
 
 IGNORE_INDEX = -100  # labels that are not scored
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from losses import (
+from core.losses import (
     LOSSES,
     DiscoPOPConfig,
     DPOConfig,
@@ -23,8 +23,8 @@ from losses import (
     SmoothedConfig,
     compute,
 )
-from objective import PreferenceObjective
-from scoring import response_sums
+from core.objective import PreferenceObjective
+from core.scoring import response_sums
 from utils import UserError
 
 

@@ -12,9 +12,9 @@ import torch
 import transformers
 
 from conftest import TINY_LM_SIZES, tiny_lm_config
-from distributed import Topology
-from placement import TENSOR_PARALLEL_STYLES, tensor_parallel_plan
-from scoring import Scorer
+from core.scoring import Scorer
+from modeling.distributed import Topology
+from modeling.placement import TENSOR_PARALLEL_STYLES, tensor_parallel_plan
 from utils import UserError
 
 VOCAB = TINY_LM_SIZES["vocab_size"]

@@ -5,7 +5,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import TINY_DIR
-from models import (
+from modeling.models import (
     SMOLLM2_HUB_ID,
     disable_dropout,
     load_model,

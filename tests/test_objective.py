@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-import checkpoint
 import train
 from config import group_options
 from conftest import assert_resume_matches_uninterrupted, build_trainer, records, run_cli
+from persistence import checkpoint
 from utils import UserError
 
 
@@ -102,7 +102,7 @@ def test_every_loss_trains_from_the_command_line(tmp_path, pairs_file, loss):
 
 def needs_reference(loss: str) -> bool:
     import config
-    from objective import build_objective
+    from core.objective import build_objective
 
     return build_objective(config.load(["model=tiny", f"loss={loss}"]).loss).needs_reference
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from optim import build_optimizer
+from core.optim import build_optimizer
 from utils import UserError
 
 
@@ -22,7 +22,7 @@ def test_optimizer_errors_list_valid_choices():
 
 
 def test_clip_grad_norm_matches_torch_and_returns_the_norm_on_the_device():
-    from optim import clip_grad_norm
+    from core.optim import clip_grad_norm
 
     for scale in (0.1, 10.0):  # below and above max_norm
         torch.manual_seed(0)

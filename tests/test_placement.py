@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import TINY_DIR
-from placement import find_blocks, tensor_parallel_plan
+from modeling.placement import find_blocks, tensor_parallel_plan
 from utils import UserError
 
 

@@ -4,7 +4,7 @@ import matplotlib.image
 
 import train
 from conftest import read_jsonl
-from plots import panel_points
+from reporting.plots import panel_points
 
 
 def test_each_eval_draws_plots_png(make_config):

@@ -3,8 +3,8 @@ import json
 import pytest
 import torch
 
-import precision
-from precision import choose_compute_dtype, machine_key, parse_dtype
+from modeling import precision
+from modeling.precision import choose_compute_dtype, machine_key, parse_dtype
 from utils import REPO_ROOT, UserError
 
 

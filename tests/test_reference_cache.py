@@ -2,11 +2,11 @@ import numpy as np
 import pytest
 import torch
 
-import precision
-import reference_cache
 from build import build
 from conftest import build_trainer
-from distributed import Topology
+from modeling import precision
+from modeling.distributed import Topology
+from persistence import reference_cache
 from preference_datasets import get_dataset
 
 

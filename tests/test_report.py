@@ -12,13 +12,13 @@ import transformers
 from omegaconf import OmegaConf
 
 import build
-import report
 import train
 from conftest import TINY_DIR, run_cli, tiny_run_overrides
-from distributed import Topology
-from precision import decide_precision
+from modeling.distributed import Topology
+from modeling.precision import decide_precision
+from persistence.tokenized import Tokenization, tokenize_pairs
 from preference_datasets import PreferencePair
-from tokenized import Tokenization, tokenize_pairs
+from reporting import report
 
 
 def eight_examples(tokenizer, prompt: str, chosen: str, rejected: str):
@@ -156,7 +156,7 @@ def test_tensor_parallel_memory_estimate_counts_the_unfused_step(make_config, ti
 
 
 def test_memory_estimate_of_lora_counts_the_adapters(make_config, tiny_tokenizer):
-    from adapters import apply_lora
+    from modeling.adapters import apply_lora
 
     config = make_config("lora.enabled=true", "lora.rank=4")
     lora_model = apply_lora(tiny_model(), config.lora)

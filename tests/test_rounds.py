@@ -8,7 +8,7 @@ import torch
 
 import train
 from conftest import TINY_DIR, assert_same_metrics, policy_state, read_jsonl, write_jsonl
-from rewards import load_reward
+from core.rewards import load_reward
 from rounds import Rounds, round_lines
 from utils import UserError
 

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 
-import checkpoint
-import run_lock
 import train
 from conftest import REPO_ROOT, read_jsonl, tiny_run_overrides
-from run_lock import LOCK_FILE, RunLock
+from persistence import checkpoint, run_lock
+from persistence.run_lock import LOCK_FILE, RunLock
 from utils import UserError
 
 HOST = socket.gethostname()

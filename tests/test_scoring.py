@@ -6,10 +6,10 @@ import torch
 import transformers
 
 from conftest import TINY_DIR, tiny_lm_config
-from layouts import dense_mask, pack, pad, segment_lengths
+from core.layouts import dense_mask, pack, pad, segment_lengths
+from core.scoring import FLEX_BLOCK, block_attention_problem, packing_problem, scored_head_problem, sequence_logps
+from persistence.tokenized import Tokenization, tokenize_pairs
 from preference_datasets import PreferencePair
-from scoring import FLEX_BLOCK, block_attention_problem, packing_problem, scored_head_problem, sequence_logps
-from tokenized import Tokenization, tokenize_pairs
 
 CPU = torch.device("cpu")
 
@@ -221,7 +221,7 @@ def windowed_mistral(window: int) -> torch.nn.Module:
 def test_packing_probe_checks_windows_shorter_than_its_examples(monkeypatch):
     # A 4096-token window is cut to 2 for the probe, against 6-token examples: packed rows without the window
     # compute other log-probs than transformers' own windowed mask of the padded rows, and the probe says so.
-    import scoring
+    from core import scoring
 
     model = windowed_mistral(4096)
     assert packing_problem(model, torch.float32, CPU) is None
@@ -233,7 +233,7 @@ def test_packing_probe_checks_windows_shorter_than_its_examples(monkeypatch):
 @pytest.mark.parametrize("scored_head", [True, False])
 def test_windowed_packed_rows_equal_padded(examples, scored_head):
     # Mistral with a window of 4: the packed rows' windowed mask gives the padded layout's log-probs and gradients.
-    import scoring
+    from core import scoring
 
     model = windowed_mistral(4)
     expected, expected_grads = logps_and_gradients(model, pad(examples, 0), scored_head=False)
@@ -300,8 +300,8 @@ def test_layouts_and_heads_equal_padded_on_cuda(examples, architecture, dtype, a
 
 
 def test_a_packed_batch_builds_its_mask_once_for_policy_and_live_reference(make_config, monkeypatch):
-    import scoring
     from conftest import build_trainer
+    from core import scoring
 
     trainer = build_trainer(make_config("reference_cache=false", "gradient_accumulation_steps=2"))
     built = []

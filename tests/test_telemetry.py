@@ -6,8 +6,8 @@ import pytest
 import torch
 import transformers
 
-import telemetry
-from telemetry import ModelFlops, Throughput, peak_flops, real_tokens, scored_tokens, visible_pairs
+from reporting import telemetry
+from reporting.telemetry import ModelFlops, Throughput, peak_flops, real_tokens, scored_tokens, visible_pairs
 
 # prompt 3, chosen 2, rejected 1 tokens
 EXAMPLE = {"prompt": [1, 2, 3], "responses": [[4, 5], [6]]}
@@ -34,7 +34,7 @@ def test_useful_flops_of_an_example():
 
 
 def test_model_flops_of_a_llama_with_and_without_lora():
-    from adapters import LoraSettings, apply_lora
+    from modeling.adapters import LoraSettings, apply_lora
 
     config = transformers.LlamaConfig(
         hidden_size=32,
@@ -89,7 +89,7 @@ def test_unknown_gpus_and_other_dtypes_are_measured(monkeypatch):
 
 
 def test_a_cpus_peak_is_the_precision_probes_rate(tmp_path):
-    from precision import machine_key
+    from modeling.precision import machine_key
 
     (tmp_path / "precision_probe.json").write_text(json.dumps({machine_key(): {"float32": 1e11, "bfloat16": 4e11}}))
     assert peak_flops(torch.device("cpu"), torch.bfloat16, tmp_path)[0] == 4e11

@@ -16,10 +16,10 @@ import pytest
 import transformers
 from ballast import fill
 
-import tokenized
 from conftest import REPO_ROOT, TINY_DIR, arithmetic_pairs, labelled_completions, write_jsonl
+from persistence import tokenized
+from persistence.tokenized import Tokenization, first_of_each_group, load_examples, tokenize_pairs, truncated
 from preference_datasets import PreferencePair, get_dataset
-from tokenized import Tokenization, first_of_each_group, load_examples, tokenize_pairs, truncated
 from utils import UserError
 
 PAIRS = Tokenization(max_length=24, max_prompt_length=10, sft=False)
@@ -349,7 +349,9 @@ BUILDER = textwrap.dedent(
     import sys, time
     from pathlib import Path
     sys.path.insert(0, {repo!r})
-    import transformers, tokenized, storage
+    import transformers
+
+    from persistence import storage, tokenized
     data, cache, ready, n = sys.argv[1:5]
     publish = storage.publish
 
@@ -393,8 +395,8 @@ def prepare_on_rank(rank: int, world_size: int, port: int, data: str, cache: str
 
     import build
     import config as configuration
-    from distributed import Topology, leave_process_group, rank_environment
-    from objective import build_objective
+    from core.objective import build_objective
+    from modeling.distributed import Topology, leave_process_group, rank_environment
 
     os.environ.update(rank_environment(rank, world_size, port))
     dist.init_process_group("gloo")
@@ -417,7 +419,7 @@ def prepare_on_rank(rank: int, world_size: int, port: int, data: str, cache: str
 def test_the_first_rank_of_a_machine_tokenizes_and_the_others_map_its_cache(tmp_path):
     import torch.multiprocessing
 
-    from distributed import free_port
+    from modeling.distributed import free_port
 
     data = write_jsonl(tmp_path / "pairs.jsonl", arithmetic_pairs(64))
     result = tmp_path / "result.json"

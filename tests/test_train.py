@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import checkpoint
 import train
 from conftest import policy_state, read_jsonl, run_cli, smollm2_two_steps
+from persistence import checkpoint
 from utils import UserError
 
 

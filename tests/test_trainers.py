@@ -12,7 +12,6 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import checkpoint
 import train
 from build import Data
 from conftest import (
@@ -24,6 +23,7 @@ from conftest import (
     read_jsonl,
     records,
 )
+from persistence import checkpoint
 from trainers import StopSignals, Trainer
 from utils import UserError
 
@@ -223,7 +223,7 @@ def test_bfloat16_compute_starts_at_exactly_ln2(make_config, reference_cache):
 
 
 def test_automatic_precision_follows_the_probe(make_config, tmp_path, capsys):
-    from precision import machine_key
+    from modeling.precision import machine_key
 
     for speedup, expected in (
         (4.0, "precision: bfloat16 compute (float32 weights under autocast)"),
@@ -339,8 +339,8 @@ def test_auto_resume_of_a_finished_run_changes_nothing(make_config, capsys):
 def test_each_record_carries_the_steps_throughput(make_config):
     # One step per record (minimum_log_interval_secs=0): per pair, the record's real and scored tokens are the step's
     # examples', its computed tokens the packed rows' positions, and its MFU the useful FLOPs over the peak.
-    from layouts import pack
-    from telemetry import real_tokens, scored_tokens
+    from core.layouts import pack
+    from reporting.telemetry import real_tokens, scored_tokens
 
     config = make_config("n_examples=24")
     train.run(config)

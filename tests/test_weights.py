@@ -13,12 +13,12 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-import weights
-from adapters import LoraSettings, apply_lora
 from build import place
 from conftest import TINY_DIR
-from distributed import Topology, free_port, init_process_group, leave_process_group, rank_environment
-from models import load_model, prepare_model, stored_names
+from modeling import weights
+from modeling.adapters import LoraSettings, apply_lora
+from modeling.distributed import Topology, free_port, init_process_group, leave_process_group, rank_environment
+from modeling.models import load_model, prepare_model, stored_names
 
 
 def model_config(directory: Path, block_name: str = "LlamaDecoderLayer") -> dict:

@@ -13,7 +13,7 @@ from omegaconf import MISSING
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-import weights
+from modeling import weights
 from utils import POSITIVE, Range, UserError, check_ranges, ranged
 
 QUANTIZATIONS = ("4bit",)

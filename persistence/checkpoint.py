@@ -30,10 +30,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-import storage
-import weights
-from adapters import is_adapted, is_quantized, merged_weights
-from distributed import Topology
+from modeling import weights
+from modeling.adapters import is_adapted, is_quantized, merged_weights
+from modeling.distributed import Topology
+from persistence import storage
 from utils import UserError, first_line
 
 DESCRIPTION_BYTES = 16 << 20  # the config, tokenizer and small parts of a checkpoint: a few MiB, rarely more

@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-import storage
-from distributed import Topology
+from modeling.distributed import Topology
+from persistence import storage
 from utils import UserError, first_line
 
 # DCP says so at every call without a process group, which is how BasicTrainer runs it

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-import storage
+from persistence import storage
 from utils import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

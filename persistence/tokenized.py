@@ -35,7 +35,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-import storage
+from persistence import storage
 from preference_datasets import (
     LabelledCompletion,
     PreferencePair,

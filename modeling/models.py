@@ -17,10 +17,10 @@ import torch
 import transformers
 from omegaconf import DictConfig
 
-import storage
-import weights
-from adapters import base_model_name
-from checkpoint import read_file
+from modeling import weights
+from modeling.adapters import base_model_name
+from persistence import storage
+from persistence.checkpoint import read_file
 from utils import UserError, first_line
 
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"

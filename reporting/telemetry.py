@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from adapters import logical_numel
+from modeling.adapters import logical_numel
 
 # NVIDIA datasheet dense bfloat16 tensor-core peaks, TFLOP/s (sparsity excluded), matched on the device name in order.
 GPU_BFLOAT16_TFLOPS = (
@@ -127,7 +127,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype, cache_dir: Path) -> tup
             if re.search(pattern, name):
                 return tflops * 1e12, f"{name}'s datasheet bfloat16 peak"
         return measured_matmul_flops(device, dtype), f"a measured {dtype} matmul on {name}"
-    from precision import cpu_matmul_flops, cpu_name
+    from modeling.precision import cpu_matmul_flops, cpu_name
 
     name = "bfloat16" if dtype == torch.bfloat16 else "float32"
     return cpu_matmul_flops(cache_dir)[name], f"the precision probe's {name} matmul on {cpu_name()}"

@@ -7,8 +7,8 @@ import torch
 import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from distributed import Topology
-from layouts import left_padded_prompts
+from core.layouts import left_padded_prompts
+from modeling.distributed import Topology
 from utils import metric_mean
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from layouts import (
+from core.layouts import (
     FULL_ATTENTION,
     AttentionSpan,
     ModelBatch,
@@ -27,7 +27,7 @@ from layouts import (
     pad,
     segment_lengths,
 )
-from logprobs import IDENTITY, LogitMap, token_logps_from_hidden, token_logps_from_logits
+from core.logprobs import IDENTITY, LogitMap, token_logps_from_hidden, token_logps_from_logits
 from utils import first_line
 
 # Probe inputs: two examples with prompts of 3 and 1 tokens and responses of 1 to 3 tokens.

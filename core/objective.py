@@ -5,7 +5,7 @@ DPO reference."""
 import torch
 from omegaconf import OmegaConf
 
-from losses import LOSSES, PairStats, compute, kto_losses, running_reward_mean
+from core.losses import LOSSES, PairStats, compute, kto_losses, running_reward_mean
 
 
 class PreferenceObjective:

@@ -12,8 +12,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-import weights
-from distributed import Topology
+from modeling import weights
+from modeling.distributed import Topology
 from utils import UserError
 
 

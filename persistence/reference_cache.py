@@ -23,15 +23,15 @@ import numpy as np
 import torch
 import tqdm
 
-import storage
-import weights
-from layouts import to_device
+from core.layouts import to_device
+from modeling import weights
+from persistence import storage
 from utils import UserError, first_line
 
 if TYPE_CHECKING:
-    from distributed import Topology
-    from scoring import Scorer
-    from tokenized import Examples
+    from core.scoring import Scorer
+    from modeling.distributed import Topology
+    from persistence.tokenized import Examples
 
 FORMAT = 2
 

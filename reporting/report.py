@@ -10,14 +10,14 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from distributed import TRAINERS
-from layouts import batch_shape
-from optim import build_optimizer
-from placement import find_blocks, tensor_parallel_plan
-from precision import Precision
-from tokenized import Examples
+from core.layouts import batch_shape
+from core.optim import build_optimizer
+from modeling.distributed import TRAINERS
+from modeling.placement import find_blocks, tensor_parallel_plan
+from modeling.precision import Precision
+from modeling.weights import rank_file_bytes
+from persistence.tokenized import Examples
 from utils import UserError
-from weights import rank_file_bytes
 
 GIB = 2**30
 SHOWN_TOKENS = 24  # of a long segment, the decoded example shows this many tokens at each end
