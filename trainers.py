@@ -4,7 +4,7 @@ One Trainer serves every `trainer=` name: what differs between BasicTrainer, FSD
 is how models are placed and which ranks share a batch, which the Topology (distributed.py) decides. The Trainer
 runs parts built for it (build.py): the objective on a micro-batch (build.BatchLoss over the scorer, scoring.py, and
 the reference, reference_cache.py), the optimizer (optim.py), evaluation and sampling (evaluation.py); checkpoints
-are checkpoint.py's, of the parts named in `checkpoint_parts`."""
+are checkpoint.py's, written through the Checkpointer (its `parts`)."""
 
 import torch
 
@@ -52,15 +52,17 @@ class Trainer:
             self.config.eval_every, self.config.save_every or self.config.eval_every, self.config.do_first_eval
         )
         # What a checkpoint holds, by file name: a new stateful part is one entry here.
-        self.checkpoint_parts = {
+        parts = {
             "policy": checkpoint.ModelWeights(self.policy),
             "optimizer": checkpoint.OptimizerState(self.policy, self.optimizer),
             "scheduler": self.scheduler,
             "objective": self.objective,
         }
-        self.example_counter = self.batch_counter = self.nonfinite_in_a_row = 0
+        self.checkpoints = Checkpointer(parts, self.config, self.topology, run_dir, self.tokenizer)
+        self.example_counter = self.batch_counter = 0
+        self.nonfinite = NonfiniteSteps(self.config.max_nonfinite_steps)
         self.round_start, self.round_state = 0, None  # where this round's schedule starts; rounds.py's round state
-        self.last_eval_at = self.last_saved_at = self.last_checkpoint = None
+        self.last_eval_at = None
         self.finished = False  # resumed from the checkpoint that ends this run
         self.start_examples, self.speed = 0, self.throughput()
         if self.config.resume_from is not None:
@@ -73,13 +75,13 @@ class Trainer:
         redone and logged again). Every random draw (dropout, sampling) is seeded by (seed, step): there is no random
         state to restore."""
         c = self.config
-        step, marker = checkpoint.load(checkpoint_dir, self.checkpoint_parts, c.batch_size, self.topology)
+        step, marker = self.checkpoints.load(checkpoint_dir)
         loop = marker.get("loop", {})
         self.example_counter, self.batch_counter = step, step // c.batch_size
         self.start_examples = step
         self.last_eval_at = loop.get("last_eval_at", step)  # older checkpoints were all written right after an eval
-        self.nonfinite_in_a_row = loop.get("nonfinite_in_a_row", 0)
-        self.last_saved_at, self.last_checkpoint, self.round_state = step, checkpoint_dir, loop.get("round")
+        self.nonfinite.in_a_row = loop.get("nonfinite_in_a_row", 0)
+        self.round_state = loop.get("round")
         # the run's end, unless it now asks for more steps (n_epochs, n_examples) or rounds (rounds.n)
         rounds = self.round_state
         left = rounds["round"] + 1 < c.rounds.n if rounds else self.batch_counter < len(self.data.schedule)
@@ -118,17 +120,12 @@ class Trainer:
         metrics["lr"] = [self.scheduler.get_last_lr()[0]]  # the rate this step uses
         finite = math.isfinite(host[-1]) and all(map(math.isfinite, metrics["loss/train"]))
         metrics["nonfinite_steps"] = [0.0 if finite else 1.0]
-        if finite:
+        if finite:  # else the update would spoil the weights: it is skipped, and the run stops if that keeps happening
             self.objective.observe(metrics)
             self.optimizer.step()
             self.scheduler.step()
-            self.nonfinite_in_a_row = 0
-        else:  # the update would spoil the weights: skip it, and stop if it keeps happening
-            self.nonfinite_in_a_row += 1
         self.optimizer.zero_grad(set_to_none=True)
-        check_nonfinite(
-            self.nonfinite_in_a_row, self.config.max_nonfinite_steps, self.batch_counter + 1, self.last_checkpoint
-        )
+        self.nonfinite.count(finite, self.batch_counter + 1, self.checkpoints.last)
         return metrics
 
     def train(self, data: Data | None = None, round_start: int | None = None) -> None:
@@ -140,7 +137,7 @@ class Trainer:
             self.data, self.round_start = data, self.batch_counter if round_start is None else round_start
             self.evaluator.eval_batches = data.eval_batches
         if self.finished:
-            print(f"{self.last_checkpoint} ends this run: nothing left to train")
+            print(f"{self.checkpoints.last} ends this run: nothing left to train")
             return
         c, schedule = self.config, self.data.schedule
         done, disable = self.batch_counter - self.round_start, not self.topology.is_main
@@ -168,8 +165,9 @@ class Trainer:
                     self.log.close_interval(*self.counters())
                     last_log = time.time()
                 if stopping:
-                    self.log.check(self.topology, lambda error: stopped(error, self))
-                    self.stop(stop.received)
+                    self.log.check(self.topology, self.stopped)
+                    self.checkpoint_now()  # of the last finished step
+                    raise stop.interrupted(self.example_counter, self.checkpoints.last, self.run_dir)
 
     def finish(self) -> None:
         """The run's end: a final eval, checkpoint (LATEST, with the export) and summary; a signal now lets it end."""
@@ -179,7 +177,7 @@ class Trainer:
             final_metrics = self.evaluate()
             self.save(self.run_dir / "LATEST", final_metrics, final=True)
         started = (self.start_examples, self.start_time)
-        self.log.summary(final_metrics, *self.counters(), *started, self.speed, self.last_checkpoint)
+        self.log.summary(final_metrics, *self.counters(), *started, self.speed, self.checkpoints.last)
 
     def counters(self) -> tuple[int, int]:
         """(examples seen, optimizer steps taken): the log's step and counters."""
@@ -194,23 +192,13 @@ class Trainer:
         n, metrics = self.example_counter, {}
         if self.cadence.eval_due(n) and self.last_eval_at != n:
             metrics = self.evaluate()
-        if self.cadence.save_due(n) and self.last_saved_at != n:
+        if self.cadence.save_due(n) and self.checkpoints.saved_at != n:
             self.save(self.run_dir / f"step-{n}", metrics)
 
     def checkpoint_now(self) -> None:
         """A step-N checkpoint of where training is, unless one was just written."""
-        if self.last_saved_at != self.example_counter:
+        if self.checkpoints.saved_at != self.example_counter:
             self.save(self.run_dir / f"step-{self.example_counter}", {})
-
-    def stop(self, signum: int) -> None:
-        """Stop on a signal, with a checkpoint of the last finished step."""
-        self.checkpoint_now()
-        where = f"the checkpoint is {self.last_checkpoint}" if self.last_checkpoint else "no checkpoint (debug=true)"
-        raise Interrupted(
-            f"stopped by {signal.Signals(signum).name} after {self.example_counter} examples; {where}. To continue, "
-            f"run the same command with resume_from=auto local_run_dir={self.run_dir}",
-            signum,
-        )
 
     def evaluate(self) -> dict[str, float]:
         """Evaluate (and sample), log it and redraw the plots; the eval metrics."""
@@ -227,48 +215,82 @@ class Trainer:
         return metrics
 
     def save(self, output_dir: Path, metrics: dict[str, float], final: bool = False) -> None:
-        """A checkpoint of the checkpoint parts and the loop's counters (checkpoint.py; final: with the from_pretrained
-        export); keep_last prunes older step-N ones. Nothing is written under debug=true."""
-        keep_last = self.config.keep_last
+        """A checkpoint of where training is, with the loop's counters (final: with the from_pretrained export)."""
+        self.log.check(self.topology, self.stopped)
+        loop = dict(last_eval_at=self.last_eval_at, nonfinite_in_a_row=self.nonfinite.in_a_row, round=self.round_state)
+        try:
+            self.checkpoints.save(output_dir, self.example_counter, metrics, loop, final)
+        except UserError as error:
+            raise self.stopped(error) from None
+
+    def stopped(self, error: UserError) -> UserError:
+        """A write failure's line, with where the run stopped, what is safe and how to go on."""
+        return self.checkpoints.stopped(error, self.example_counter)
+
+
+class Checkpointer:
+    """The run's checkpoints, apart from the loop that asks for them: the parts a checkpoint holds (by file name),
+    the last complete checkpoint, and keep_last's pruning. Nothing is written under debug=true."""
+
+    def __init__(self, parts: dict, config, topology, run_dir: Path, tokenizer):
+        self.parts, self.config, self.topology, self.run_dir, self.tokenizer = (
+            parts,
+            config,
+            topology,
+            run_dir,
+            tokenizer,
+        )
+        self.last: Path | None = None  # the last complete checkpoint, written or resumed from
+        self.saved_at: int | None = None  # the example count it was written at
+
+    def load(self, directory: Path) -> tuple[int, dict]:
+        """Every part from the checkpoint in `directory` (checkpoint.load); (its step, its marker)."""
+        step, marker = checkpoint.load(directory, self.parts, self.config.batch_size, self.topology)
+        self.last, self.saved_at = directory, step
+        return step, marker
+
+    def save(self, directory: Path, step: int, metrics: dict[str, float], loop: dict, final: bool) -> None:
+        """A checkpoint of every part at `step` (checkpoint.save); keep_last prunes older step-N ones."""
         if self.config.debug:
             return
-        self.log.check(self.topology, lambda error: stopped(error, self))
-        loop = dict(last_eval_at=self.last_eval_at, nonfinite_in_a_row=self.nonfinite_in_a_row, round=self.round_state)
-        try:
-            parts, step, previous = self.checkpoint_parts, self.example_counter, self.last_checkpoint
-            checkpoint.save(
-                output_dir, step, metrics, parts, self.topology, loop, self.tokenizer, final, previous, keep_last
-            )
-        except UserError as error:
-            raise stopped(error, self) from None
-        self.last_checkpoint, self.last_saved_at = output_dir, self.example_counter
+        keep_last, previous = self.config.keep_last, self.last
+        checkpoint.save(
+            directory, step, metrics, self.parts, self.topology, loop, self.tokenizer, final, previous, keep_last
+        )
+        self.last, self.saved_at = directory, step
         if keep_last is not None and not final:
             self.topology.run_on_main(lambda: checkpoint.prune(self.run_dir, keep_last))
 
-
-def stopped(error: UserError, trainer: Trainer) -> UserError:
-    """A write failure's line, with where the run stopped, what is safe and how to go on."""
-    last = trainer.last_checkpoint
-    if last is None:
-        kept = "no checkpoint was written yet"
-    elif checkpoint.describe(last) is None:
-        kept = f"no complete checkpoint is left ({last} is gone)"
-    else:
-        kept = f"the last complete checkpoint, {last}, is intact"
-    return UserError(
-        f"{error}; stopped after {trainer.example_counter} examples, {kept}. To continue once that is fixed, run the "
-        f"same command with resume_from=auto local_run_dir={trainer.run_dir}"
-    )
-
-
-def check_nonfinite(in_a_row: int, allowed: int, step: int, last_checkpoint: Path | None) -> None:
-    """Stop with one line once `allowed` optimizer steps in a row were skipped for a non-finite loss or gradient."""
-    if in_a_row >= allowed:
-        raise UserError(
-            f"{in_a_row} optimizer steps in a row had a non-finite loss or gradient norm and were skipped "
-            f"(max_nonfinite_steps={allowed}), the last at step {step}; stopping. The last checkpoint is "
-            f"{last_checkpoint or 'none (none was written yet)'}; lower lr or check the data"
+    def stopped(self, error: UserError, examples: int) -> UserError:
+        """A write failure's line, with where the run stopped, what is safe and how to go on."""
+        if self.last is None:
+            kept = "no checkpoint was written yet"
+        elif checkpoint.describe(self.last) is None:
+            kept = f"no complete checkpoint is left ({self.last} is gone)"
+        else:
+            kept = f"the last complete checkpoint, {self.last}, is intact"
+        return UserError(
+            f"{error}; stopped after {examples} examples, {kept}. To continue once that is fixed, run the same "
+            f"command with resume_from=auto local_run_dir={self.run_dir}"
         )
+
+
+@dataclass
+class NonfiniteSteps:
+    """Optimizer steps skipped for a non-finite loss or gradient norm, counted in a row: the run stops with one line
+    once `allowed` were."""
+
+    allowed: int
+    in_a_row: int = 0
+
+    def count(self, finite: bool, step: int, last_checkpoint: Path | None) -> None:
+        self.in_a_row = 0 if finite else self.in_a_row + 1
+        if self.in_a_row >= self.allowed:
+            raise UserError(
+                f"{self.in_a_row} optimizer steps in a row had a non-finite loss or gradient norm and were skipped "
+                f"(max_nonfinite_steps={self.allowed}), the last at step {step}; stopping. The last checkpoint is "
+                f"{last_checkpoint or 'none (none was written yet)'}; lower lr or check the data"
+            )
 
 
 @dataclass(frozen=True)
@@ -396,6 +418,15 @@ class StopSignals:
             self.received = signum
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def interrupted(self, examples: int, last_checkpoint: Path | None, run_dir: Path) -> Interrupted:
+        """The line a run stopped by the received signal ends with: where it stopped and how to go on."""
+        where = f"the checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint (debug=true)"
+        return Interrupted(
+            f"stopped by {signal.Signals(self.received).name} after {examples} examples; {where}. To continue, run "
+            f"the same command with resume_from=auto local_run_dir={run_dir}",
+            self.received,
+        )
 
     def __exit__(self, *exception) -> None:
         for signum, handler in self.previous.items():

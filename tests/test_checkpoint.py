@@ -132,19 +132,19 @@ class Tally:
 
 def test_a_new_stateful_part_is_one_entry_and_resumes(make_config, tmp_path):
     trainer = build_trainer(make_config())
-    trainer.checkpoint_parts["tally"] = Tally(7)
+    trainer.checkpoints.parts["tally"] = Tally(7)
     trainer.train()
     trainer.finish()
     step_16 = trainer.run_dir / "step-16"
     assert torch.load(step_16 / "tally.pt", weights_only=True)["state"] == {"count": 7}
     assert sorted(p.name for p in step_16.glob("*.pt")) == ["scheduler.pt", "tally.pt"]
     resumed = build_trainer(make_config(f"local_run_dir={tmp_path / 'resumed'}", f"resume_from={step_16}"))
-    tally = resumed.checkpoint_parts["tally"] = Tally()
+    tally = resumed.checkpoints.parts["tally"] = Tally()
     resumed.resume(step_16)
     assert tally.count == 7
     # A checkpoint without the part's file (written before it existed) leaves the part as it was built.
     fresh = Tally(3)
-    resumed.checkpoint_parts["tally"] = fresh
+    resumed.checkpoints.parts["tally"] = fresh
     (step_16 / "tally.pt").unlink()
     resumed.resume(step_16)
     assert fresh.count == 3

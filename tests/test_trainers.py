@@ -280,9 +280,9 @@ def test_a_nonfinite_step_is_skipped_and_counted(make_config, monkeypatch):
     assert metrics["nonfinite_steps"] == [1.0] and math.isnan(metrics["grad_norm"][0])
     for name, parameter in trainer.policy.named_parameters():  # no update: the weights, optimizer and schedule
         assert torch.equal(parameter, before[name]), name
-    assert trainer.scheduler.last_epoch == 1 and trainer.nonfinite_in_a_row == 1
+    assert trainer.scheduler.last_epoch == 1 and trainer.nonfinite.in_a_row == 1
     monkeypatch.undo()
-    assert trainer.train_step(steps[2])["nonfinite_steps"] == [0.0] and trainer.nonfinite_in_a_row == 0
+    assert trainer.train_step(steps[2])["nonfinite_steps"] == [0.0] and trainer.nonfinite.in_a_row == 0
     assert any(not torch.equal(p, before[name]) for name, p in trainer.policy.named_parameters())
 
 
