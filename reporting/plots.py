@@ -43,28 +43,33 @@ COLUMNS = 3
 
 
 def panel_points(records: list[dict]) -> dict[str, dict[tuple[str, str], list[tuple[int, float]]]]:
-    """{panel title: {(metric, label): [(examples seen, value)]}} of the finite values in the records."""
-    return {
+    """{panel title: {(metric, label): [(examples seen, value)]}} of the finite values in the records, for the
+    panels that have any: a loss without rewards (SFT) or a run without rounds draws no empty panel."""
+    panels = {
         title: {
             (metric, label): [(r["step"], r[metric]) for r in records if metric in r and math.isfinite(r[metric])]
             for metric, label in series
         }
         for title, series in PANELS
     }
+    return {title: series for title, series in panels.items() if any(series.values())}
 
 
-def write_plots(run_dir: Path) -> Path:
-    """Draw run_dir/metrics.jsonl into run_dir/plots.png (written whole: a crash leaves the previous picture).
-    Metrics a loss does not log (SFT has no rewards) leave their panel empty."""
+def write_plots(run_dir: Path) -> Path | None:
+    """Draw run_dir/metrics.jsonl into run_dir/plots.png (written whole: a crash leaves the previous picture), one
+    panel for each group of metrics the run has logged; None while it has logged none."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display, no GUI toolkit
     import matplotlib.pyplot as plt
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    rows = -(-len(PANELS) // COLUMNS)
-    figure, axes = plt.subplots(rows, COLUMNS, figsize=(15, 3.5 * rows), constrained_layout=True)
-    for ax, (title, series) in zip(axes.flat, panel_points(records).items()):
+    panels = panel_points(records)
+    if not panels:
+        return None
+    rows = -(-len(panels) // COLUMNS)
+    figure, axes = plt.subplots(rows, COLUMNS, figsize=(15, 3.5 * rows), constrained_layout=True, squeeze=False)
+    for ax, (title, series) in zip(axes.flat, panels.items()):
         for (metric, label), points in series.items():
             if points:
                 style = "-o" if "eval" in metric or metric.startswith("rounds/") else ":"
@@ -74,7 +79,7 @@ def write_plots(run_dir: Path) -> Path:
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8)
-    for ax in axes.flat[len(PANELS) :]:
+    for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     figure.suptitle(run_dir.name)
     path = run_dir / "plots.png"

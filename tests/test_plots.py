@@ -4,7 +4,7 @@ import matplotlib.image
 
 import train
 from conftest import read_jsonl
-from reporting.plots import panel_points
+from reporting.plots import PANELS, panel_points
 
 
 def test_each_eval_draws_plots_png(make_config):
@@ -12,10 +12,11 @@ def test_each_eval_draws_plots_png(make_config):
     train.run(config)
     path = train.Path(config.local_run_dir) / "plots.png"
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    height, width, _ = matplotlib.image.imread(path).shape
-    assert (width, height) == (1500, 1050)
     assert not list(path.parent.glob("plots.*.tmp.png"))  # written whole
     panels = panel_points(read_jsonl(path.parent / "metrics.jsonl"))
+    assert list(panels) == [title for title, _ in PANELS if not title.startswith("reward per round")]  # no rounds
+    height, width, _ = matplotlib.image.imread(path).shape
+    assert (width, height) == (1500, 700)  # its 6 panels in 2 rows of 3, nothing drawn empty
     assert [len(points) for points in panels["loss"].values()] == [2, 3]  # train at 8, 16; eval at 0, 8, 16
     throughput = panels["tokens per second"]
     assert all(len(points) == 2 and all(value > 0 for _, value in points) for points in throughput.values())
@@ -25,7 +26,20 @@ def test_each_eval_draws_plots_png(make_config):
 def test_plots_of_a_loss_without_rewards(make_config):
     config = make_config("loss=sft", "n_examples=8", "plots=true")
     train.run(config)
-    assert (train.Path(config.local_run_dir) / "plots.png").read_bytes()[:4] == b"\x89PNG"
+    path = train.Path(config.local_run_dir) / "plots.png"
+    assert list(panel_points(read_jsonl(path.parent / "metrics.jsonl"))) == [
+        "loss",
+        "tokens per second",
+        "MFU (useful FLOPs / peak)",
+    ]
+    height, width, _ = matplotlib.image.imread(path).shape
+    assert (width, height) == (1500, 350)  # one row: no empty reward panels
+
+
+def test_a_panel_is_drawn_only_with_data():
+    records = [{"step": 0, "loss/eval": 0.69}, {"step": 8, "loss/train": 0.6, "rounds/heldout_reward": float("nan")}]
+    assert list(panel_points(records)) == ["loss"]  # a non-finite value is no data
+    assert panel_points([]) == {}
 
 
 def test_plots_false_draws_nothing(make_config):
