@@ -459,6 +459,20 @@ def dataset_sources(name: str, cache_dir: Path) -> dict[str, Source]:
     )
 
 
+def nothing_to_train_on(names: list[str]) -> str:
+    """The line for datasets that hold no training example: what a directory of test files alone holds."""
+    for name in names:
+        path = Path(name)
+        if path.is_dir() and not local_split_files(path)["train"]:
+            found = ", ".join(str(p.relative_to(path)) for p in local_split_files(path)["test"])
+            held_out = ", ".join(f"{prefix}*" for prefix in TEST_SPLIT_NAMES)
+            return (
+                f"{path}: nothing to train on, only test files ({found}; files named {held_out} are held out for "
+                f"eval). Add the training pairs beside them, e.g. {path / 'train.jsonl'}"
+            )
+    return f"the datasets {', '.join(names)} hold no training example"
+
+
 def eval_split(groups: list, n_eval: int | None, seed: int, source: str) -> list[bool]:
     """Whether each example of a source without a test split is held out for eval: whole prompts (`groups`: each
     example's prompt, or a digest of it), in an order seeded by `seed`, until n_eval examples are held out. Holding
@@ -491,6 +505,8 @@ def get_dataset(
     (tokenized.load_examples), through the same sources and split."""
     sources = dataset_sources(name, cache_dir)
     splits = {split: parse_rows(source.rows(), source.label, tokenizer) for split, source in sources.items()}
+    if "train" not in splits:
+        raise UserError(nothing_to_train_on([name]))
     if "test" in splits:
         return splits
     pairs = splits["train"]

@@ -44,6 +44,7 @@ from preference_datasets import (
     dataset_sources,
     eval_split,
     iter_pairs,
+    nothing_to_train_on,
 )
 from utils import UserError, first_line, release_free_memory
 
@@ -463,6 +464,8 @@ def load_examples(
             examples = {"train": examples["train"].select(~held), "test": examples["train"].select(held)}
         for split, value in examples.items():
             splits[split].append(value)
+    if not any(len(part) for part in splits["train"]):
+        raise UserError(nothing_to_train_on(names))
     kinds = {(part.lengths.shape[1] - 1, part.labelled) for parts in splits.values() for part in parts if len(part)}
     if len(kinds) > 1:  # within a split, and across train and test (a directory's files)
         raise UserError("the datasets mix preference pairs and labelled completions: train on one kind at a time")

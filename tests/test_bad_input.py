@@ -43,6 +43,8 @@ def write_corpus(d):
     write_jsonl(d / "all-identical.jsonl", [{**GOOD, "rejected": GOOD["chosen"]}] * 3)
     (d / "no-data-files").mkdir()
     (d / "no-data-files" / "readme.txt").write_text("nothing here")
+    (d / "test-files-only").mkdir()
+    write_jsonl(d / "test-files-only" / "eval.jsonl", [GOOD] * 8)
     (d / "garbage.pt").write_bytes(b"not a checkpoint at all")
     torch.save({"step_idx": 8, "state": {"model.embed_tokens.weight": torch.zeros(3, 3)}}, d / "wrong-shape.pt")
     (d / "archive-not-checkpoint").mkdir()
@@ -96,6 +98,7 @@ ERRORS = [
         "all-identical.jsonl: no usable preference pairs in 3 rows (skipped: 3 chosen",
     ),
     ("datasets={d}/no-data-files", "{d}/no-data-files: no .jsonl, .jsonl.gz, .json, .parquet files"),
+    ("datasets={d}/test-files-only", "{d}/test-files-only: nothing to train on, only test files (eval.jsonl;"),
     ("n_eval_examples=1000", "holding out n_eval_examples=1000 pairs for eval leaves none of its 48 pairs"),
     ("batch_size=64 eval_batch_size=64 eval_every=64", "the training data has 40 examples, fewer than batch_size=64"),
     ("datasets=[]", "datasets=[] names no dataset"),

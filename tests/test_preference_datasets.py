@@ -156,6 +156,20 @@ def test_directory_with_test_split(tmp_path, tiny_tokenizer):
     assert (len(data["train"]), len(data["test"])) == (6, 3)
 
 
+def test_a_directory_of_test_files_alone_names_them(tmp_path, tiny_tokenizer):
+    (tmp_path / "data" / "more").mkdir(parents=True)
+    write_jsonl(tmp_path / "data" / "test.jsonl", arithmetic_pairs(3))
+    write_jsonl(tmp_path / "data" / "more" / "validation.jsonl", arithmetic_pairs(3))
+    line = (
+        f"{tmp_path / 'data'}: nothing to train on, only test files (more/validation.jsonl, test.jsonl; files named "
+        "test*, eval*, validation*, valid*, dev* are held out for eval). Add the training pairs beside them, e.g. "
+        f"{tmp_path / 'data' / 'train.jsonl'}"
+    )
+    with pytest.raises(UserError) as raised:
+        get_dataset(str(tmp_path / "data"), tiny_tokenizer, 0, n_eval_examples=None, cache_dir=tmp_path)
+    assert str(raised.value) == line
+
+
 def test_demo_dataset_has_held_out_split(tiny_tokenizer):
     data = get_dataset("demo", tiny_tokenizer, 0, None, cache_dir=None)
     assert len(data["train"]) >= 200 and len(data["test"]) >= 40
