@@ -112,7 +112,7 @@ class Trainer:
             )
         names = sorted(columns)
         gathered = self.topology.gather_columns(torch.stack([torch.cat(columns[n]) for n in names]), len(examples))
-        with torch.profiler.record_function("clip gradients"):  # named for bench.py --profile
+        with torch.profiler.record_function("clip gradients"):  # named for python -m bench --profile
             grad_norm = clip_grad_norm(self.policy.parameters(), self.config.max_grad_norm)  # the same on every rank
         host = torch.cat([gathered.flatten(), grad_norm.reshape(1).to(gathered)]).cpu().tolist()
         metrics = {name: host[i * len(examples) : (i + 1) * len(examples)] for i, name in enumerate(names)}

@@ -3,7 +3,7 @@
 A training step frees and allocates again the same large tensors every step: activations, logit chunks, gradients.
 glibc serves blocks above its mmap threshold with fresh mappings, so each step page-faults that memory in anew,
 4 KiB at a time (~120-145k faults and 1.5-1.9 s of kernel time per 7 s step on a 2-core EPYC, SmolLM2 at 256 x 4;
-`bench.py --profile` prints both). On 2 MiB pages the same memory takes 512 times fewer faults and TLB entries:
+`python -m bench --profile` prints both). On 2 MiB pages the same memory takes 512 times fewer faults and TLB entries:
 PyTorch's CPU allocator aligns such blocks to 2 MiB and asks the kernel for huge pages (madvise) when
 THP_MEM_ALLOC_ENABLE=1, which it reads once, at its first allocation.
 

@@ -1,5 +1,6 @@
-"""bench.py: the GPU campaign (--gpu) and the scale campaign (--scale) in their smoke modes, so that they cannot rot
-between the sessions that run them; its command line."""
+"""The bench package (`python -m bench`): the GPU campaign (--gpu) and the scale campaign (--scale) in their smoke
+modes, so that they cannot rot between the sessions that run them; its command line; and the workers of --versus and
+--scale --versus found in another version's code, whether it is laid out in packages or flat."""
 
 import math
 import os
@@ -8,12 +9,15 @@ import sys
 
 import pytest
 
+from bench.common import worker_subprocess
+from bench.scale_ranks import module_name
+from bench.step import lever_worker
 from conftest import REPO_ROOT
 
 
 def test_gpu_campaign_smoke_runs_every_configuration(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench.py"), "--gpu", "--smoke"],
+        [sys.executable, "-m", "bench", "--gpu", "--smoke"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -39,9 +43,7 @@ def test_rounds_is_refused_without_versus_or_below_one():
     # --rounds only steers --versus: anywhere else, or at 0, it is one line of error, not a flag silently ignored
     # (or a division by zero after minutes of loading).
     for flags in (["--fsdp", "--rounds", "3"], ["--versus", "HEAD", "--rounds", "0"]):
-        result = subprocess.run(
-            [sys.executable, str(REPO_ROOT / "bench.py"), *flags], cwd=REPO_ROOT, capture_output=True, text=True
-        )
+        result = subprocess.run([sys.executable, "-m", "bench", *flags], cwd=REPO_ROOT, capture_output=True, text=True)
         assert result.returncode == 2, flags
         assert result.stderr.splitlines()[-1].endswith("at least 1, and only with --versus"), result.stderr
 
@@ -50,7 +52,7 @@ def test_rounds_is_refused_without_versus_or_below_one():
 def test_scale_smoke_measures_every_rank_in_every_phase():
     # --scale at tiny sizes: each of 1, 2 and 4 ranks reports its peaks while loading, training, saving and resuming.
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench.py"), "--scale", "--smoke"],
+        [sys.executable, "-m", "bench", "--scale", "--smoke"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -64,3 +66,35 @@ def test_scale_smoke_measures_every_rank_in_every_phase():
         peaks = [float(value) for value in row[3:8]]
         assert all(0 < peak for peak in peaks) and peaks[4] == max(peaks)
     assert result.stdout.count("at 4 ranks: the highest rank peak is ") == 2 and "twice as deep" in result.stdout
+
+
+# A version's worker standing in for lever_worker: it writes what it was given and the file it lives in.
+STAND_IN_WORKER = """import json, pathlib
+
+
+def lever_worker(result_file, **kwargs):
+    pathlib.Path(result_file).write_text(json.dumps({**kwargs, "file": __file__}))
+"""
+
+
+def test_versus_runs_the_worker_of_the_version_it_is_given_in_either_layout(tmp_path):
+    # --versus runs another version's own lever_worker: in bench.py before the package, in bench/step.py since.
+    flat, packaged = tmp_path / "flat", tmp_path / "packaged"
+    (packaged / "bench").mkdir(parents=True)
+    flat.mkdir()
+    (flat / "bench.py").write_text(STAND_IN_WORKER)
+    (packaged / "bench" / "__init__.py").write_text("")
+    (packaged / "bench" / "step.py").write_text(STAND_IN_WORKER)
+    for root, worker_file in ((flat, flat / "bench.py"), (packaged, packaged / "bench" / "step.py")):
+        result_file = str(tmp_path / f"{root.name}.json")
+        result = worker_subprocess(lever_worker, result_file, root, overrides=["n_epochs=1"], warmup=1, steps=2)
+        assert result == {"overrides": ["n_epochs=1"], "warmup": 1, "steps": 2, "file": str(worker_file)}
+
+
+def test_scale_ranks_take_the_project_modules_of_either_layout(tmp_path):
+    # --scale --versus runs this version's ranks over another version's modules: modeling/distributed.py since the
+    # packages, distributed.py before them; the top-level modules keep their names in both.
+    (tmp_path / "modeling").mkdir()
+    assert module_name(str(tmp_path), "modeling.distributed") == "modeling.distributed"
+    assert module_name(str(tmp_path / "flat"), "modeling.distributed") == "distributed"
+    assert module_name(str(tmp_path / "flat"), "build") == "build"

@@ -42,7 +42,7 @@ def test_the_table_looks_up_merges_and_keeps_the_last_of_a_repeated_key():
 
 def test_a_million_pairs_load_mapped_and_look_up_exactly(tmp_path):
     # A million synthetic entries: the file maps (24 bytes a pair, no per-entry objects), and every key finds its
-    # own log-probs by binary search. bench.py --data times it.
+    # own log-probs by binary search. `python -m bench --data` times it.
     rng = np.random.default_rng(0)
     n = 1_000_000
     keys = rng.integers(0, 256, size=(n, 16), dtype=np.uint8).view("S16").reshape(-1)

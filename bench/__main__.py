@@ -1,0 +1,82 @@
+"""`python -m bench [FLAGS]`: the flags, and the campaign they select (the package's docstring lists them)."""
+
+import argparse
+
+import bench
+from bench import attention, data, fsdp, gpu, kernels, levers, profile, scale, versus, window
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench", description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--size", type=int, default=1024, help="square matmul size")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--fsdp", action="store_true", help="only benchmark FSDP1 against FSDP2 (2 processes)")
+    parser.add_argument(
+        "--fsdp-reduce", action="store_true", help="FSDP2's gradient error reducing in bfloat16 vs float32"
+    )
+    parser.add_argument("--levers", action="store_true", help="only benchmark the training step's speed levers")
+    parser.add_argument(
+        "--compile", action="store_true", help="only benchmark torch.compile on the default configuration"
+    )
+    parser.add_argument("--lora", action="store_true", help="only benchmark LoRA against full fine-tuning")
+    parser.add_argument(
+        "--gpu", action="store_true", help="the GPU campaign: cuda tests, layouts and TRL on a ~1B Llama"
+    )
+    parser.add_argument("--attention", action="store_true", help="dense vs block-mask attention bookkeeping")
+    parser.add_argument("--data", action="store_true", help="data at scale: tokenizing, caching, mapping")
+    parser.add_argument(
+        "--versus", metavar="GIT_REF", help="the training step (or with --scale, the memory) against another version's"
+    )
+    parser.add_argument("--rounds", type=int, help="--versus: rounds of the two versions alternating (default 2)")
+    parser.add_argument(
+        "--profile", nargs="*", metavar="KEY=VALUE", help="where a training step's time goes (train.py overrides)"
+    )
+    parser.add_argument("--scale", action="store_true", help="each rank's memory at load, train, save, resume")
+    parser.add_argument("--window", action="store_true", help="a sliding-window, soft-capped model: packed vs padded")
+    parser.add_argument("--smoke", action="store_true", help="--gpu, --data or --scale at tiny sizes (the tests')")
+    parser.add_argument("--warmup", type=int, default=2, help="--levers, --compile, --lora, --window: untimed steps")
+    parser.add_argument("--steps", type=int, default=6, help="--levers, --compile, --lora, --window: timed steps")
+    return parser
+
+
+def run(args: argparse.Namespace) -> None:
+    """The campaign the flags select: the first of these flags that is set, else the kernels."""
+    if args.fsdp:
+        return fsdp.bench_fsdp()
+    if args.fsdp_reduce:
+        return fsdp.bench_fsdp_reduce()
+    if args.levers:
+        return levers.bench_levers(args.warmup, args.steps)
+    if args.compile:
+        return levers.bench_compile(args.warmup, args.steps)
+    if args.lora:
+        return levers.bench_lora(args.warmup, args.steps)
+    if args.attention:
+        return attention.bench_attention()
+    if args.data:
+        return data.bench_data(args.smoke)
+    if args.scale:
+        return scale.bench_scale(args.smoke, args.versus)
+    if args.window:
+        return window.bench_window(args.warmup, args.steps)
+    if args.versus:
+        return versus.bench_versus(args.versus, args.warmup, args.steps, args.rounds or 2)
+    if args.profile is not None:
+        return profile.bench_profile(args.profile, args.warmup, args.steps)
+    if args.gpu:
+        return gpu.bench_gpu(args.smoke, *((1, 1) if args.smoke else (args.warmup, args.steps)))
+    return kernels.bench_kernels(args.size, args.repeats)
+
+
+def main() -> None:
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.rounds is not None and (not args.versus or args.rounds < 1):
+        parser.error(f"--rounds {args.rounds}: a number of rounds of at least 1, and only with --versus")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""One configuration's training steps, timed in a fresh process (whose peak memory is then its own): the worker
+behind --levers, --compile, --lora, --window, --gpu's layouts and --versus (where another version runs its own)."""
+
+import contextlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import HH_FILE, peak_memory_gib, worker_subprocess
+
+
+def bench_trainer(overrides: list[str], data_file: str = str(HH_FILE), n_rows: int | None = 48):
+    """(trainer, setup seconds): a Trainer built as train.py builds it, on the first n_rows pairs of data_file
+    (None: all). Called first in a fresh process (a worker): it maps the process's memory as train.py does."""
+    from itertools import islice
+
+    import config as configuration
+    from build import build
+    from modeling.distributed import Topology
+    from modeling.models import load_tokenizer
+    from preference_datasets import parse_rows, read_file_rows
+    from reporting.host_memory import use_huge_pages
+    from trainers import Trainer
+
+    use_huge_pages()  # before torch allocates anything
+    config = configuration.load(overrides)
+    cache_dir = Path(config.local_dirs[0])
+    tokenizer = load_tokenizer(config.model, cache_dir)
+    pairs = parse_rows(list(islice(read_file_rows(Path(data_file)), n_rows)), data_file, tokenizer)
+    data = {"train": pairs, "test": pairs[:1]}  # the eval pair plays no part in the timings
+    start = time.perf_counter()
+    trainer = Trainer(build(config, Topology.create(config.trainer), data), cache_dir / "run")
+    return trainer, time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def sampled_rss():
+    """[the largest RSS (GiB) seen while the block runs], sampled every 5 ms by a thread of its own."""
+    peak = [0.0]
+
+    def sample(stop: threading.Event) -> None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        while not stop.wait(0.005):
+            peak[0] = max(peak[0], int(Path("/proc/self/statm").read_text().split()[1]) * page / 2**30)
+
+    stop = threading.Event()
+    sampler = threading.Thread(target=sample, args=(stop,), daemon=True)
+    sampler.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        sampler.join()
+
+
+def timed_steps(trainer, warmup: int, steps: int) -> tuple[dict, float]:
+    """The throughput rates (perf/*) of `steps` training steps after `warmup`, and the first step's seconds."""
+    from reporting.telemetry import Throughput, step_amounts
+
+    speed, first_step = Throughput(trainer.peak_flops, 1, trainer.topology.device), 0.0
+    live_reference = trainer.live_reference
+    for step, indices in enumerate(trainer.data.schedule[: warmup + steps]):
+        examples = trainer.data.train_examples.take(indices)
+        start = time.perf_counter()
+        metrics = trainer.train_step(examples)  # ends with the step's one transfer from the device: synchronised
+        seconds = time.perf_counter() - start
+        first_step = first_step or seconds
+        if step >= warmup:
+            computed = sum(metrics["perf/computed_tokens"])
+            speed.add(**step_amounts(examples, seconds, computed, trainer.flops, live_reference))
+    return speed.rates(), first_step
+
+
+def lever_worker(
+    overrides: list[str],
+    warmup: int,
+    steps: int,
+    result_file: str,
+    compile_blocks: bool = False,
+    data_file: str = str(HH_FILE),
+    n_rows: int | None = 48,
+) -> None:
+    """One configuration in this fresh process: build the trainer (bench_trainer), time `steps` training steps after
+    `warmup`, and write pairs/s, tokens/s (real: prompt once; computed: padding included), MFU, peak memory, what
+    precision was chosen and the first step's seconds. compile_blocks: torch.compile each transformer block
+    (dynamic shapes) before the first step."""
+    from modeling.placement import find_blocks
+
+    trainer, setup_seconds = bench_trainer(overrides, data_file, n_rows)
+    if compile_blocks:
+        for block in find_blocks(trainer.policy, trainer.config.model.block_name):
+            block.compile(dynamic=True)
+    with sampled_rss() as step_rss:  # the largest RSS seen while training steps run
+        rates, first_step = timed_steps(trainer, warmup, steps)
+    result = {
+        "pairs_per_second": rates["perf/pairs_per_second"],
+        "real_tokens_per_second": rates["perf/real_tokens_per_second"],
+        "computed_tokens_per_second": rates["perf/computed_tokens_per_second"],
+        "mfu": rates["perf/mfu"],
+        "peak_memory_gib": peak_memory_gib(trainer.topology.device.type == "cuda"),
+        "training_rss_gib": step_rss[0],
+        "precision": "bfloat16" if trainer.precision.policy_compute == torch.bfloat16 else "float32",
+        "layout": trainer.scorer.describe(),
+        "setup_seconds": setup_seconds,
+        "first_step_seconds": first_step,
+    }
+    Path(result_file).write_text(json.dumps(result))
+
+
+def lever_subprocess(overrides: list[str], warmup: int, steps: int, result_file: str, compile_blocks=False, **data):
+    """lever_worker in a fresh process (whose peak memory is then its own); data: its data_file and n_rows."""
+    kwargs = dict(overrides=overrides, warmup=warmup, steps=steps, compile_blocks=compile_blocks, **data)
+    return worker_subprocess(lever_worker, result_file, **kwargs)
