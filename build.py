@@ -1,6 +1,6 @@
 """Building a run: every part the training loop needs, made once from the checked config, in one place. train.py,
-the dry run (report.py: the same assembly up to the weights), bench.py and the tests build through here; the
-Trainer (trainers.py) runs what it is given.
+the dry run (report.py: the same assembly up to the weights), the benchmarks (bench/) and the tests build through
+here; the Trainer (trainers.py) runs what it is given.
 
 The order matters where noted: local rank 0 loads first (it fills the caches the others then read); the reference's
 log-probs come from the policy's initial weights, before any step; the optimizer is built after FSDP has sharded the
@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import transformers
 from omegaconf import DictConfig, OmegaConf
 
 from core.evaluation import Evaluator
@@ -22,7 +21,7 @@ from core.scoring import Scorer
 from modeling import weights
 from modeling.adapters import AdaptersDisabled, apply_lora, is_adapted, quantization_config
 from modeling.distributed import TRAINERS, Topology, mesh_shape
-from modeling.models import InitialWeights, load_tokenizer, prepare_model, resolve_model_dir
+from modeling.models import InitialWeights, load_tokenizer, prepare_model, transformers_config
 from modeling.placement import find_blocks, parallelize
 from modeling.precision import (
     Precision,
@@ -84,7 +83,7 @@ class BatchLoss:
         share it). coupled: CoupledBatch.part of this micro-batch, for a loss that reads the whole batch."""
         batch = batch or self.scorer.batch(examples)
         with_sum_sq = self.objective.reads_sum_sq
-        scores = self.scorer(self.policy, batch, self.policy_compute, with_sum_sq)
+        scores = self.scorer(self.policy, batch, self.policy_compute, with_sum_sq)  # a reward model's rewards
         policy_logps, log_sum_sq = scores if with_sum_sq else (scores, None)
         fields, reference_logps = coupled or ({}, None)
         if reference_logps is None and self.reference is not None:
@@ -92,8 +91,10 @@ class BatchLoss:
         labels = None
         if "label" in examples[0]:  # labelled completions
             labels = to_device(torch.tensor([ex["label"] for ex in examples]), policy_logps.device)
-        lengths = batch.sequence_lengths
-        return self.objective(policy_logps, reference_logps, lengths, split, log_sum_sq, fields, labels)
+        lengths, margins = batch.sequence_lengths, {}
+        if self.objective.reads_margins and "margin" in examples[0]:  # a data column (reward models)
+            margins["margins"] = to_device(torch.tensor([ex["margin"] for ex in examples]), policy_logps.device)
+        return self.objective(policy_logps, reference_logps, lengths, split, log_sum_sq, fields, labels, **margins)
 
     def couple(self, examples: list[dict], batch_size: int, accumulation: int) -> CoupledBatch | None:
         """What the loss reads from the whole batch `examples` (cut into micro-batches as Topology.micro_batches
@@ -243,8 +244,11 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     with topology.main_first():
         tokenizer = load_tokenizer(config.model, cache_dir)
         policy, initial = prepare_model(  # on the meta device: weights are read once it is placed
-            config.model, precision.policy_weights, cache_dir, config.seed, quantization_config(config.lora)
-        )
+            config.model, precision.policy_weights, cache_dir, config.seed, quantization_config(config.lora),
+            objective.reward_model,
+        )  # fmt: skip
+    if objective.reward_model and policy.config.pad_token_id is None:  # its own pooling needs one (scoring)
+        policy.config.pad_token_id = tokenizer.pad_token_id
     if config.lora.enabled:  # after model.archive: the adapters go on the SFT weights
         policy = apply_lora(policy, config.lora, config.seed)
     if config.resume_from is not None:  # fail now rather than after tokenizing and the reference pass
@@ -260,9 +264,11 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     policy = place(policy, config, topology, precision.policy_compute, initial, is_policy=True)
     initial_weights = reference_cache.weights_digest(policy, topology) if cached else None
     # The layout, attention and head checks run on the placed model: on its device, once, decided by rank 0.
+    reward_eos = tokenizer.eos_token_id if objective.reward_model else None
     scorer = Scorer.create(
-        policy, config, tokenizer.pad_token_id, topology, autocast, precision.policy_compute, objective.tail_weight
-    )
+        policy, config, tokenizer.pad_token_id, topology, autocast, precision.policy_compute, objective.tail_weight,
+        reward_eos,
+    )  # fmt: skip
 
     def load_reference() -> torch.nn.Module:  # placed, frozen; never with LoRA (AdaptersDisabled serves)
         with topology.main_first():
@@ -406,7 +412,7 @@ def dry_run(config: DictConfig, world_size: int) -> None:
         f"steps: {len(data.schedule)} optimizer steps of {config.batch_size} examples "
         f"({len(data.schedule) * config.batch_size} examples), an eval every {config.eval_every} examples on {n_evals}"
     )
-    policy = meta_policy(config, precision, cache_dir)
+    policy = meta_policy(config, precision, cache_dir, objective.reward_model)
     resume = checkpoint.newest(Path(config.local_run_dir)) if config.resume_from == "auto" else config.resume_from
     if resume is not None:  # the checks a run makes before anything else
         checkpoint.preflight(Path(resume), policy, config.batch_size)
@@ -427,11 +433,10 @@ def dry_run(config: DictConfig, world_size: int) -> None:
     print("dry run: no weights were loaded and nothing was trained")
 
 
-def meta_policy(config: DictConfig, precision: Precision, cache_dir: Path) -> torch.nn.Module:
-    """The policy as the run builds it (with its LoRA adapters), on the meta device: shapes, no weights."""
-    model_config = transformers.AutoConfig.from_pretrained(
-        resolve_model_dir(config.model.name_or_path, cache_dir), trust_remote_code=config.model.trust_remote_code
-    )
+def meta_policy(config: DictConfig, precision: Precision, cache_dir: Path, reward: bool = False) -> torch.nn.Module:
+    """The policy (or reward model) as the run builds it (with its LoRA adapters), on the meta device: shapes, no
+    weights."""
+    model_config = transformers_config(config.model, cache_dir, reward)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=precision.policy_weights)
+        model = weights.model_class(reward).from_config(model_config, dtype=precision.policy_weights)
         return apply_lora(model, config.lora, config.seed) if config.lora.enabled else model

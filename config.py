@@ -278,10 +278,7 @@ class Config:
                 f"model.reference_dtype={self.model.reference_dtype} with lora.enabled=true: the reference is the "
                 "policy's base with its adapters disabled, so it computes like the policy (model.reference_dtype=auto)"
             )
-        if self.loss.name not in LOSSES or type(self.loss) is not LOSSES[self.loss.name].schema:
-            raise UserError(
-                f"loss.name={self.loss.name} names another loss than its keys; choose it with loss={self.loss.name}"
-            )
+        check_loss(self.loss, self.sample_during_eval)
         if self.plan.active:
             self.check_plan()
         self.check_batches(self.plan.world_size if self.plan.active else planned_world_size(self.trainer, self.nproc))
@@ -307,8 +304,9 @@ class Config:
         """What rounds (rounds.py) take: a pair loss, each round's reference computed once from the policy that
         starts it (cached: no second model), and sampling."""
         n = f"rounds.n={self.rounds.n}"
-        if LOSSES[self.loss.name].function is None:
-            raise UserError(f"{n} trains on generated pairs; loss={self.loss.name} trains on sft targets")
+        trains = {"sft": "the policy on sft targets", "reward": "a reward model"}.get(LOSSES[self.loss.name].objective)
+        if trains:
+            raise UserError(f"{n} trains the policy on generated pairs; loss={self.loss.name} trains {trains}")
         if self.loss.needs_reference() and not self.reference_cache:
             raise UserError(
                 f"{n}: each round's reference is the policy that starts it, its log-probs computed once and cached: "
@@ -357,6 +355,17 @@ class Config:
                 value,
                 f"a positive multiple of batch_size={self.batch_size}" + (", or null" if key == "save_every" else ""),
             )
+
+
+def check_loss(loss, sample_during_eval: bool) -> None:
+    """The loss config is the named loss's, and what it trains can do what the run asks of it."""
+    if loss.name not in LOSSES or type(loss) is not LOSSES[loss.name].schema:
+        raise UserError(f"loss.name={loss.name} names another loss than its keys; choose it with loss={loss.name}")
+    if LOSSES[loss.name].objective == "reward" and sample_during_eval:
+        raise UserError(
+            "sample_during_eval=true samples from the policy, but loss=reward trains a reward model, which scores "
+            "text and generates none: set sample_during_eval=false"
+        )
 
 
 def check_optimizer(name: str, knobs: dict, lr: float) -> None:

@@ -14,10 +14,12 @@ and labelled completions (thumbs up or down on single answers, for KTO) become `
 """
 
 import codecs
+import dataclasses
 import gzip
 import hashlib
 import html.parser
 import json
+import math
 import random
 import re
 import zlib
@@ -52,6 +54,7 @@ class PreferencePair:
     rejected: str
     sft_target: str  # the response SFT trains on for this prompt
     truncation_mode: str  # "keep_end" keeps the end of an over-long prompt, "keep_start" its start
+    margin: float = 0.0  # how far apart the pair was rated (a `margin` column): reward models read it
 
 
 @dataclass(frozen=True)
@@ -185,8 +188,27 @@ def strip_html(text: str) -> str:
     return "".join(parser.parts).strip()
 
 
+def with_margin(parse: Callable[[dict], list[PreferencePair]]) -> Callable[[dict], list[PreferencePair]]:
+    """A pair parser that also reads the row's `margin` column, a finite number (Llama 2's rating margin, which
+    loss=reward subtracts from the reward difference)."""
+
+    def parse_with_margin(row: dict) -> list[PreferencePair]:
+        margin = row["margin"]
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+            raise ValueError(f"margin is {margin!r}, expected a finite number")
+        return [dataclasses.replace(pair, margin=float(margin)) for pair in parse(row)]
+
+    return parse_with_margin
+
+
 def detect_parser(row: dict, tokenizer) -> Callable[[dict], list[PreferencePair]]:
-    """Choose the row parser from a row's columns."""
+    """Choose the row parser from a row's columns; a pair format's `margin` column is read too (with_margin)."""
+    parse = pair_parser(row, tokenizer)
+    labelled = {"prompt", "completion", "label"} <= set(row)
+    return with_margin(parse) if "margin" in row and not labelled else parse
+
+
+def pair_parser(row: dict, tokenizer) -> Callable[[dict], list[PreferencePair]]:
     columns = set(row)
     if {"history", "human_ref_A", "human_ref_B", "labels", "score_A", "score_B"} <= columns:
         return parse_shp

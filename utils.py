@@ -116,12 +116,15 @@ def metric_mean(name: str, values: list[float]) -> float:
     """The mean of a per-example metric. On labelled completions the rewards and log-probs of desirable examples go
     under .../chosen and those of the others under .../rejected, NaN for the examples of the other label: these are
     averaged over the values that are not NaN (NaN when none is). Every other metric keeps its NaN (a NaN loss
-    shows)."""
+    shows). A metric named *_std is the standard deviation of its values instead (a reward model's rewards)."""
     if name.startswith(("rewards_", "logps_")) and name.endswith(("/chosen", "/rejected")):
         values = [value for value in values if not math.isnan(value)]
         if not values:
             return math.nan
-    return sum(values) / len(values)
+    mean = sum(values) / len(values)
+    if name.endswith("_std"):  # a column whose spread is logged: its population standard deviation
+        return math.sqrt(sum((value - mean) ** 2 for value in values) / len(values))
+    return mean
 
 
 def first_line(error: Exception) -> str:

@@ -62,6 +62,8 @@ class ModelBatch:
     sequence_lengths: [S] scored tokens of each sequence
     shared_lengths:   [S] of those, the ones within its example's shortest response (the first min over responses
                       of sequence_lengths; the rest is the response's tail, which LD-DPO weighs down)
+    first_positions:  [S] flat index into R * T of each sequence's first response token
+    last_positions:   [S] flat index into R * T of each sequence's last token, where a reward model reads its score
     """
 
     input_ids: torch.Tensor
@@ -75,6 +77,8 @@ class ModelBatch:
     score_targets: torch.Tensor
     sequence_lengths: torch.Tensor
     shared_lengths: torch.Tensor
+    first_positions: torch.Tensor
+    last_positions: torch.Tensor
 
     def to(self, device: torch.device) -> "ModelBatch":
         return ModelBatch(**{name: to_device(v, device) if torch.is_tensor(v) else v for name, v in vars(self).items()})
@@ -125,9 +129,12 @@ def scored_tokens(prompt_end: int, prompt_length: int, response: list[int], offs
     return [(p, token) for p, token in zip(predictors, response) if p >= 0]
 
 
-def scored_fields(scored: list[tuple[int, int, int, int]], n_examples: int, n_responses: int, shape) -> dict:
-    """The scored-token fields of a ModelBatch of `shape` (rows, length) from (sequence, row, position, token),
-    sequences numbered response-major."""
+def scored_fields(
+    scored: list[tuple[int, int, int, int]], spans: list[tuple[int, int, int]], n_examples: int, n_responses: int, shape
+) -> dict:
+    """The scored-token fields of a ModelBatch of `shape` (rows, length) from (sequence, row, position, token) and
+    each sequence's (sequence, flat positions of its response's first and last tokens), sequences numbered
+    response-major."""
     scored = sorted(scored, key=lambda s: s[0])  # grouped by sequence (a stable sort keeps each one's token order)
     n_rows, length = shape
     kept = [sorted({p for _, row, p, _ in scored if row == r}) or [0] for r in range(n_rows)]
@@ -145,6 +152,8 @@ def scored_fields(scored: list[tuple[int, int, int, int]], n_examples: int, n_re
         score_targets=torch.tensor([token for _, _, _, token in scored], dtype=torch.long),
         sequence_lengths=lengths,
         shared_lengths=shared,
+        first_positions=torch.tensor([first for _, first, _ in sorted(spans)], dtype=torch.long),
+        last_positions=torch.tensor([last for _, _, last in sorted(spans)], dtype=torch.long),
     )
 
 
@@ -154,13 +163,14 @@ def pad(examples: list[dict], pad_token_id: int) -> ModelBatch:
     length = max(len(prompt) + len(response) for prompt, response in sequences)
     input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
-    scored = []
+    scored, spans = [], []
     for row, (prompt, response) in enumerate(sequences):
         tokens = prompt + response
         input_ids[row, : len(tokens)] = torch.tensor(tokens)
         attention_mask[row, : len(tokens)] = 1
         scored += [(row, row, p, token) for p, token in scored_tokens(len(prompt), len(prompt), response, len(prompt))]
-    fields = scored_fields(scored, len(examples), len(examples[0]["responses"]), tuple(input_ids.shape))
+        spans.append((row, row * length + len(prompt), row * length + len(tokens) - 1))
+    fields = scored_fields(scored, spans, len(examples), len(examples[0]["responses"]), tuple(input_ids.shape))
     return ModelBatch(input_ids, None, attention_mask, None, None, **fields)
 
 
@@ -210,7 +220,7 @@ def pack(examples: list[dict], pad_token_id: int, row_tokens: int | None = None,
     position_ids = torch.zeros((len(rows), length), dtype=torch.long)
     segment_ids = torch.full((len(rows), length), -1, dtype=torch.long)
     branch_ids = torch.zeros((len(rows), length), dtype=torch.long)
-    scored = []
+    scored, spans = [], []
     for row, members in enumerate(rows):
         start = 0
         for index in members:
@@ -226,9 +236,10 @@ def pack(examples: list[dict], pad_token_id: int, row_tokens: int | None = None,
                 branch_ids[row, span] = r + 1
                 tokens = scored_tokens(start + len(prompt), len(prompt), response, offset)
                 scored += [(r * n_examples + index, row, p, token) for p, token in tokens]
+                spans.append((r * n_examples + index, row * length + offset, row * length + offset + len(response) - 1))
                 offset += len(response)
             start += lengths[index]
-    fields = scored_fields(scored, n_examples, len(examples[0]["responses"]), tuple(input_ids.shape))
+    fields = scored_fields(scored, spans, n_examples, len(examples[0]["responses"]), tuple(input_ids.shape))
     return ModelBatch(input_ids, position_ids, None, segment_ids, branch_ids, **fields)
 
 

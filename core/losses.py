@@ -275,6 +275,18 @@ class SFTConfig:
 
 
 @dataclass
+class RewardConfig:
+    """Reward modelling (objective.RewardObjective; not a pair loss on log-probs): a scalar-head model trained with
+    the Bradley-Terry loss (bradley_terry)."""
+
+    name: str = MISSING
+    center_rewards_coefficient: float = ranged(NON_NEGATIVE)
+
+    def __post_init__(self):
+        check_ranges(self, "loss.")
+
+
+@dataclass
 class NLLConfig(PairLossNeeds):
     """The chosen response's per-token NLL on pair data: SFT as a term of a weighted loss (TRL's "sft" term)."""
 
@@ -571,11 +583,21 @@ def cpo(s: PairStats, cfg: PreferenceLoss, state: dict) -> LossOutput:
     return LossOutput(losses, cfg.beta * s.policy_chosen.detach(), cfg.beta * s.policy_rejected.detach())
 
 
+def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor, center: float) -> torch.Tensor:
+    """[B] reward-model losses from [B] rewards r_c, r_r and margins m: -log sigma(r_c - r_r - m), the
+    Bradley-Terry likelihood of the preference (Bradley & Terry 1952; as InstructGPT trains its reward model, Ouyang
+    et al. 2022, arXiv:2203.02155, eq. 1), with Llama 2's margin from the data (Touvron et al. 2023,
+    arXiv:2307.09288, eq. 2: a pair rated far apart must score farther apart), plus center (r_c + r_r)^2, which
+    keeps rewards centred on zero (Eisenstein et al. 2023, arXiv:2312.09244; TRL's center_rewards_coefficient)."""
+    return -F.logsigmoid(chosen - rejected - margin) + center * (chosen + rejected) ** 2
+
+
 @dataclass(frozen=True)
 class LossComponent:
     schema: type
-    function: Callable[[PairStats, object, dict], LossOutput] | None  # None: not a pair loss (sft)
+    function: Callable[[PairStats, object, dict], LossOutput] | None  # None: not a pair loss (objective below)
     running_reward_mean: bool = False  # its state holds the mean reward of all earlier steps (checkpointed)
+    objective: str = "pairs"  # what it trains: "pairs" (a pair loss), "sft" or "reward" (objective.OBJECTIVES)
 
 
 LOSSES = {
@@ -603,7 +625,8 @@ LOSSES = {
     "cpo": LossComponent(PreferenceLoss, cpo),
     "nll": LossComponent(NLLConfig, nll),
     "weighted": LossComponent(WeightedConfig, weighted),
-    "sft": LossComponent(SFTConfig, None),
+    "sft": LossComponent(SFTConfig, None, objective="sft"),
+    "reward": LossComponent(RewardConfig, None, objective="reward"),
 }
 
 

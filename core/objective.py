@@ -5,23 +5,52 @@ DPO reference."""
 import torch
 from omegaconf import OmegaConf
 
-from core.losses import LOSSES, PairStats, compute, kto_losses, running_reward_mean
+from core.losses import LOSSES, PairStats, bradley_terry, compute, kto_losses, running_reward_mean
 
 
-class PreferenceObjective:
-    """A pair loss on (chosen, rejected). Its running state (bco_pair's reward mean) is updated once per training
-    step from the whole batch's rewards, so that it is the same for any accumulation and number of ranks."""
+class Objective:
+    """What the training loop and the scorer ask of an objective, and the answers of one that asks for nothing
+    more than the policy's summed log-probs of its examples' responses."""
 
-    sft_targets = False  # trains on (chosen, rejected), not on sft_target
+    sft_targets = False  # trains on each prompt's sft_target, not on (chosen, rejected)
+    needs_reference = False
+    tail_weight = 1.0  # how the scorer sums each response (LD-DPO)
+    reads_sum_sq = False  # the policy's sums of log sum_v p_v^2 (WPO)
+    couples_pairs = False  # a pair's loss depends on the rest of its batch (aot)
+    needs_kl_estimate = False  # KTO's reference point
+    reads_labels = False  # trains on labelled completions too (KTO)
+    reward_model = False  # trains a reward model: the scorer gives its rewards, not log-probs
+    reads_margins = False  # reads each pair's margin from the data
 
     def __init__(self, loss):
         self.loss = loss
+        self.state = {}
+
+    def state_dict(self) -> dict:
+        """The running state, for checkpoints (checkpoint.py: a stateful part)."""
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict) -> None:
+        """The running state this loss keeps; a checkpoint of another loss (resumed with loss= changed) may hold
+        state this one has no use for."""
+        self.state.update({key: value for key, value in state.items() if key in self.state})
+
+    def observe(self, metrics: dict[str, list[float]]) -> None:
+        """Fold one training step's gathered metrics into the running state (none here)."""
+
+
+class PreferenceObjective(Objective):
+    """A pair loss on (chosen, rejected). Its running state (bco_pair's reward mean) is updated once per training
+    step from the whole batch's rewards, so that it is the same for any accumulation and number of ranks."""
+
+    def __init__(self, loss):
+        super().__init__(loss)
         self.needs_reference = loss.needs_reference()
-        self.tail_weight = loss.tail_weight()  # how the scorer sums each response (LD-DPO)
-        self.reads_sum_sq = loss.reads_sum_sq()  # the policy's sums of log sum_v p_v^2 (WPO)
-        self.couples_pairs = loss.couples_pairs()  # a pair's loss depends on the rest of its batch (aot)
-        self.needs_kl_estimate = loss.needs_kl_estimate()  # KTO's reference point
-        self.reads_labels = loss.reads_labels()  # trains on labelled completions too (KTO)
+        self.tail_weight = loss.tail_weight()
+        self.reads_sum_sq = loss.reads_sum_sq()
+        self.couples_pairs = loss.couples_pairs()
+        self.needs_kl_estimate = loss.needs_kl_estimate()
+        self.reads_labels = loss.reads_labels()
         self.state = {"reward_mean": 0.0, "rewards_seen": 0} if running_reward_mean(loss) else {}
 
     def __call__(
@@ -76,15 +105,6 @@ class PreferenceObjective:
         }
         return losses.mean(), metrics
 
-    def state_dict(self) -> dict:
-        """The running state, for checkpoints (checkpoint.py: a stateful part)."""
-        return dict(self.state)
-
-    def load_state_dict(self, state: dict) -> None:
-        """The running state this loss keeps; a checkpoint of another loss (resumed with loss= changed) may hold
-        state this one has no use for."""
-        self.state.update({key: value for key, value in state.items() if key in self.state})
-
     def observe(self, metrics: dict[str, list[float]]) -> None:
         """Fold one training step's gathered rewards into the running reward mean."""
         step = metrics.get("rewards_train/chosen", []) + metrics.get("rewards_train/rejected", [])
@@ -94,20 +114,10 @@ class PreferenceObjective:
             self.state["rewards_seen"] = seen
 
 
-class SFTObjective:
+class SFTObjective(Objective):
     """The negative log-likelihood of each prompt's sft_target (one example per prompt), summed over its tokens."""
 
     sft_targets = True
-    needs_reference = False
-    tail_weight = 1.0
-    reads_sum_sq = False
-    couples_pairs = False
-    needs_kl_estimate = False
-    reads_labels = False
-
-    def __init__(self, loss):
-        self.loss = loss
-        self.state = {}
 
     def __call__(
         self, policy_logps, reference_logps, n_tokens, split: str, log_sum_sq=None, batch_fields=None, labels=None
@@ -115,17 +125,42 @@ class SFTObjective:
         losses = -policy_logps
         return losses.mean(), {f"logps_{split}/chosen": policy_logps.detach(), f"loss/{split}": losses.detach()}
 
-    def state_dict(self) -> dict:
-        return {}
 
-    def load_state_dict(self, state: dict) -> None:
-        pass  # no running state (a pair loss's checkpoint may hold one)
+class RewardObjective(Objective):
+    """A reward model trained on pairs: the Bradley-Terry loss on its rewards of chosen and rejected
+    (losses.bradley_terry), with each pair's margin where the data gives one. No reference."""
 
-    def observe(self, metrics: dict[str, list[float]]) -> None:
-        pass
+    reward_model = True
+    reads_margins = True
+
+    def __call__(
+        self, rewards, reference_logps, n_tokens, split: str, log_sum_sq=None, batch_fields=None, labels=None,
+        margins=None,
+    ):  # fmt: skip
+        """rewards: [2B], all chosen then all rejected; margins: [B] (None: 0). Returns the mean loss and [B]
+        metrics: the rewards, whether chosen scores higher (accuracies), by how much (margins), the pair's mean
+        reward, and the columns whose spread over the pairs is logged (utils.metric_mean: */chosen_std)."""
+        chosen, rejected = rewards.chunk(2)
+        margins = torch.zeros_like(chosen) if margins is None else margins.to(chosen)
+        losses = bradley_terry(chosen, rejected, margins, self.loss.center_rewards_coefficient)
+        chosen, rejected = chosen.detach(), rejected.detach()
+        metrics = {
+            f"rewards_{split}/chosen": chosen,
+            f"rewards_{split}/rejected": rejected,
+            f"rewards_{split}/accuracies": (chosen > rejected).float(),
+            f"rewards_{split}/margins": chosen - rejected,
+            f"rewards_{split}/mean": (chosen + rejected) / 2,
+            f"rewards_{split}/chosen_std": chosen,
+            f"rewards_{split}/rejected_std": rejected,
+            f"loss/{split}": losses.detach(),
+        }
+        return losses.mean(), metrics
+
+
+OBJECTIVES = {"pairs": PreferenceObjective, "sft": SFTObjective, "reward": RewardObjective}
 
 
 def build_objective(loss_config):
     """The objective of the `loss` config node (checked: its schema's dataclass is built from it)."""
     loss = OmegaConf.to_object(loss_config)
-    return (SFTObjective if LOSSES[loss.name].function is None else PreferenceObjective)(loss)
+    return OBJECTIVES[LOSSES[loss.name].objective](loss)

@@ -2,7 +2,7 @@
 function of the prompt's and the completion's text returning a number, or a directory holding a
 sequence-classification reward model with one output (its logit is the reward). Either way a reward is called on
 lists of prompts and completions and returns one finite float each. `brevity` below is one to start from:
-rounds.reward=rewards:brevity."""
+rounds.reward=core.rewards:brevity."""
 
 import importlib
 import math
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from core.scoring import head_returns_rewards
 from utils import UserError, first_line
 
 
@@ -73,8 +74,9 @@ class FunctionReward:
 
 
 class ModelReward:
-    """A sequence-classification model's one logit on prompt + completion, in float32, in batches padded on the
-    right (the model reads its last token that is not padding)."""
+    """A sequence-classification model's one output on prompt + completion, in float32, read where training reads it
+    (scoring.reward_positions): at the completion's last token, the prompt's and the completion's ids tokenized
+    apart and joined as training joins them, the prompt's start cut where the two exceed max_length."""
 
     def __init__(self, directory: Path, device: torch.device, batch_size: int, max_length: int):
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
@@ -88,25 +90,30 @@ class ModelReward:
             model = AutoModelForSequenceClassification.from_pretrained(directory, dtype=torch.float32)
         except (OSError, ValueError, RuntimeError) as error:
             raise UserError(f"{setting}: cannot load a sequence-classification model ({first_line(error)})") from None
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        model.config.pad_token_id = self.tokenizer.pad_token_id
-        self.tokenizer.padding_side = "right"
+        self.pad_token_id = self.tokenizer.pad_token_id
+        if self.pad_token_id is None:
+            self.pad_token_id = self.tokenizer.eos_token_id
+        if model.config.pad_token_id is None:  # its own pooling needs one, though the head is read here
+            model.config.pad_token_id = self.pad_token_id
         self.model = model.to(device).eval()
         self.device, self.batch_size, self.max_length = device, batch_size, max_length
 
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+
     @torch.no_grad()
     def __call__(self, prompts: list[str], completions: list[str]) -> list[float]:
-        texts = [prompt + completion for prompt, completion in zip(prompts, completions)]
+        rows = [(p + c)[-self.max_length :] for p, c in zip(self.encode(prompts), self.encode(completions))]
         rewards = []
-        for start in range(0, len(texts), self.batch_size):
-            encoded = self.tokenizer(
-                texts[start : start + self.batch_size],
-                padding=True,
-                truncation=True,
-                max_length=self.max_length,
-                add_special_tokens=False,
-                return_tensors="pt",
-            ).to(self.device)
-            rewards += self.model(**encoded).logits[:, 0].float().cpu().tolist()
+        for start in range(0, len(rows), self.batch_size):
+            batch = rows[start : start + self.batch_size]
+            length = max(map(len, batch))
+            input_ids = torch.full((len(batch), length), self.pad_token_id, dtype=torch.long)
+            attention_mask = torch.zeros((len(batch), length), dtype=torch.long)
+            for row, ids in enumerate(batch):
+                input_ids[row, : len(ids)], attention_mask[row, : len(ids)] = torch.tensor(ids), 1
+            positions = torch.tensor([row * length + len(ids) - 1 for row, ids in enumerate(batch)])
+            inputs = dict(input_ids=input_ids, attention_mask=attention_mask, labels=positions)
+            with head_returns_rewards(self.model, positions.to(self.device)):
+                rewards += self.model(**{k: v.to(self.device) for k, v in inputs.items()}).loss.cpu().tolist()
         return rewards

@@ -28,6 +28,7 @@ from core.layouts import (
     segment_lengths,
 )
 from core.logprobs import IDENTITY, LogitMap, token_logps_from_hidden, token_logps_from_logits
+from modeling.models import reward_head
 from utils import first_line
 
 # Probe inputs: two examples with prompts of 3 and 1 tokens and responses of 1 to 3 tokens.
@@ -65,7 +66,7 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def block_mask(batch: ModelBatch, span: AttentionSpan = FULL_ATTENTION):
     """FlexAttention's BlockMask of a packed batch, from its per-token ids: fully masked 128 x 128 blocks (beyond a
     window, too) are listed as skipped, and no [T, T] tensor is made (the compiled builder works block by block: at
-    T = 32k on a CPU, 0.5 s and no extra memory, against 18 s and 10 GB uncompiled; `python bench.py --attention`)."""
+    T = 32k on a CPU, 0.5 s and no extra memory, against 18 s and 10 GB uncompiled; `python -m bench --attention`)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     rows, length = batch.input_ids.shape
@@ -214,14 +215,8 @@ def sequence_logps(
     tail_weight: the weight of the tokens beyond the example's shortest response (response_sums).
     with_sum_sq: also [S] sums of log sum_v p_v^2 over each sequence's scored tokens (WPO), no gradient, from the
     same logits: (logps, log_sum_sq)."""
-    mask = batch.attention_mask if batch.attention_mask is not None else packed_mask(batch, attention, spans)
-    flex = not torch.is_tensor(next(iter(mask.values())) if isinstance(mask, dict) else mask)  # BlockMasks
-    if not flex:
-        mask = model_mask(mask, mask_dtype)
-    inputs = dict(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids, use_cache=False)
-    device = batch.input_ids.device
-    autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-    with autocast, attention_implementation(model, "flex_attention" if flex else None):
+    inputs, flex = model_inputs(batch, mask_dtype, attention, spans)
+    with forward_context(model, batch.input_ids.device, autocast_dtype, flex):
         if scored_head:
             rows, targets = batch.score_rows, batch.score_targets
             with head_returns_token_logps(model, rows, targets, with_sum_sq, logit_map) as extras:
@@ -233,6 +228,79 @@ def sequence_logps(
             token_logps, log_sum_sq = out if with_sum_sq else (out, None)
     logps = response_sums(token_logps.float().view(-1), batch, tail_weight)
     return (logps, response_sums(log_sum_sq.view(-1), batch)) if with_sum_sq else logps
+
+
+def reward_positions(batch: ModelBatch, eos_token_id: int) -> torch.Tensor:
+    """[S] flat index into R * T of the token each sequence's reward is read at: its response's last token before
+    the EOS the tokenizer appends (the last token where truncation cut the EOS off). That is the token transformers'
+    sequence classifiers pool at for a text given without an EOS, where padding is the EOS (SmolLM2, Llama) or
+    none follows, so that the exported model scores a prompt and a response as it was trained to."""
+    last = batch.last_positions
+    ends_with_eos = batch.input_ids.flatten()[last] == eos_token_id
+    return torch.where(ends_with_eos & (last > batch.first_positions), last - 1, last)
+
+
+@contextlib.contextmanager
+def head_returns_rewards(model: torch.nn.Module, positions: torch.Tensor):
+    """For the forwards inside this block, the reward model's scalar head reads only the hidden states at flat
+    `positions` [S] of its [R, T] rows, and the model returns those S float32 rewards as its output's `loss` (call it
+    with labels): transformers' sequence classifiers compute their loss from the head's output through
+    `_loss_function`, which is set here to hand the rewards over. Returned by the model, they are what FSDP hooks
+    for the backward (it gathers the root's weights again where the gradient reaches its output); its own pooling,
+    at each row's last token that is not padding (which packed rows do not mark), gets zeros, one element
+    broadcast."""
+    head, inner = reward_head(model), model_class(model)
+    rewards = {}
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        picked = hidden.flatten(0, -2)[positions]
+        rewards["rewards"] = torch.nn.functional.linear(picked, head.weight, head.bias)[:, 0].float()
+        return hidden.new_zeros(()).expand(*hidden.shape[:-1], 1)
+
+    head.forward = forward
+    inner._loss_function = lambda **_: rewards.pop("rewards")
+    try:
+        yield
+    finally:
+        del head.forward, inner._loss_function
+
+
+def sequence_rewards(
+    model: torch.nn.Module,
+    batch: ModelBatch,
+    autocast_dtype: torch.dtype | None,
+    mask_dtype: torch.dtype,
+    eos_token_id: int,
+    attention: str = "dense",
+    spans: dict[str, AttentionSpan] | None = None,
+) -> torch.Tensor:
+    """[S] float32 rewards of a reward model (a sequence classifier with one output) on each sequence, read at its
+    response's last token (reward_positions), in one forward pass; the head runs on those S hidden states only.
+    The other arguments as sequence_logps'."""
+    inputs, flex = model_inputs(batch, mask_dtype, attention, spans)
+    positions = reward_positions(batch, eos_token_id)
+    with forward_context(model, batch.input_ids.device, autocast_dtype, flex), head_returns_rewards(model, positions):
+        return model(**inputs, labels=positions).loss
+
+
+def model_inputs(batch: ModelBatch, mask_dtype: torch.dtype, attention: str, spans) -> tuple[dict, bool]:
+    """(the model's keyword inputs for `batch`, whether its mask is FlexAttention's): a packed batch's mask built
+    here unless Scorer.batch built it, a dense one as the model takes it (model_mask)."""
+    mask = batch.attention_mask if batch.attention_mask is not None else packed_mask(batch, attention, spans)
+    flex = not torch.is_tensor(next(iter(mask.values())) if isinstance(mask, dict) else mask)  # BlockMasks
+    if not flex:
+        mask = model_mask(mask, mask_dtype)
+    inputs = dict(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids, use_cache=False)
+    return inputs, flex
+
+
+def forward_context(model: torch.nn.Module, device: torch.device, autocast_dtype: torch.dtype | None, flex: bool):
+    """Autocast in `autocast_dtype` (None: none), and FlexAttention for a block mask."""
+    stack = contextlib.ExitStack()
+    if autocast_dtype:
+        stack.enter_context(torch.autocast(device.type, dtype=autocast_dtype))
+    stack.enter_context(attention_implementation(model, "flex_attention" if flex else None))
+    return stack
 
 
 def model_mask(mask, dtype: torch.dtype):
@@ -269,16 +337,22 @@ def model_class(model: torch.nn.Module):
 
 
 def compare(
-    model, batch: ModelBatch, expected: ModelBatch, dtype, device, tried: str, mismatch: str, **options
+    model, batch: ModelBatch, expected: ModelBatch, dtype, device, tried: str, mismatch: str, reward_eos=None, **options
 ) -> str | None:
     """None when `batch` gives `expected`'s log-probs (padded, all logits) within rounding, else why not, starting
     with the model's name; tried: what the model is given; mismatch: what a numeric difference means. No autocast:
-    the model computes in `dtype` (its weights', or FSDP's mixed precision)."""
+    the model computes in `dtype` (its weights', or FSDP's mixed precision). reward_eos: a reward model's rewards
+    are compared instead (sequence_rewards, with this EOS id)."""
     name = type(model_class(model)).__name__
     try:
         with torch.no_grad():
-            got = sequence_logps(model, batch.to(device), None, dtype, **options)
-            want = sequence_logps(model, expected.to(device), None, dtype, scored_head=False)
+            if reward_eos is not None:
+                options = {key: options[key] for key in ("attention", "spans") if key in options}
+                got = sequence_rewards(model, batch.to(device), None, dtype, reward_eos, **options)
+                want = sequence_rewards(model, expected.to(device), None, dtype, reward_eos)
+            else:
+                got = sequence_logps(model, batch.to(device), None, dtype, **options)
+                want = sequence_logps(model, expected.to(device), None, dtype, scored_head=False)
     except Exception as error:  # any failure means: not this model
         return f"{name} failed with {tried} ({type(error).__name__}: {first_line(error)})"
     if not torch.allclose(got, want, rtol=probe_tolerance(dtype), atol=probe_tolerance(dtype)):
@@ -301,10 +375,11 @@ def scored_head_problem(model: torch.nn.Module, dtype: torch.dtype, device: torc
     return compare(model, batch, batch, dtype, device, tried, mismatch, scored_head=True, logit_map=logit_map)
 
 
-def packing_problem(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> str | None:
+def packing_problem(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, reward_eos=None) -> str | None:
     """Why this model cannot take the packed layout, or None when it can: it must honour a custom 4-D attention
     mask (one per layer type where they differ) and explicit position ids, which the probe checks numerically
-    against the padded layout, both examples in one row, with the model's windows and chunks cut to PROBE_SPAN."""
+    against the padded layout, both examples in one row, with the model's windows and chunks cut to PROBE_SPAN (a
+    reward model's rewards: reward_eos, compare)."""
     implementation = getattr(model.config, "_attn_implementation", None)
     if implementation not in ("sdpa", "eager"):
         return f"attention implementation {implementation!r} takes no 4-D mask (sdpa and eager do)"
@@ -316,10 +391,13 @@ def packing_problem(model: torch.nn.Module, dtype: torch.dtype, device: torch.de
         mismatch = "does not honour a custom 4-D mask and position ids"
         tried = "a custom 4-D mask and position ids"
         expected = pad(PROBE_EXAMPLES, 0)
-        return compare(model, packed, expected, dtype, device, tried, mismatch, scored_head=False, spans=spans)
+        options = dict(scored_head=False, spans=spans, reward_eos=reward_eos)
+        return compare(model, packed, expected, dtype, device, tried, mismatch, **options)
 
 
-def block_attention_problem(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> str | None:
+def block_attention_problem(
+    model: torch.nn.Module, dtype: torch.dtype, device: torch.device, reward_eos=None
+) -> str | None:
     """Why packed rows cannot run through FlexAttention with a block mask, or None when they can: a CUDA device
     (FlexAttention has no backward pass on CPU), a model that declares FlexAttention support, and log-probs equal
     to the padded layout's."""
@@ -332,16 +410,16 @@ def block_attention_problem(model: torch.nn.Module, dtype: torch.dtype, device: 
     tried, mismatch = "a block mask", "computes other log-probs with a block mask"
     with probe_spans(model):
         spans, expected = attention_spans(model), pad(PROBE_EXAMPLES, 0)
-        options = dict(scored_head=False, attention="block", spans=spans)
+        options = dict(scored_head=False, attention="block", spans=spans, reward_eos=reward_eos)
         return compare(model, packed, expected, dtype, device, tried, mismatch, **options)
 
 
 @dataclass
 class Scorer:
-    """How this run turns tokenized examples into per-sequence log-probs: the layout and, for packed rows, the
-    attention path and each layer type's span; whether the head runs on scored positions only, and the map of its
-    output it applies; who applies the compute dtype (torch.autocast, or FSDP's mixed precision); and the token
-    budget of a packed row."""
+    """How this run turns tokenized examples into per-sequence scores, log-probs or a reward model's rewards: the
+    layout and, for packed rows, the attention path and each layer type's span; whether the head runs on scored
+    positions only, and the map of its output it applies; who applies the compute dtype (torch.autocast, or FSDP's
+    mixed precision); and the token budget of a packed row."""
 
     layout: str
     attention: str
@@ -353,6 +431,7 @@ class Scorer:
     tail_weight: float = 1.0  # LD-DPO's alpha (response_sums); 1: plain sums
     spans: dict[str, AttentionSpan] | None = None  # packed rows' span per layer type (None: full attention)
     logit_map: LogitMap = IDENTITY  # the scored head's map of its output
+    reward_eos: int | None = None  # a reward model's: rewards read before this EOS id (sequence_rewards)
 
     @classmethod
     def create(
@@ -364,22 +443,25 @@ class Scorer:
         autocast: bool,
         compute: torch.dtype | None,
         tail_weight: float = 1.0,
+        reward_eos: int | None = None,
     ) -> "Scorer":
         """As configured (settings: the run's config) where the model allows, checked on the placed model by every
         rank (sharded models need them all in each forward) and decided by rank 0; each fallback is one line
         saying why. compute: the policy's compute dtype (None: its weights'); tail_weight: the objective's
-        (response_sums)."""
+        (response_sums); reward_eos: a reward model's EOS id (its head reads one position a sequence: no scored
+        logits to choose)."""
         weights = next(model.parameters()).dtype
         probe_dtype = weights if autocast else (compute or weights)  # probes run without autocast: exact in float32
         device = topology.device
         layout, attention, scored_head = settings.layout, settings.packed_attention, settings.scored_logits_only
+        scored_head = scored_head and reward_eos is None
         notes = []
-        problem = packing_problem(model, probe_dtype, device) if layout == "packed" else None
+        problem = packing_problem(model, probe_dtype, device, reward_eos) if layout == "packed" else None
         if problem:
             notes.append(f"layout: padded, not packed: {problem}")
             layout = "padded"
         if layout == "packed" and attention != "dense":
-            problem = block_attention_problem(model, probe_dtype, device)
+            problem = block_attention_problem(model, probe_dtype, device, reward_eos)
             if problem and attention == "block":
                 notes.append(f"packed_attention=block: dense mask instead: {problem}")
             elif problem and device.type == "cuda":
@@ -395,8 +477,9 @@ class Scorer:
         logit_map = head_logit_map(model) if scored_head else IDENTITY
         row_tokens = settings.pack_row_tokens
         scorer = cls(
-            layout, attention, scored_head, pad_token_id, device, autocast, row_tokens, tail_weight, spans, logit_map
-        )
+            layout, attention, scored_head, pad_token_id, device, autocast, row_tokens, tail_weight, spans, logit_map,
+            reward_eos,
+        )  # fmt: skip
         for note in notes:
             print(note)
         print(f"scoring: {scorer.describe()}")
@@ -407,7 +490,11 @@ class Scorer:
         attention = f" ({self.attention} attention{'; ' + spans if spans else ''})" if self.layout == "packed" else ""
         head = f"scored logits{' ' + self.logit_map.describe() if self.logit_map != IDENTITY else ''}"
         tails = f", response tails weighted {self.tail_weight:g}" if self.tail_weight != 1.0 else ""
-        return f"{self.layout} layout{attention}, {head if self.scored_head else 'all logits'}{tails}"
+        if self.reward_eos is not None:
+            head = "reward head on each response's last token"
+        elif not self.scored_head:
+            head = "all logits"
+        return f"{self.layout} layout{attention}, {head}{tails}"
 
     def row_budget(self, examples: list[dict]) -> int | None:
         """Tokens per packed row: `pack_row_tokens` when set; with a block mask the whole micro-batch in one row
@@ -429,10 +516,12 @@ class Scorer:
 
     def __call__(self, model: torch.nn.Module, batch: ModelBatch, compute: torch.dtype | None, with_sum_sq=False):
         """[R * B] float32 summed log-probs of each example's responses (all first responses, then all second
-        ones), in one forward pass; compute: the model's compute dtype, or None for its weights'. with_sum_sq: and
-        their sums of log sum_v p_v^2 (sequence_logps)."""
+        ones), or a reward model's rewards, in one forward pass; compute: the model's compute dtype, or None for its
+        weights'. with_sum_sq: and their sums of log sum_v p_v^2 (sequence_logps)."""
         autocast = compute if self.autocast else None
         mask_dtype = compute or next(model.parameters()).dtype
+        if self.reward_eos is not None:
+            return sequence_rewards(model, batch, autocast, mask_dtype, self.reward_eos, self.attention, self.spans)
         return sequence_logps(
             model,
             batch,

@@ -58,7 +58,8 @@ def quantization_config(settings: LoraSettings):
 
 def apply_lora(model: nn.Module, settings: LoraSettings, seed: int = 0) -> nn.Module:
     """The model with LoRA adapters on target_modules (default: all linear layers but the head), initialised from
-    `seed` (init_adapters); only the adapters train."""
+    `seed` (init_adapters); only the adapters train, and a reward model's scalar head, whole (peft's trainable copy
+    of it: modules_to_save)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if settings.quantize:
@@ -69,7 +70,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings, seed: int = 0) -> nn.Mo
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=targets,
-        task_type="CAUSAL_LM",
+        task_type="SEQ_CLS" if weights.is_reward_model(model) else "CAUSAL_LM",
     )
     try:
         model = get_peft_model(model, config)
@@ -146,7 +147,7 @@ def merged_weights(policy: nn.Module) -> dict[str, torch.Tensor]:
     own = weights.tensors(policy)  # a tied weight under one of its names
     merged = {}
     for name, value in policy.state_dict().items():
-        if ".lora_" in name or name not in own:
+        if ".lora_" in name or ".original_module." in name or name not in own:  # the head: its trained copy
             continue
         if ".base_layer.weight" in name:
             stem = name.removesuffix(".base_layer.weight")
@@ -157,8 +158,10 @@ def merged_weights(policy: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def base_model_name(name: str) -> str:
-    """A LoRA policy's tensor name in its base model (peft wraps each adapted layer's weight in base_layer)."""
-    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+    """A LoRA policy's tensor name in its base model: peft wraps each adapted layer's weight in base_layer, and a
+    reward model's head in a frozen original_module and a trainable copy under modules_to_save."""
+    name = name.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".original_module.", ".")
+    return name.replace(".modules_to_save.default.", ".")
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:

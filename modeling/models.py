@@ -178,6 +178,7 @@ class InitialWeights:
     cache_dir: Path
     seed: int
     sharded: bool  # False: from_pretrained, whole, on every process (the fallback)
+    reward: bool = False  # a reward model (weights.model_class)
 
     @property
     def archive(self) -> Path | None:
@@ -189,7 +190,7 @@ class InitialWeights:
         if not self.sharded:
             return None
         if self.model_config.random_init:
-            config = transformers_config(self.model_config, self.cache_dir)
+            config = transformers_config(self.model_config, self.cache_dir)  # a causal LM's files serve a reward model
             trust = self.model_config.trust_remote_code
             return random_init_dir(config, self.dtype, self.seed, self.cache_dir, trust)
         return weights_dir(self.model_config.name_or_path, self.cache_dir, download=True)
@@ -204,7 +205,8 @@ class InitialWeights:
             own = weights.tensors(model)
             weights.read_files(model, directory, {name: stored for name, stored in names.items() if name in own})
         else:
-            state = whole_model(self.model_config, model.config, self.dtype, self.cache_dir).state_dict()
+            c = self.model_config
+            state = whole_model(c, model.config, self.dtype, self.cache_dir, None, self.reward, self.seed).state_dict()
             names, _ = stored_names(model, {name: value.shape for name, value in state.items()}, kept)
             own = weights.tensors(model)
             weights.assign_full(model, {name: state[stored] for name, stored in names.items() if name in own})
@@ -261,34 +263,65 @@ def stored_names(
     return names, problems
 
 
-def transformers_config(model_config: DictConfig, cache_dir: Path) -> transformers.PretrainedConfig:
+def transformers_config(
+    model_config: DictConfig, cache_dir: Path, reward: bool = False
+) -> transformers.PretrainedConfig:
     """The model's transformers config, with every dropout rate set to 0: dropout would make the policy's and the
-    reference's log-probs differ for the same weights."""
+    reference's log-probs differ for the same weights; for a reward model, one output."""
     path = resolve_model_dir(model_config.name_or_path, cache_dir)
     common = {"cache_dir": str(cache_dir), "trust_remote_code": model_config.trust_remote_code}
     config = transformers.AutoConfig.from_pretrained(path, **common)
     for key, value in config.to_dict().items():
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
+    if reward:
+        config.num_labels = 1
     return config
 
 
+def reward_head(model: torch.nn.Module) -> torch.nn.Module:
+    """A reward model's scalar head: `score`, as every one of transformers' sequence classifiers built on a causal LM
+    names it (inside peft's wrapper for a LoRA policy)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = getattr(inner, "score", None)
+    if head is None:
+        raise UserError(f"{weights.class_name(inner)} has no `score` head: not a sequence classifier of a causal LM")
+    return head
+
+
+def init_reward_head(model: torch.nn.Module, seed: int) -> None:
+    """The scalar head of a reward model built from a causal LM, which its files do not hold: normal with the
+    config's initializer_range (transformers' own initialisation of it), from `seed`, so that every rank and every
+    trainer starts from the same head. Real tensors on the CPU: placement keeps them (weights.real_tensors), and
+    files that hold a head (an existing reward model's) replace them."""
+    head = reward_head(model)
+    generator = torch.Generator().manual_seed(seed)
+    std = getattr(model.config, "initializer_range", 0.02)
+    weight = torch.randn(head.weight.shape, generator=generator).mul_(std)
+    head.weight = torch.nn.Parameter(weight.to(head.weight.dtype))
+    if getattr(head, "bias", None) is not None:
+        head.bias = torch.nn.Parameter(torch.zeros(head.bias.shape, dtype=head.bias.dtype))
+
+
 def prepare_model(
-    model_config: DictConfig, dtype: torch.dtype, cache_dir: Path, seed: int, quantization=None
+    model_config: DictConfig, dtype: torch.dtype, cache_dir: Path, seed: int, quantization=None, reward: bool = False
 ) -> tuple[torch.nn.Module, InitialWeights | None]:
     """The model on the meta device, holding no memory, and where its weights will come from once it is placed
     (InitialWeights); where the files cannot be read shard by shard (no safetensors; tensors named otherwise than the
     model's, which from_pretrained converts while loading) one line says so, and every process will load the whole
-    model. A 4-bit base (QLoRA's `quantization`, CUDA, one process) is loaded whole now, with None."""
+    model. A 4-bit base (QLoRA's `quantization`, CUDA, one process) is loaded whole now, with None. reward: a reward
+    model (weights.model_class), its head initialised from `seed` unless the files hold one."""
     if quantization is not None and (model_config.random_init or model_config.archive is not None):
         raise UserError(
             "lora.quantize loads pretrained weights in 4 bits: model.random_init and model.archive cannot be quantized"
         )
-    config = transformers_config(model_config, cache_dir)
+    config = transformers_config(model_config, cache_dir, reward)
     if quantization is not None:
-        return whole_model(model_config, config, dtype, cache_dir, quantization), None
-    model = weights.empty_model(config, dtype, model_config.trust_remote_code)
+        return whole_model(model_config, config, dtype, cache_dir, quantization, reward, seed), None
+    model = weights.empty_model(config, dtype, model_config.trust_remote_code, reward)
     disable_dropout(model)
+    if reward:
+        init_reward_head(model, seed)
     archive = model_config.archive
     if archive is not None and not Path(archive).exists():
         raise UserError(f"model.archive: {archive} does not exist")
@@ -298,14 +331,15 @@ def prepare_model(
         if (directory / "generation_config.json").exists():  # as from_pretrained: eos and pad tokens for sampling
             model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
         shapes = listed_shapes(directory)
-        problems = ["no safetensors files"] if shapes is None else stored_names(model, shapes, set())[1]
+        kept = set(weights.real_tensors(model))  # the tensors the files need not hold (a new reward head)
+        problems = ["no safetensors files"] if shapes is None else stored_names(model, shapes, kept)[1]
         if problems:
             print(
                 f"{model_config.name_or_path}: {problems[0]} (its files, for {weights.class_name(model)}): every "
                 "process loads the whole model with from_pretrained, which converts them, and keeps its shards"
             )
             sharded = False
-    return model, InitialWeights(model_config, dtype, cache_dir, seed, sharded)
+    return model, InitialWeights(model_config, dtype, cache_dir, seed, sharded, reward)
 
 
 def listed_shapes(directory: Path) -> dict[str, torch.Size | None] | None:
@@ -320,10 +354,10 @@ def listed_shapes(directory: Path) -> dict[str, torch.Size | None] | None:
 
 
 def load_model(
-    model_config: DictConfig, dtype: torch.dtype, cache_dir: Path, seed: int, quantization=None
+    model_config: DictConfig, dtype: torch.dtype, cache_dir: Path, seed: int, quantization=None, reward: bool = False
 ) -> torch.nn.Module:
     """The whole model, in this process (prepare_model, read on the CPU): for one process, and the tests."""
-    model, initial = prepare_model(model_config, dtype, cache_dir, seed, quantization)
+    model, initial = prepare_model(model_config, dtype, cache_dir, seed, quantization, reward)
     if initial is not None:
         kept = weights.real_tensors(model)
         weights.materialize(model, torch.device("cpu"), kept)
@@ -331,14 +365,20 @@ def load_model(
     return model
 
 
-def whole_model(model_config: DictConfig, config, dtype: torch.dtype, cache_dir: Path, quantization=None):
-    """The model as from_pretrained loads it, whole (quantization: on this process's GPU)."""
+def whole_model(
+    model_config: DictConfig, config, dtype: torch.dtype, cache_dir: Path, quantization=None, reward=False, seed=0
+):
+    """The model as from_pretrained loads it, whole (quantization: on this process's GPU); a reward model whose
+    files hold no head gets init_reward_head's, the same on every process."""
     path = resolve_model_dir(model_config.name_or_path, cache_dir)
     common = {"cache_dir": str(cache_dir), "trust_remote_code": model_config.trust_remote_code}
     device = {"device_map": {"": torch.cuda.current_device()}} if quantization is not None else {}
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, config=config, dtype=dtype, quantization_config=quantization, **device, **common
+    model, loading = weights.model_class(reward).from_pretrained(
+        path, config=config, dtype=dtype, quantization_config=quantization, output_loading_info=True, **device, **common
     )
+    if reward and any(name.split(".")[0] == "score" for name in loading["missing_keys"]):
+        init_reward_head(model, seed)
+        reward_head(model).to(next(model.parameters()).device)
     disable_dropout(model)
     return model
 

@@ -41,11 +41,26 @@ EXPORT_FILE_BYTES = 4 * 2**30  # the export's files (from_pretrained reads any n
 INDEX = "model.safetensors.index.json"  # which export file holds each tensor
 
 
-def empty_model(config: transformers.PretrainedConfig, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
-    """The causal LM of `config` with its parameters on the meta device, which holds no memory, and its buffers
-    computed on the CPU: rotary frequencies and the like are in no weights file, and they are small."""
+def model_class(reward: bool):
+    """transformers' auto class of the model a run trains: a causal LM, or a reward model (a sequence classifier with
+    one output: the causal LM's body and a scalar head)."""
+    return transformers.AutoModelForSequenceClassification if reward else transformers.AutoModelForCausalLM
+
+
+def is_reward_model(model: nn.Module) -> bool:
+    """Whether the model (or a LoRA policy's base) is a reward model: one of transformers' sequence classifiers."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return class_name(inner).endswith("ForSequenceClassification")
+
+
+def empty_model(
+    config: transformers.PretrainedConfig, dtype: torch.dtype, trust_remote_code: bool, reward: bool = False
+) -> nn.Module:
+    """The causal LM (or reward model) of `config` with its parameters on the meta device, which holds no memory,
+    and its buffers computed on the CPU: rotary frequencies and the like are in no weights file, and they are
+    small."""
     with init_empty_weights(include_buffers=False):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = model_class(reward).from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.tie_weights()  # init_empty_weights gives each tied name a meta parameter of its own: tie them again
     return model
 

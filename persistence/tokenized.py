@@ -48,9 +48,17 @@ from preference_datasets import (
 )
 from utils import UserError, first_line, release_free_memory
 
-FORMAT = 2
+FORMAT = 3  # 3: the margins array
 CHUNK_PAIRS = 2048  # pairs per batch call to the tokenizer, and the text a build holds at a time
-PER_EXAMPLE = ("offsets", "lengths", "full_lengths", "keys", "groups", "labels")  # the arrays besides the token ids
+PER_EXAMPLE = (
+    "offsets",
+    "lengths",
+    "full_lengths",
+    "keys",
+    "groups",
+    "labels",
+    "margins",
+)  # the arrays besides the token ids
 # tokenizer_config.json entries that say where a tokenizer was loaded from, not what it is
 LOADED_FROM = ("name_or_path", "is_local", "local_files_only", "_commit_hash")
 
@@ -86,6 +94,7 @@ class Examples:
     keys:         [n] S16, a digest of the kept ids and their lengths: the reference cache's key
     groups:       [n] int64, a digest of the prompt's text: a prompt's pairs are held out together, SFT takes one
     labels:       [n] int8, a labelled completion's label (1 desirable, 0 not); -1 for a pair
+    margins:      [n] float32, a pair's margin from the data (a `margin` column, which reward models read; 0 without)
     """
 
     token_parts: list[np.ndarray]
@@ -96,13 +105,14 @@ class Examples:
     keys: np.ndarray
     groups: np.ndarray
     labels: np.ndarray
+    margins: np.ndarray
 
     def __len__(self) -> int:
         return len(self.part)
 
     def __getitem__(self, i: int) -> dict:
-        """{"prompt": ids, "responses": [ids, ...], "key": 16 bytes} (and "label": bool for a labelled completion):
-        an example as the layouts take it."""
+        """{"prompt": ids, "responses": [ids, ...], "key": 16 bytes, and "margin": float for a pair or "label": bool
+        for a labelled completion}: an example as the layouts take it."""
         lengths = self.lengths[i].tolist()
         start = int(self.offsets[i])
         ids = self.token_parts[self.part[i]][start : start + sum(lengths)].tolist()
@@ -111,6 +121,8 @@ class Examples:
         example = {"prompt": prompt, "responses": responses, "key": self.keys[i : i + 1].tobytes()}
         if self.labels[i] >= 0:
             example["label"] = bool(self.labels[i])
+        else:
+            example["margin"] = float(self.margins[i])
         return example
 
     @property
@@ -142,7 +154,7 @@ class Examples:
     def empty(n_responses: int) -> "Examples":
         lengths = np.zeros((0, 1 + n_responses), np.int32)
         nothing = (np.zeros(0, np.int32), np.zeros(0, np.int64), lengths, lengths, empty_keys(0), no_groups())
-        return Examples([], *nothing, np.zeros(0, np.int8))
+        return Examples([], *nothing, np.zeros(0, np.int8), np.zeros(0, np.float32))
 
     @staticmethod
     def concatenate(parts: Sequence["Examples"], n_responses: int) -> "Examples":
@@ -248,8 +260,8 @@ def from_ids(
     tokens = np.array(flat, dtype=np.int32)
     offsets = np.cumsum(kept.sum(axis=1), dtype=np.int64) - kept.sum(axis=1)
     keys = example_keys(tokens, offsets, kept)
-    labels = np.full(len(prompts), -1, np.int8)
-    return Examples([tokens], np.zeros(len(prompts), np.int32), offsets, kept, full, keys, groups, labels)
+    labels, margins = np.full(len(prompts), -1, np.int8), np.zeros(len(prompts), np.float32)
+    return Examples([tokens], np.zeros(len(prompts), np.int32), offsets, kept, full, keys, groups, labels, margins)
 
 
 def text_group(text: str) -> int:
@@ -287,7 +299,8 @@ def tokenize_chunk(pairs: list[PreferencePair], encode, eos_id: int, settings: T
     keys = example_keys(tokens, offsets, kept)
     groups = np.fromiter((text_group(pair.prompt) for pair in pairs), np.int64, len(pairs))
     labels = np.array([getattr(pair, "label", -1) for pair in pairs], dtype=np.int8)
-    return Examples([tokens], np.zeros(len(pairs), np.int32), offsets, kept, full, keys, groups, labels)
+    margins = np.array([getattr(pair, "margin", 0.0) for pair in pairs], dtype=np.float32)
+    return Examples([tokens], np.zeros(len(pairs), np.int32), offsets, kept, full, keys, groups, labels, margins)
 
 
 def chunks(items: Iterable, size: int) -> Iterator[list]:

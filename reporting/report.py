@@ -247,7 +247,9 @@ def device_memory(work: Workload, trainer: str, mesh: tuple[int, int], on_gpu: b
         2 * hidden * compute_bytes * n_layers + per_layer if config.activation_checkpointing else per_layer * n_layers
     )
     vocab = model_config.vocab_size
-    logits = 0 if config.scored_logits_only else rows * vocab * (compute_bytes + 2 * 4)  # + float32 log-softmax
+    # + the float32 log-softmax; a reward model's head reads one position a sequence (no logits)
+    reward = work.policy.get_output_embeddings() is None
+    logits = 0 if config.scored_logits_only or reward else rows * vocab * (compute_bytes + 2 * 4)
     reference_bytes = torch.finfo(precision.reference_weights).bits // 8
     autocast_copies = not parallelism.fsdp and compute != weights_dtype
     states, fused = optimizer_states(config)

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from modeling.adapters import logical_numel
+from modeling.models import reward_head
 
 # NVIDIA datasheet dense bfloat16 tensor-core peaks, TFLOP/s (sparsity excluded), matched on the device name in order.
 GPU_BFLOAT16_TFLOPS = (
@@ -65,7 +66,7 @@ class ModelFlops:
         config = model.config
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        head = model.get_output_embeddings()
+        head = model.get_output_embeddings() or reward_head(model)  # a reward model's: its scalar head
         return cls(
             block_parameters=sum(logical_numel(p) for block in blocks for p in block.parameters()),
             trainable_block_parameters=sum(

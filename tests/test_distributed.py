@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from conftest import (
     PADDED_BASELINE,
@@ -429,6 +429,33 @@ def test_kto_on_labelled_completions_matches_basic_trainer_across_processes(
     basic, run = read_jsonl(tmp_path / "basic" / "metrics.jsonl"), read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert any(r.get("kl/train", 0) > 0 for r in basic) and "rewards_eval/chosen" in basic[-1]
     assert_same_metrics(basic, run)
+    assert_same_weights(tmp_path / "basic", tmp_path / "run")
+
+
+@pytest.mark.parametrize("trainer", ["FSDPTrainer", "TensorParallelTrainer"])
+def test_a_reward_model_matches_basic_trainer_across_processes(tmp_path, pairs_file, trainer):
+    # The scalar head reads hidden states inside the root's forward and hands its rewards out as the model's output
+    # (scoring.head_returns_rewards), where FSDP gathers the root again for the backward; tensor parallelism leaves
+    # the head whole. Packed rows, every eval, the final weights and the sequence-classifier export.
+    launch(tmp_path / "basic", pairs_file, "trainer=BasicTrainer", "loss=reward")
+    launch(tmp_path / "run", pairs_file, f"trainer={trainer}", "loss=reward")
+    basic, run = read_jsonl(tmp_path / "basic" / "metrics.jsonl"), read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert basic[-1]["rewards_eval/accuracies"] == 1.0 and "rewards_eval/chosen_std" in basic[-1]
+    assert_same_metrics(basic, run)
+    assert_same_weights(tmp_path / "basic", tmp_path / "run")
+    export = AutoModelForSequenceClassification.from_pretrained(tmp_path / "run" / "LATEST")
+    assert export.config.architectures == ["LlamaForSequenceClassification"] and export.config.num_labels == 1
+
+
+@pytest.mark.slow  # two two-process runs
+def test_a_lora_reward_model_matches_basic_trainer_across_processes(tmp_path, pairs_file):
+    # peft's trainable copy of the head (modules_to_save) beside the adapters, sharded by FSDP with the root
+    lora = ("loss=reward", "lora.enabled=true", "lora.rank=4", "lora.alpha=8", "lora.dropout=0")
+    launch(tmp_path / "basic", pairs_file, "trainer=BasicTrainer", *lora)
+    launch(tmp_path / "run", pairs_file, "trainer=FSDPTrainer", *lora)
+    assert_same_metrics(
+        read_jsonl(tmp_path / "basic" / "metrics.jsonl"), read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    )
     assert_same_weights(tmp_path / "basic", tmp_path / "run")
 
 

@@ -78,7 +78,7 @@ def auto_choice_in_a_fresh_process(cache_dir, env_extra: dict) -> str:
     import sys
 
     code = (
-        "import sys, pathlib, torch, precision; "
+        "import sys, pathlib, torch; from modeling import precision; "
         "print(precision.choose_compute_dtype(torch.device('cpu'), pathlib.Path(sys.argv[1]))[0])"
     )
     env = {**{k: v for k, v in os.environ.items() if k not in AVX2_ONLY}, **env_extra}

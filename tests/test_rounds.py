@@ -152,7 +152,8 @@ def test_resuming_inside_a_round_or_at_its_end_matches_the_uninterrupted_run(mak
         ((LOWERCASE, "rounds.n=1", "model.reference_dtype=float32"), "rounds.n=1: each round's reference is the polic"),
         ((LOWERCASE, "rounds.n=1", "sample_during_eval=true"), "rounds.n=1: sample_during_eval=true samples the f"),
         ((LOWERCASE, "rounds.n=1", "generation.do_sample=false"), "rounds.n=1 samples 4 completions a prompt: generat"),
-        ((LOWERCASE, "rounds.n=1", "loss=sft"), "rounds.n=1 trains on generated pairs; loss=sft trains on sft targets"),
+        ((LOWERCASE, "rounds.n=1", "loss=sft"), "rounds.n=1 trains the policy on generated pairs; loss=sft trains"),
+        ((LOWERCASE, "rounds.n=1", "loss=reward"), "rounds.n=1 trains the policy on generated pairs; loss=reward t"),
     ],
 )
 def test_round_settings_that_cannot_work_are_one_line(make_config, overrides, message):
