@@ -17,6 +17,7 @@ import transformers
 from omegaconf import OmegaConf
 
 from build import place
+from core.losses import LOSSES
 from modeling import weights
 from modeling.adapters import apply_lora
 from modeling.distributed import (
@@ -110,8 +111,9 @@ def lora_policy(checkpoint_dir: Path, topology: Topology) -> torch.nn.Module:
     config = run_config(checkpoint_dir)
     dtype = parse_dtype(config.model.policy_dtype, "model.policy_dtype")
     cache_dir = get_local_dir(config.local_dirs)
+    reward = LOSSES[config.loss.name].objective == "reward"  # a reward model's base: a sequence classifier
     with topology.main_first():
-        policy, initial = prepare_model(config.model, dtype, cache_dir, config.seed)
+        policy, initial = prepare_model(config.model, dtype, cache_dir, config.seed, reward=reward)
     policy = apply_lora(policy, config.lora, config.seed)
     policy = place(policy, config, topology, None, initial)
     part = checkpoint.ModelWeights(policy)

@@ -40,6 +40,10 @@ One module per campaign:
   Gemma 2's final soft cap of 30) at max_length 512 x 8 HH pairs, the default configuration (packed rows with a
   windowed mask per layer type, the scored head soft-capping itself) against what such a model took before (padded
   rows, all logits) and packed with all logits: pairs/s, alternating fresh processes, 2 rounds.
+- reward.py: --reward: reward modelling against TRL's RewardTrainer: SmolLM2-135M-Instruct with a one-output head on
+  the first 48 HH harmless-base pairs that fit max_length 512, 8 pairs a step, the same optimizer settings, in
+  float32 and in bfloat16 autocast: pairs/s, real tokens/s and peak RSS, alternating fresh processes, 2 rounds
+  (--reward --smoke: one short round, as the test suite runs it).
 
 What they share: common.py (the HH workload and HH-like pairs, the machine's matmul rates, a worker in a fresh
 process from this tree's code or another version's) and step.py (one configuration's training steps timed in a fresh

@@ -3,7 +3,7 @@
 import argparse
 
 import bench
-from bench import attention, data, fsdp, gpu, kernels, levers, profile, scale, versus, window
+from bench import attention, data, fsdp, gpu, kernels, levers, profile, reward, scale, versus, window
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--scale", action="store_true", help="each rank's memory at load, train, save, resume")
     parser.add_argument("--window", action="store_true", help="a sliding-window, soft-capped model: packed vs padded")
-    parser.add_argument("--smoke", action="store_true", help="--gpu, --data or --scale at tiny sizes (the tests')")
+    parser.add_argument("--reward", action="store_true", help="reward modelling against TRL's RewardTrainer")
+    parser.add_argument("--smoke", action="store_true", help="--gpu, --data, --scale or --reward at tiny sizes")
     parser.add_argument("--warmup", type=int, default=2, help="--levers, --compile, --lora, --window: untimed steps")
     parser.add_argument("--steps", type=int, default=6, help="--levers, --compile, --lora, --window: timed steps")
     return parser
@@ -61,6 +62,8 @@ def run(args: argparse.Namespace) -> None:
         return scale.bench_scale(args.smoke, args.versus)
     if args.window:
         return window.bench_window(args.warmup, args.steps)
+    if args.reward:
+        return reward.bench_reward(args.warmup, args.steps, args.smoke)
     if args.versus:
         return versus.bench_versus(args.versus, args.warmup, args.steps, args.rounds or 2)
     if args.profile is not None:

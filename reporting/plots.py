@@ -21,6 +21,15 @@ PANELS = (  # (title, [(metric, label)]): train metrics dotted, eval metrics sol
         ],
     ),
     (
+        "reward mean and spread (loss=reward)",
+        [
+            ("rewards_train/mean", "mean, train"),
+            ("rewards_eval/mean", "mean, eval"),
+            ("rewards_eval/chosen_std", "chosen's std, eval"),
+            ("rewards_eval/rejected_std", "rejected's std, eval"),
+        ],
+    ),
+    (
         "tokens per second",
         [
             ("perf/real_tokens_per_second", "real"),

@@ -1,6 +1,7 @@
-"""The bench package (`python -m bench`): the GPU campaign (--gpu) and the scale campaign (--scale) in their smoke
-modes, so that they cannot rot between the sessions that run them; its command line; and the workers of --versus and
---scale --versus found in another version's code, whether it is laid out in packages or flat."""
+"""The bench package (`python -m bench`): the GPU campaign (--gpu), the scale campaign (--scale) and reward
+modelling against TRL (--reward) in their smoke modes, so that they cannot rot between the sessions that run them;
+its command line; and the workers of --versus and --scale --versus found in another version's code, whether it is
+laid out in packages or flat."""
 
 import math
 import os
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 from bench.common import worker_subprocess
+from bench.reward import PRECISIONS
 from bench.scale_ranks import module_name
 from bench.step import lever_worker
 from conftest import REPO_ROOT
@@ -46,6 +48,27 @@ def test_rounds_is_refused_without_versus_or_below_one():
         result = subprocess.run([sys.executable, "-m", "bench", *flags], cwd=REPO_ROOT, capture_output=True, text=True)
         assert result.returncode == 2, flags
         assert result.stderr.splitlines()[-1].endswith("at least 1, and only with --versus"), result.stderr
+
+
+@pytest.mark.slow
+def test_reward_smoke_times_both_trainers_in_both_precisions():
+    # --reward at its smallest: our reward model and TRL's RewardTrainer on the same HH pairs, float32 and bfloat16
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--reward", "--smoke"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {
+        line[:28].strip(): line[28:].split() for line in result.stdout.splitlines() if line.startswith(("ours", "TRL"))
+    }
+    assert sorted(rows) == sorted(f"{who}, {dtype}" for who in ("ours", "TRL RewardTrainer") for dtype in PRECISIONS)
+    for name, (pairs_per_second, tokens_per_second, peak, _) in rows.items():
+        assert float(pairs_per_second) > 0 and float(tokens_per_second) > 0 and float(peak) > 0.3, name
+    assert [line.split(":")[0] for line in result.stdout.splitlines()[-2:]] == list(PRECISIONS)
 
 
 @pytest.mark.slow

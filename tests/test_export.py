@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import train
 from conftest import policy_state, run_cli, tiny_run_overrides
@@ -60,15 +60,16 @@ def test_the_runs_own_export_is_the_same(fsdp_run, tmp_path):
     assert all(torch.equal(ours[k], v) for k, v in policy_state(fsdp_run / "LATEST").items())
 
 
-def test_a_lora_checkpoint_exports_its_base_with_the_adapters_merged(tmp_path, pairs_file):
-    lora = ("lora.enabled=true", "lora.rank=4", "lora.alpha=8", "lr=1e-2")
+@pytest.mark.parametrize("loss", ["dpo", "reward"])
+def test_a_lora_checkpoint_exports_its_base_with_the_adapters_merged(tmp_path, pairs_file, loss):
+    # a reward model's base is a sequence classifier, its trained head merged in beside the adapters
+    lora = ("lora.enabled=true", "lora.rank=4", "lora.alpha=8", "lr=1e-2", f"loss={loss}")
     train.main([*tiny_run_overrides(tmp_path, pairs_file), *lora])
     run_dir = tmp_path / "run"
     result = run_export(str(run_dir / "LATEST"), str(tmp_path / "merged"))
     assert result.returncode == 0, result.stderr[-3000:]
-    ours, merged = (
-        AutoModelForCausalLM.from_pretrained(d).state_dict() for d in (run_dir / "LATEST", tmp_path / "merged")
-    )
+    auto = AutoModelForSequenceClassification if loss == "reward" else AutoModelForCausalLM
+    ours, merged = (auto.from_pretrained(d).state_dict() for d in (run_dir / "LATEST", tmp_path / "merged"))
     assert ours.keys() == merged.keys() and all(torch.equal(ours[k], merged[k]) for k in ours)
     assert (tmp_path / "merged" / "adapter" / "adapter_config.json").exists()
 

@@ -14,7 +14,8 @@ def test_each_eval_draws_plots_png(make_config):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(path.parent.glob("plots.*.tmp.png"))  # written whole
     panels = panel_points(read_jsonl(path.parent / "metrics.jsonl"))
-    assert list(panels) == [title for title, _ in PANELS if not title.startswith("reward per round")]  # no rounds
+    # no rounds, no reward model
+    assert list(panels) == [title for title, _ in PANELS if not title.startswith(("reward per round", "reward mean"))]
     height, width, _ = matplotlib.image.imread(path).shape
     assert (width, height) == (1500, 700)  # its 6 panels in 2 rows of 3, nothing drawn empty
     assert [len(points) for points in panels["loss"].values()] == [2, 3]  # train at 8, 16; eval at 0, 8, 16
@@ -46,3 +47,17 @@ def test_plots_false_draws_nothing(make_config):
     config = make_config("n_examples=8", "plots=false")
     train.run(config)
     assert not (train.Path(config.local_run_dir) / "plots.png").exists()
+
+
+def test_a_reward_models_plots_show_its_rewards_spread(make_config):
+    config = make_config("loss=reward", "n_examples=16", "eval_every=8", "plots=true")
+    train.run(config)
+    panels = panel_points(read_jsonl(train.Path(config.local_run_dir) / "metrics.jsonl"))
+    assert list(panels)[:5] == [
+        "loss",
+        "reward accuracy",
+        "reward margin",
+        "rewards",
+        "reward mean and spread (loss=reward)",
+    ]
+    assert [len(points) for points in panels["reward mean and spread (loss=reward)"].values()] == [2, 3, 3, 3]
