@@ -133,11 +133,9 @@ class RewardObjective(Objective):
     reward_model = True
     reads_margins = True
 
-    def __call__(
-        self, rewards, reference_logps, n_tokens, split: str, log_sum_sq=None, batch_fields=None, labels=None,
-        margins=None,
-    ):  # fmt: skip
-        """rewards: [2B], all chosen then all rejected; margins: [B] (None: 0). Returns the mean loss and [B]
+    def __call__(self, rewards, reference_logps, n_tokens, split: str, *unread, margins=None):
+        """rewards: [2B], all chosen then all rejected; margins: [B] (None: 0); no reference, and nothing of what
+        the other objectives read besides (*unread). Returns the mean loss and [B]
         metrics: the rewards, whether chosen scores higher (accuracies), by how much (margins), the pair's mean
         reward, and the columns whose spread over the pairs is logged (utils.metric_mean: */chosen_std)."""
         chosen, rejected = rewards.chunk(2)

