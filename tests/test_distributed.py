@@ -432,7 +432,7 @@ def test_kto_on_labelled_completions_matches_basic_trainer_across_processes(
     assert_same_weights(tmp_path / "basic", tmp_path / "run")
 
 
-@pytest.mark.parametrize("trainer", ["FSDPTrainer", "TensorParallelTrainer"])
+@pytest.mark.parametrize("trainer", ["FSDPTrainer", pytest.param("TensorParallelTrainer", marks=pytest.mark.slow)])
 def test_a_reward_model_matches_basic_trainer_across_processes(tmp_path, pairs_file, trainer):
     # The scalar head reads hidden states inside the root's forward and hands its rewards out as the model's output
     # (scoring.head_returns_rewards), where FSDP gathers the root again for the backward; tensor parallelism leaves

@@ -60,7 +60,7 @@ def test_the_runs_own_export_is_the_same(fsdp_run, tmp_path):
     assert all(torch.equal(ours[k], v) for k, v in policy_state(fsdp_run / "LATEST").items())
 
 
-@pytest.mark.parametrize("loss", ["dpo", "reward"])
+@pytest.mark.parametrize("loss", ["dpo", pytest.param("reward", marks=pytest.mark.slow)])
 def test_a_lora_checkpoint_exports_its_base_with_the_adapters_merged(tmp_path, pairs_file, loss):
     # a reward model's base is a sequence classifier, its trained head merged in beside the adapters
     lora = ("lora.enabled=true", "lora.rank=4", "lora.alpha=8", "lr=1e-2", f"loss={loss}")

@@ -199,5 +199,7 @@ def test_offline_a_model_downloaded_before_loads_from_the_cache(hub_at, tmp_path
     hub_at(closed_port())
     assert models.resolve_model_dir("org/cached", tmp_path) == str(snapshot)
     assert "org/cached from the cache" in capsys.readouterr().out
-    with pytest.raises(UserError, match=r"could not load model 'org/absent' .*the Hugging Face Hub is unreachable: .*refused"):
+    with pytest.raises(
+        UserError, match=r"could not load model 'org/absent' .*the Hugging Face Hub is unreachable: .*refused"
+    ):
         models.resolve_model_dir("org/absent", tmp_path)
