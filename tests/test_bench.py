@@ -17,15 +17,16 @@ from bench.step import lever_worker
 from conftest import REPO_ROOT
 
 
-def test_gpu_campaign_smoke_runs_every_configuration(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "bench", "--gpu", "--smoke"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"},
+def run_bench(*flags: str, timeout: int, **env: str) -> subprocess.CompletedProcess:
+    """`python -m bench FLAGS` from the repository's root, offline, its output captured."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **env}
+    return subprocess.run(
+        [sys.executable, "-m", "bench", *flags], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=env
     )
+
+
+def test_gpu_campaign_smoke_runs_every_configuration(tmp_path):
+    result = run_bench("--gpu", "--smoke", timeout=600, OMP_NUM_THREADS="2")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     rows = {line[:40].strip(): line[40:].split() for line in lines if line.startswith(("padded", "packed", "TRL"))}
@@ -53,14 +54,7 @@ def test_rounds_is_refused_without_versus_or_below_one():
 @pytest.mark.slow
 def test_reward_smoke_times_both_trainers_in_both_precisions():
     # --reward at its smallest: our reward model and TRL's RewardTrainer on the same HH pairs, float32 and bfloat16
-    result = subprocess.run(
-        [sys.executable, "-m", "bench", "--reward", "--smoke"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    result = run_bench("--reward", "--smoke", timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {
         line[:28].strip(): line[28:].split() for line in result.stdout.splitlines() if line.startswith(("ours", "TRL"))
@@ -74,14 +68,7 @@ def test_reward_smoke_times_both_trainers_in_both_precisions():
 @pytest.mark.slow
 def test_scale_smoke_measures_every_rank_in_every_phase():
     # --scale at tiny sizes: each of 1, 2 and 4 ranks reports its peaks while loading, training, saving and resuming.
-    result = subprocess.run(
-        [sys.executable, "-m", "bench", "--scale", "--smoke"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    result = run_bench("--scale", "--smoke", timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith("this ")]
     assert [(int(row[1]), int(row[2])) for row in rows] == [(1, 0), (2, 0), (2, 1), (4, 0), (4, 1), (4, 2), (4, 3)] * 2
