@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from core.scoring import head_returns_rewards
+from core.layouts import pad
+from core.scoring import sequence_rewards
 from utils import UserError, first_line
 
 
@@ -74,9 +75,10 @@ class FunctionReward:
 
 
 class ModelReward:
-    """A sequence-classification model's one output on prompt + completion, in float32, read where training reads it
-    (scoring.reward_positions): at the completion's last token, the prompt's and the completion's ids tokenized
-    apart and joined as training joins them, the prompt's start cut where the two exceed max_length."""
+    """A sequence-classification model's one output on prompt + completion, in float32, computed as training computes
+    it (padded rows of scoring.sequence_rewards): the prompt's and the completion's ids tokenized apart and joined as
+    training joins them, read at the completion's last token, the prompt's start cut where the two exceed
+    max_length."""
 
     def __init__(self, directory: Path, device: torch.device, batch_size: int, max_length: int):
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
@@ -96,6 +98,7 @@ class ModelReward:
         if model.config.pad_token_id is None:  # its own pooling needs one, though the head is read here
             model.config.pad_token_id = self.pad_token_id
         self.model = model.to(device).eval()
+        self.eos_token_id = self.tokenizer.eos_token_id  # a completion ending with it is read before it, as in training
         self.device, self.batch_size, self.max_length = device, batch_size, max_length
 
     def encode(self, texts: list[str]) -> list[list[int]]:
@@ -103,17 +106,13 @@ class ModelReward:
 
     @torch.no_grad()
     def __call__(self, prompts: list[str], completions: list[str]) -> list[float]:
-        rows = [(p + c)[-self.max_length :] for p, c in zip(self.encode(prompts), self.encode(completions))]
+        examples = []
+        for prompt, completion in zip(self.encode(prompts), self.encode(completions)):
+            completion = completion[-self.max_length :]
+            room = self.max_length - len(completion)
+            examples.append({"prompt": prompt[len(prompt) - room :] if room else [], "responses": [completion]})
         rewards = []
-        for start in range(0, len(rows), self.batch_size):
-            batch = rows[start : start + self.batch_size]
-            length = max(map(len, batch))
-            input_ids = torch.full((len(batch), length), self.pad_token_id, dtype=torch.long)
-            attention_mask = torch.zeros((len(batch), length), dtype=torch.long)
-            for row, ids in enumerate(batch):
-                input_ids[row, : len(ids)], attention_mask[row, : len(ids)] = torch.tensor(ids), 1
-            positions = torch.tensor([row * length + len(ids) - 1 for row, ids in enumerate(batch)])
-            inputs = dict(input_ids=input_ids, attention_mask=attention_mask, labels=positions)
-            with head_returns_rewards(self.model, positions.to(self.device)):
-                rewards += self.model(**{k: v.to(self.device) for k, v in inputs.items()}).loss.cpu().tolist()
+        for start in range(0, len(examples), self.batch_size):
+            batch = pad(examples[start : start + self.batch_size], self.pad_token_id).to(self.device)
+            rewards += sequence_rewards(self.model, batch, None, torch.float32, self.eos_token_id).cpu().tolist()
         return rewards

@@ -43,6 +43,7 @@ from preference_datasets import (
     Source,
     dataset_sources,
     eval_split,
+    file_digest,
     iter_pairs,
     nothing_to_train_on,
 )
@@ -391,14 +392,6 @@ def mapped(directory: Path, meta: dict) -> Examples:
     tokens = np.memmap(directory / "tokens.bin", dtype=np.int32, mode="r", shape=(meta["tokens"],))
     per_example = {name: np.load(directory / f"{name}.npy", allow_pickle=False) for name in PER_EXAMPLE}
     return Examples([tokens], np.zeros(meta["examples"], np.int32), **per_example)
-
-
-def file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def source_chunks(source: Source, tokenizer, settings: Tokenization, counts: RowCounts) -> Iterator[Examples]:
