@@ -13,11 +13,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from core.evaluation import Evaluator
-from core.layouts import ModelBatch, to_device
-from core.losses import PairStats
 from core.objective import build_objective
 from core.optim import build_optimizer, build_scheduler
 from core.scoring import Scorer
+from core.step import BatchLoss, Data, mismatched
 from modeling import weights
 from modeling.adapters import AdaptersDisabled, apply_lora, is_adapted, quantization_config
 from modeling.distributed import TRAINERS, Topology, mesh_shape
@@ -32,135 +31,11 @@ from modeling.precision import (
     parse_dtype,
 )
 from persistence import checkpoint, reference_cache
-from persistence.tokenized import Examples, Tokenization, first_of_each_group, load_examples, mismatched, tokenize_pairs
+from persistence.tokenized import Tokenization, first_of_each_group, load_examples, tokenize_pairs
 from preference_datasets import PreferencePair, batch_schedule
 from reporting.report import GIB, Hardware, Workload, data_report, fit_verdict
 from reporting.telemetry import ModelFlops, peak_flops
 from utils import UserError, get_local_dir
-
-
-@dataclass
-class Data:
-    """The run's tokenized examples and the order it trains on them."""
-
-    train_examples: Examples
-    eval_batches: list[list[dict]]
-    schedule: list[list[int]]  # per optimizer step, the indices of its training examples
-
-
-@dataclass
-class CoupledBatch:
-    """What a loss reads from the whole batch (an optimizer step's, or an eval batch), computed before its first
-    micro-batch: for aot every pair's statistics, detached, in batch order on every rank, with where each of this
-    rank's micro-batches sits in it and its reference log-probs (computed once, here); for kto the KL estimate."""
-
-    stats: PairStats | None  # [G]
-    positions: list[torch.Tensor | None]  # [b] per micro-batch
-    reference_logps: list[torch.Tensor | None]  # [2b] per micro-batch
-    kl_estimate: torch.Tensor | None  # [] float32
-
-    def part(self, index: int) -> tuple[dict, torch.Tensor | None]:
-        """(the PairStats fields of micro-batch `index`, its reference log-probs if computed here)."""
-        fields = {"batch": self.stats, "batch_positions": self.positions[index], "kl_estimate": self.kl_estimate}
-        return fields, self.reference_logps[index]
-
-
-@dataclass
-class BatchLoss:
-    """The objective on a micro-batch: the policy's log-probs (scored as the Scorer decided), the reference's, and the
-    loss. Returns (mean loss, {name: [B] per-example metric on the device}), metrics named as in the DPO reference."""
-
-    objective: object
-    scorer: Scorer
-    policy: torch.nn.Module
-    policy_compute: torch.dtype | None
-    reference: object | None  # reference_cache.LiveReference or CachedReference; None for a loss without one
-    topology: Topology
-    max_lengths: tuple[int, int]  # max_length, max_prompt_length: of KTO's mismatched examples
-
-    def __call__(self, examples: list[dict], split: str, batch: ModelBatch | None = None, coupled=None):
-        """batch: the examples already laid out, else they are laid out here (once: policy and a live reference
-        share it). coupled: CoupledBatch.part of this micro-batch, for a loss that reads the whole batch."""
-        batch = batch or self.scorer.batch(examples)
-        with_sum_sq = self.objective.reads_sum_sq
-        scores = self.scorer(self.policy, batch, self.policy_compute, with_sum_sq)  # a reward model's rewards
-        policy_logps, log_sum_sq = scores if with_sum_sq else (scores, None)
-        fields, reference_logps = coupled or ({}, None)
-        if reference_logps is None and self.reference is not None:
-            reference_logps = self.reference(examples, batch)
-        labels = None
-        if "label" in examples[0]:  # labelled completions
-            labels = to_device(torch.tensor([ex["label"] for ex in examples]), policy_logps.device)
-        lengths, margins = batch.sequence_lengths, {}
-        if self.objective.reads_margins and "margin" in examples[0]:  # a data column (reward models)
-            margins["margins"] = to_device(torch.tensor([ex["margin"] for ex in examples]), policy_logps.device)
-        return self.objective(policy_logps, reference_logps, lengths, split, log_sum_sq, fields, labels, **margins)
-
-    def couple(self, examples: list[dict], batch_size: int, accumulation: int) -> CoupledBatch | None:
-        """What the loss reads from the whole batch `examples` (cut into micro-batches as Topology.micro_batches
-        cuts it), or None if nothing: no-grad passes before the step, gathered over ranks.
-        - aot, where the batch is more than one micro-batch (accumulation or ranks): the policy over this rank's
-          micro-batches (its sort needs every pair before any backward): one forward more per step.
-        - kto: the policy and the reference over the batch's mismatched examples (tokenized.mismatched): KTO's
-          reference point z0 = max(0, mean over their responses of log pi / pi_ref), the same for any
-          accumulation and rank count."""
-        micro_batches, n_real = self.topology.micro_batches(examples, batch_size, accumulation)
-        several = len(micro_batches) > 1 or self.topology.dp_size > 1
-        pairs = self.objective.couples_pairs and several
-        if not pairs and not self.objective.needs_kl_estimate:
-            return None
-        stats, kl = None, None
-        positions, references = [None] * len(micro_batches), [None] * len(micro_batches)
-        with torch.no_grad():
-            if pairs:
-                stats, positions, references = self.batch_statistics(micro_batches, n_real, len(examples))
-            if self.objective.needs_kl_estimate:
-                kl = self.kl_estimate(mismatched(examples, *self.max_lengths), batch_size, accumulation)
-        return CoupledBatch(stats, positions, references, kl)
-
-    def batch_statistics(self, micro_batches: list[list[dict]], n_real: int, n_examples: int):
-        """(PairStats [G] of the whole batch, where each micro-batch's pairs are in it, their reference log-probs)."""
-        columns, references, positions = [], [], []
-        share_start, index = self.topology.dp_rank * -(-n_examples // self.topology.dp_size), 0
-        for examples in micro_batches:
-            policy, reference, batch = self.scores(examples)
-            references.append(reference)
-            reference = torch.zeros_like(policy) if reference is None else reference
-            lengths = batch.sequence_lengths.to(policy)
-            columns.append(torch.stack([*policy.chunk(2), *reference.chunk(2), *lengths.chunk(2)]))
-            local = torch.arange(index, index + len(examples))  # a padding copy (past n_real) is items[0]
-            positions.append(to_device(torch.where(local < n_real, share_start + local, 0), policy.device))
-            index += len(examples)
-        stats = PairStats(*self.topology.gather_columns(torch.cat(columns, dim=1), n_examples))
-        return stats, positions, references
-
-    def kl_estimate(self, examples: list[dict], batch_size: int, accumulation: int) -> torch.Tensor:
-        """[] max(0, mean over every response of `examples` of policy - reference log-prob), over all ranks."""
-        micro_batches, _ = self.topology.micro_batches(examples, batch_size, accumulation)
-        columns = []
-        for micro_batch in micro_batches:
-            policy, reference, _ = self.scores(micro_batch)
-            columns.append((policy - reference).view(-1, len(micro_batch)).sum(0, keepdim=True))  # [1, b]
-        log_ratios = self.topology.gather_columns(torch.cat(columns, dim=1), len(examples))  # [1, G]
-        n_responses = len(examples[0]["responses"])
-        return (log_ratios.sum() / (n_responses * len(examples))).clamp(min=0)
-
-    def reference_keys(self, data: "Data") -> list:
-        """The keys of every example whose reference log-probs training on `data` reads: its scheduled training
-        examples (an epoch's incomplete last batch is dropped), its eval batches' and, for kto, the mismatched
-        examples of each step and eval batch."""
-        scheduled = sorted({i for indices in data.schedule for i in indices})
-        keys = [*data.train_examples.keys[scheduled], *(ex["key"] for batch in data.eval_batches for ex in batch)]
-        if self.objective.needs_kl_estimate:
-            batches = [data.train_examples.take(indices) for indices in data.schedule] + data.eval_batches
-            keys += [ex["key"] for batch in batches for ex in mismatched(batch, *self.max_lengths)]
-        return keys
-
-    def scores(self, examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor | None, ModelBatch]:
-        """(policy log-probs, reference log-probs or None, the batch laid out), without gradients."""
-        batch = self.scorer.batch(examples)
-        policy = self.scorer(self.policy, batch, self.policy_compute)
-        return policy, self.reference(examples, batch) if self.reference is not None else None, batch
 
 
 @dataclass
@@ -367,7 +242,7 @@ def fill_reference_cache(
 ) -> dict:
     """Reference log-probs of every pair that training and eval use, by pair key (reference_cache.fill), computed on
     the same micro-batches as the first epoch's steps and the evals, so that at step 0 a reference computing like the
-    policy agrees with it to the last bit; for KTO also the mismatched examples (tokenized.mismatched) of every step
+    policy agrees with it to the last bit; for KTO also the mismatched examples (step.mismatched) of every step
     and eval batch, as its KL estimate scores them. compute_with() gives (model, compute dtype), called only if any
     is missing."""
     first_use = list(dict.fromkeys(i for indices in data.schedule for i in indices))

@@ -21,10 +21,12 @@ import json
 
 import numpy as np
 
-from build import Data, fill_reference_cache, reference_computation
+from build import fill_reference_cache, reference_computation
+from core.examples import Examples, from_ids
 from core.rewards import load_reward
+from core.step import Data
 from persistence import reference_cache, storage
-from persistence.tokenized import Examples, first_of_each_group, from_ids
+from persistence.tokenized import first_of_each_group
 from preference_datasets import batch_schedule
 from reporting.report import data_report
 from trainers import Trainer

@@ -2,9 +2,10 @@
 
 One Trainer serves every `trainer=` name: what differs between BasicTrainer, FSDPTrainer and TensorParallelTrainer
 is how models are placed and which ranks share a batch, which the Topology (distributed.py) decides. The Trainer
-runs parts built for it (build.py): the objective on a micro-batch (build.BatchLoss over the scorer, scoring.py, and
-the reference, reference_cache.py), the optimizer (optim.py), evaluation and sampling (evaluation.py); checkpoints
-are checkpoint.py's, written through the Checkpointer (its `parts`)."""
+runs parts built for it (build.py): the objective on a micro-batch and what a loss reads of the whole batch
+(core/step.py: BatchLoss over the scorer, scoring.py, and the reference, reference_cache.py), the optimizer
+(optim.py), evaluation and sampling (evaluation.py); checkpoints are checkpoint.py's, written through the
+Checkpointer (its `parts`)."""
 
 import torch
 
@@ -22,8 +23,9 @@ from typing import Callable
 
 import tqdm
 
-from build import Data, RunParts
+from build import RunParts
 from core.optim import clip_grad_norm
+from core.step import Data
 from persistence import checkpoint, reference_cache
 from persistence.storage import append_jsonl, truncate_jsonl
 from reporting.plots import write_plots

@@ -15,7 +15,7 @@ from utils import metric_mean
 class Evaluator:
     """Evaluates on fixed eval batches, each rank on its share in the training micro-batch budget.
 
-    batch_metrics: build.BatchLoss, the objective on a micro-batch: (examples, split, batch, coupled part) ->
+    batch_metrics: step.BatchLoss, the objective on a micro-batch: (examples, split, batch, coupled part) ->
     (mean loss, {name: [B] metric}), and its `couple` for a loss whose pairs depend on each other."""
 
     def __init__(self, config, topology: Topology, tokenizer, eval_batches: list[list[dict]], batch_metrics):

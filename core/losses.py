@@ -422,7 +422,7 @@ def kto_losses(logratios: torch.Tensor, desirable: torch.Tensor, kl_estimate: to
 def kto(s: PairStats, cfg: KTOConfig, state: dict) -> LossOutput:
     """KTO on pairs unpaired: the chosen response desirable, the rejected undesirable, each pair's loss the mean of
     their two (so that the mean over pairs is the mean over responses, as KTO's). z0 = max(0, mean log-ratio of
-    mismatched prompt and response pairs of the whole batch) (build.BatchLoss.kl_estimate), logged as `kl`."""
+    mismatched prompt and response pairs of the whole batch) (step.BatchLoss.kl_estimate), logged as `kl`."""
     if s.kl_estimate is None:
         raise ValueError("kto reads the batch's KL estimate (PairStats.kl_estimate)")
     chosen = kto_desirable(s.chosen_logratio, s.kl_estimate, cfg)

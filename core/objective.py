@@ -58,7 +58,7 @@ class PreferenceObjective(Objective):
     ):
         """policy_logps, reference_logps (None: no reference, zeros), n_tokens, log_sum_sq (the policy's sums of
         log sum_v p_v^2, where reads_sum_sq): [2B], all chosen then all rejected. batch_fields: the PairStats
-        fields read from the whole batch (build.CoupledBatch.part). labels: [B] bool for labelled completions
+        fields read from the whole batch (step.CoupledBatch.part). labels: [B] bool for labelled completions
         (one response each: [B] inputs; see labelled). Returns the mean loss and [B] metrics named as in the DPO
         reference."""
         reference_logps = torch.zeros_like(policy_logps) if reference_logps is None else reference_logps

@@ -29,9 +29,9 @@ from persistence import storage
 from utils import UserError, first_line
 
 if TYPE_CHECKING:
+    from core.examples import Examples
     from core.scoring import Scorer
     from modeling.distributed import Topology
-    from persistence.tokenized import Examples
 
 FORMAT = 2
 

@@ -7,9 +7,9 @@ reference does: when prompt plus the longer response exceed max_length, the prom
 end kept for HH dialogues, its start otherwise), then the responses to max_length - max_prompt_length.
 
 Speed: texts reach the tokenizer in batches (a fast tokenizer's batch call runs in Rust on every core), each
-distinct text once, and truncation is arithmetic on lengths. Memory: `Examples` keeps the kept ids in one flat int32
-array (4 bytes a token) and about 50 bytes of lengths and digests an example, never Python lists; a source streams
-through in chunks, so building holds one chunk's text at a time.
+distinct text once, and truncation is arithmetic on lengths. Memory: `Examples` (core/examples.py) keeps the kept
+ids in one flat int32 array (4 bytes a token) and about 50 bytes of lengths and digests an example, never Python
+lists; a source streams through in chunks, so building holds one chunk's text at a time.
 
 The cache: one directory per source (a file, a directory's train or test files, a Hub split) under
 <cache_dir>/tokenized/, named by a digest of everything its ids depend on: the source (its label, and each file's
@@ -31,10 +31,11 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from core.examples import PER_EXAMPLE, Examples, example_keys, truncated
 from persistence import storage
 from preference_datasets import (
     LabelledCompletion,
@@ -51,15 +52,6 @@ from utils import UserError, first_line, release_free_memory
 
 FORMAT = 3  # 3: the margins array
 CHUNK_PAIRS = 2048  # pairs per batch call to the tokenizer, and the text a build holds at a time
-PER_EXAMPLE = (
-    "offsets",
-    "lengths",
-    "full_lengths",
-    "keys",
-    "groups",
-    "labels",
-    "margins",
-)  # the arrays besides the token ids
 # tokenizer_config.json entries that say where a tokenizer was loaded from, not what it is
 LOADED_FROM = ("name_or_path", "is_local", "local_files_only", "_commit_hash")
 
@@ -83,103 +75,6 @@ class Tokenization:
         return f"{kind}, max_length {self.max_length}, max_prompt_length {self.max_prompt_length}"
 
 
-@dataclass
-class Examples:
-    """n tokenized examples in flat arrays; R responses each.
-
-    token_parts:  int32 token ids, flat: one array per cached source (memory-mapped) or tokenized chunk
-    part:         [n] int32, which of token_parts holds each example's ids
-    offsets:      [n] int64, where its ids start there: the prompt's, then each response's, back to back
-    lengths:      [n, 1 + R] int32, ids kept of the prompt and of each response (EOS included)
-    full_lengths: [n, 1 + R] int32, the same before truncation
-    keys:         [n] S16, a digest of the kept ids and their lengths: the reference cache's key
-    groups:       [n] int64, a digest of the prompt's text: a prompt's pairs are held out together, SFT takes one
-    labels:       [n] int8, a labelled completion's label (1 desirable, 0 not); -1 for a pair
-    margins:      [n] float32, a pair's margin from the data (a `margin` column, which reward models read; 0 without)
-    """
-
-    token_parts: list[np.ndarray]
-    part: np.ndarray
-    offsets: np.ndarray
-    lengths: np.ndarray
-    full_lengths: np.ndarray
-    keys: np.ndarray
-    groups: np.ndarray
-    labels: np.ndarray
-    margins: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.part)
-
-    def __getitem__(self, i: int) -> dict:
-        """{"prompt": ids, "responses": [ids, ...], "key": 16 bytes, and "margin": float for a pair or "label": bool
-        for a labelled completion}: an example as the layouts take it."""
-        lengths = self.lengths[i].tolist()
-        start = int(self.offsets[i])
-        ids = self.token_parts[self.part[i]][start : start + sum(lengths)].tolist()
-        bounds = list(itertools.accumulate(lengths, initial=0))
-        prompt, *responses = [ids[a:b] for a, b in zip(bounds, bounds[1:])]
-        example = {"prompt": prompt, "responses": responses, "key": self.keys[i : i + 1].tobytes()}
-        if self.labels[i] >= 0:
-            example["label"] = bool(self.labels[i])
-        else:
-            example["margin"] = float(self.margins[i])
-        return example
-
-    @property
-    def labelled(self) -> bool:
-        """Whether these are labelled completions (KTO's unpaired data), not pairs."""
-        return bool(len(self.labels)) and bool(self.labels[0] >= 0)
-
-    def take(self, indices: Iterable[int]) -> list[dict]:
-        return [self[i] for i in indices]
-
-    def select(self, indices) -> "Examples":
-        """The examples at `indices` (an index array, a range or a boolean mask), sharing the token ids."""
-        indices = np.asarray(indices)
-        per_example = {name: getattr(self, name)[indices] for name in ("part", *PER_EXAMPLE)}
-        return Examples(self.token_parts, **per_example)
-
-    @property
-    def n_tokens(self) -> int:
-        """Token ids kept, over every example."""
-        return int(self.lengths.sum())
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the arrays, the token ids of every part included (mapped or not)."""
-        arrays = [*self.token_parts, self.part, *(getattr(self, name) for name in PER_EXAMPLE)]
-        return sum(array.nbytes for array in arrays)
-
-    @staticmethod
-    def empty(n_responses: int) -> "Examples":
-        lengths = np.zeros((0, 1 + n_responses), np.int32)
-        nothing = (np.zeros(0, np.int32), np.zeros(0, np.int64), lengths, lengths, empty_keys(0), no_groups())
-        return Examples([], *nothing, np.zeros(0, np.int8), np.zeros(0, np.float32))
-
-    @staticmethod
-    def concatenate(parts: Sequence["Examples"], n_responses: int) -> "Examples":
-        """The examples of `parts`, in order; their token ids are not copied."""
-        token_parts, which = [], []
-        for examples in parts:
-            which.append(examples.part + len(token_parts))
-            token_parts.extend(examples.token_parts)
-        if not parts:
-            return Examples.empty(n_responses)
-        if len({(p.lengths.shape[1], p.labelled) for p in parts if len(p)}) > 1:
-            raise UserError("the datasets mix preference pairs and labelled completions: train on one kind at a time")
-        per_example = {name: np.concatenate([getattr(p, name) for p in parts]) for name in PER_EXAMPLE}
-        return Examples(token_parts, np.concatenate(which).astype(np.int32), **per_example)
-
-
-def empty_keys(n: int) -> np.ndarray:
-    return np.zeros(n, dtype="S16")
-
-
-def no_groups() -> np.ndarray:
-    return np.zeros(0, np.int64)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Tokenizing
 
@@ -200,69 +95,10 @@ def batch_encoder(tokenizer) -> Callable[[list[str]], list[list[int]]]:
     return lambda texts: [encoding.ids for encoding in encode_batch(texts, add_special_tokens=False)]
 
 
-def truncated(full: np.ndarray, max_length: int, max_prompt_length: int) -> np.ndarray:
-    """[n, 1 + R] ids kept of the prompt and of each response, from their counts before truncation: when the prompt
-    and the longest response exceed max_length, the prompt is cut to max_prompt_length; if they still do, every
-    response to max_length - max_prompt_length (the DPO reference's rule)."""
-    prompt, responses = full[:, 0], full[:, 1:]
-    longest = responses.max(axis=1)
-    prompt = np.where(prompt + longest > max_length, np.minimum(prompt, max_prompt_length), prompt)
-    cut = (prompt + longest > max_length)[:, None]
-    responses = np.where(cut, np.minimum(responses, max_length - max_prompt_length), responses)
-    return np.column_stack([prompt, responses])
-
-
 def gather_ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """The indices start, start + 1, ..., start + count - 1 of every (start, count), back to back."""
     ends = np.cumsum(counts)
     return np.repeat(starts - (ends - counts), counts) + np.arange(ends[-1] if len(ends) else 0)
-
-
-def example_keys(tokens: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """[n] S16: a digest of each example's kept ids and of how they split into prompt and responses."""
-    keys = empty_keys(len(offsets))
-    totals = lengths.sum(axis=1)
-    for i, (start, total) in enumerate(zip(offsets.tolist(), totals.tolist())):
-        digest = hashlib.blake2b(lengths[i].tobytes(), digest_size=16)
-        digest.update(tokens[start : start + total].tobytes())
-        keys[i] = digest.digest()
-    return keys
-
-
-def mismatched(examples: list[dict], max_length: int, max_prompt_length: int) -> list[dict]:
-    """KTO's KL examples (Ethayarajh et al. 2024): each example's prompt with the next one's responses (the last
-    with the first's), truncated and keyed as `from_ids` does, so that the reference cache holds them as it holds
-    pairs."""
-    responses = [examples[(index + 1) % len(examples)]["responses"] for index in range(len(examples))]
-    groups = np.zeros(len(examples), np.int64)
-    made = from_ids([example["prompt"] for example in examples], responses, groups, max_length, max_prompt_length)
-    return made.take(range(len(made)))
-
-
-def from_ids(
-    prompts: list[list[int]],
-    responses: list[list[list[int]]],
-    groups: np.ndarray,
-    max_length: int,
-    max_prompt_length: int,
-) -> Examples:
-    """Examples of prompts and responses given as token ids (KTO's mismatched examples; a round's generated pairs,
-    rounds.py), truncated by the tokenization's rule with the prompt's end kept (nearest the responses) and keyed
-    like every example (example_keys). groups: [n] each prompt's group (tokenized.text_group)."""
-    width = 1 + (len(responses[0]) if responses else 2)  # no examples: of a pair's width
-    full = np.array([[len(prompt), *map(len, rs)] for prompt, rs in zip(prompts, responses)], np.int32)
-    full = full.reshape(len(prompts), width)
-    kept = truncated(full, max_length, max_prompt_length).astype(np.int32)
-    flat = []
-    for prompt, rs, lengths in zip(prompts, responses, kept.tolist()):
-        flat += prompt[len(prompt) - lengths[0] :]
-        for response, n in zip(rs, lengths[1:]):
-            flat += response[:n]
-    tokens = np.array(flat, dtype=np.int32)
-    offsets = np.cumsum(kept.sum(axis=1), dtype=np.int64) - kept.sum(axis=1)
-    keys = example_keys(tokens, offsets, kept)
-    labels, margins = np.full(len(prompts), -1, np.int8), np.zeros(len(prompts), np.float32)
-    return Examples([tokens], np.zeros(len(prompts), np.int32), offsets, kept, full, keys, groups, labels, margins)
 
 
 def text_group(text: str) -> int:

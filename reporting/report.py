@@ -10,13 +10,13 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from core.examples import Examples
 from core.layouts import batch_shape
 from core.optim import build_optimizer
 from modeling.distributed import TRAINERS
 from modeling.placement import find_blocks, tensor_parallel_plan
 from modeling.precision import Precision
 from modeling.weights import rank_file_bytes
-from persistence.tokenized import Examples
 from utils import UserError
 
 GIB = 2**30

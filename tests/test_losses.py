@@ -251,7 +251,7 @@ def test_aot_matches_sorted_samples_closed_form(name, charges):
 
 @pytest.mark.parametrize("name", ["aot", "aot_unpaired"])
 def test_aot_over_micro_batches_equals_the_whole_batch(name):
-    # The batch split in micro-batches that see the whole batch detached (build.BatchLoss.couple) gives the same
+    # The batch split in micro-batches that see the whole batch detached (core.step.BatchLoss.couple) gives the same
     # per-pair charges, and the trainer's average of micro-batch means gives the whole batch's gradient.
     config = preset(name, "loss.label_smoothing=0.1")
     torch.manual_seed(0)

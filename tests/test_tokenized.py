@@ -17,8 +17,10 @@ import transformers
 from ballast import fill
 
 from conftest import REPO_ROOT, TINY_DIR, arithmetic_pairs, labelled_completions, write_jsonl
+from core.examples import truncated
+from core.step import mismatched
 from persistence import tokenized
-from persistence.tokenized import Tokenization, first_of_each_group, load_examples, tokenize_pairs, truncated
+from persistence.tokenized import Tokenization, first_of_each_group, load_examples, tokenize_pairs
 from preference_datasets import PreferencePair, get_dataset
 from utils import UserError
 
@@ -115,17 +117,17 @@ def test_mismatched_examples_pair_each_prompt_with_the_next_responses(tiny_token
     settings = Tokenization(max_length=20, max_prompt_length=8, sft=False)
     pairs = [PreferencePair("Same prompt:", f" chosen {i}", f" rejected {i}", "", "keep_start") for i in range(3)]
     examples = tokenize_pairs(pairs, tiny_tokenizer, settings).take(range(3))
-    kl = tokenized.mismatched(examples, settings.max_length, settings.max_prompt_length)
+    kl = mismatched(examples, settings.max_length, settings.max_prompt_length)
     for i, example in enumerate(kl):  # one prompt: each mismatched example is the next tokenized one, key and all
         assert example == examples[(i + 1) % 3]
     long = PreferencePair("Fifteen chars!!", " x", " y", "", "keep_start")
     short = PreferencePair("Q", " a response 12", " no", "", "keep_start")
     a, b = tokenize_pairs([long, short], tiny_tokenizer, settings).take(range(2))
     assert len(a["prompt"]) == 15 and [len(r) for r in b["responses"]] == [15, 4]  # EOS included; all kept
-    first = tokenized.mismatched([a, b], settings.max_length, settings.max_prompt_length)[0]
+    first = mismatched([a, b], settings.max_length, settings.max_prompt_length)[0]
     # 15 + 15 > 20: the prompt's last 8 ids, then 8 + 15 > 20: the responses' first 12
     assert first["prompt"] == a["prompt"][-8:] and first["responses"] == [b["responses"][0][:12], b["responses"][1]]
-    assert first["key"] != tokenized.mismatched([a, b], 20, 7)[0]["key"]
+    assert first["key"] != mismatched([a, b], 20, 7)[0]["key"]
 
 
 def test_labelled_completions_are_one_response_and_their_label_cached(tmp_path, tiny_tokenizer):
@@ -416,6 +418,7 @@ def prepare_on_rank(rank: int, world_size: int, port: int, data: str, cache: str
     leave_process_group()
 
 
+@pytest.mark.xdist_group("processes")  # see pyproject.toml
 def test_the_first_rank_of_a_machine_tokenizes_and_the_others_map_its_cache(tmp_path):
     import torch.multiprocessing
 

@@ -13,7 +13,6 @@ import torch
 from omegaconf import OmegaConf
 
 import train
-from build import Data
 from conftest import (
     PADDED_BASELINE,
     assert_resume_matches_uninterrupted,
@@ -23,6 +22,7 @@ from conftest import (
     read_jsonl,
     records,
 )
+from core.step import Data
 from persistence import checkpoint
 from trainers import StopSignals, Trainer
 from utils import UserError

@@ -1,0 +1,169 @@
+"""Tokenized examples as a step reads them: n examples held in flat arrays (`Examples`), each keyed by a digest of
+its kept ids (the reference cache's key), and examples made from token ids (`from_ids`: a round's generated pairs,
+KTO's mismatched examples), truncated by the DPO reference's rule. Text becomes ids, and ids a cache on disk, in
+persistence/tokenized.py."""
+
+import hashlib
+import itertools
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from utils import UserError
+
+PER_EXAMPLE = (
+    "offsets",
+    "lengths",
+    "full_lengths",
+    "keys",
+    "groups",
+    "labels",
+    "margins",
+)  # the arrays besides the token ids
+
+
+@dataclass
+class Examples:
+    """n tokenized examples in flat arrays; R responses each.
+
+    token_parts:  int32 token ids, flat: one array per cached source (memory-mapped) or tokenized chunk
+    part:         [n] int32, which of token_parts holds each example's ids
+    offsets:      [n] int64, where its ids start there: the prompt's, then each response's, back to back
+    lengths:      [n, 1 + R] int32, ids kept of the prompt and of each response (EOS included)
+    full_lengths: [n, 1 + R] int32, the same before truncation
+    keys:         [n] S16, a digest of the kept ids and their lengths: the reference cache's key
+    groups:       [n] int64, a digest of the prompt's text: a prompt's pairs are held out together, SFT takes one
+    labels:       [n] int8, a labelled completion's label (1 desirable, 0 not); -1 for a pair
+    margins:      [n] float32, a pair's margin from the data (a `margin` column, which reward models read; 0 without)
+    """
+
+    token_parts: list[np.ndarray]
+    part: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    full_lengths: np.ndarray
+    keys: np.ndarray
+    groups: np.ndarray
+    labels: np.ndarray
+    margins: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.part)
+
+    def __getitem__(self, i: int) -> dict:
+        """{"prompt": ids, "responses": [ids, ...], "key": 16 bytes, and "margin": float for a pair or "label": bool
+        for a labelled completion}: an example as the layouts take it."""
+        lengths = self.lengths[i].tolist()
+        start = int(self.offsets[i])
+        ids = self.token_parts[self.part[i]][start : start + sum(lengths)].tolist()
+        bounds = list(itertools.accumulate(lengths, initial=0))
+        prompt, *responses = [ids[a:b] for a, b in zip(bounds, bounds[1:])]
+        example = {"prompt": prompt, "responses": responses, "key": self.keys[i : i + 1].tobytes()}
+        if self.labels[i] >= 0:
+            example["label"] = bool(self.labels[i])
+        else:
+            example["margin"] = float(self.margins[i])
+        return example
+
+    @property
+    def labelled(self) -> bool:
+        """Whether these are labelled completions (KTO's unpaired data), not pairs."""
+        return bool(len(self.labels)) and bool(self.labels[0] >= 0)
+
+    def take(self, indices: Iterable[int]) -> list[dict]:
+        return [self[i] for i in indices]
+
+    def select(self, indices) -> "Examples":
+        """The examples at `indices` (an index array, a range or a boolean mask), sharing the token ids."""
+        indices = np.asarray(indices)
+        per_example = {name: getattr(self, name)[indices] for name in ("part", *PER_EXAMPLE)}
+        return Examples(self.token_parts, **per_example)
+
+    @property
+    def n_tokens(self) -> int:
+        """Token ids kept, over every example."""
+        return int(self.lengths.sum())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays, the token ids of every part included (mapped or not)."""
+        arrays = [*self.token_parts, self.part, *(getattr(self, name) for name in PER_EXAMPLE)]
+        return sum(array.nbytes for array in arrays)
+
+    @staticmethod
+    def empty(n_responses: int) -> "Examples":
+        lengths = np.zeros((0, 1 + n_responses), np.int32)
+        nothing = (np.zeros(0, np.int32), np.zeros(0, np.int64), lengths, lengths, empty_keys(0), no_groups())
+        return Examples([], *nothing, np.zeros(0, np.int8), np.zeros(0, np.float32))
+
+    @staticmethod
+    def concatenate(parts: Sequence["Examples"], n_responses: int) -> "Examples":
+        """The examples of `parts`, in order; their token ids are not copied."""
+        token_parts, which = [], []
+        for examples in parts:
+            which.append(examples.part + len(token_parts))
+            token_parts.extend(examples.token_parts)
+        if not parts:
+            return Examples.empty(n_responses)
+        if len({(p.lengths.shape[1], p.labelled) for p in parts if len(p)}) > 1:
+            raise UserError("the datasets mix preference pairs and labelled completions: train on one kind at a time")
+        per_example = {name: np.concatenate([getattr(p, name) for p in parts]) for name in PER_EXAMPLE}
+        return Examples(token_parts, np.concatenate(which).astype(np.int32), **per_example)
+
+
+def empty_keys(n: int) -> np.ndarray:
+    return np.zeros(n, dtype="S16")
+
+
+def no_groups() -> np.ndarray:
+    return np.zeros(0, np.int64)
+
+
+def truncated(full: np.ndarray, max_length: int, max_prompt_length: int) -> np.ndarray:
+    """[n, 1 + R] ids kept of the prompt and of each response, from their counts before truncation: when the prompt
+    and the longest response exceed max_length, the prompt is cut to max_prompt_length; if they still do, every
+    response to max_length - max_prompt_length (the DPO reference's rule)."""
+    prompt, responses = full[:, 0], full[:, 1:]
+    longest = responses.max(axis=1)
+    prompt = np.where(prompt + longest > max_length, np.minimum(prompt, max_prompt_length), prompt)
+    cut = (prompt + longest > max_length)[:, None]
+    responses = np.where(cut, np.minimum(responses, max_length - max_prompt_length), responses)
+    return np.column_stack([prompt, responses])
+
+
+def example_keys(tokens: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """[n] S16: a digest of each example's kept ids and of how they split into prompt and responses."""
+    keys = empty_keys(len(offsets))
+    totals = lengths.sum(axis=1)
+    for i, (start, total) in enumerate(zip(offsets.tolist(), totals.tolist())):
+        digest = hashlib.blake2b(lengths[i].tobytes(), digest_size=16)
+        digest.update(tokens[start : start + total].tobytes())
+        keys[i] = digest.digest()
+    return keys
+
+
+def from_ids(
+    prompts: list[list[int]],
+    responses: list[list[list[int]]],
+    groups: np.ndarray,
+    max_length: int,
+    max_prompt_length: int,
+) -> Examples:
+    """Examples of prompts and responses given as token ids (KTO's mismatched examples; a round's generated pairs,
+    rounds.py), truncated by the tokenization's rule with the prompt's end kept (nearest the responses) and keyed
+    like every example (example_keys). groups: [n] each prompt's group (persistence.tokenized.text_group)."""
+    width = 1 + (len(responses[0]) if responses else 2)  # no examples: of a pair's width
+    full = np.array([[len(prompt), *map(len, rs)] for prompt, rs in zip(prompts, responses)], np.int32)
+    full = full.reshape(len(prompts), width)
+    kept = truncated(full, max_length, max_prompt_length).astype(np.int32)
+    flat = []
+    for prompt, rs, lengths in zip(prompts, responses, kept.tolist()):
+        flat += prompt[len(prompt) - lengths[0] :]
+        for response, n in zip(rs, lengths[1:]):
+            flat += response[:n]
+    tokens = np.array(flat, dtype=np.int32)
+    offsets = np.cumsum(kept.sum(axis=1), dtype=np.int64) - kept.sum(axis=1)
+    keys = example_keys(tokens, offsets, kept)
+    labels, margins = np.full(len(prompts), -1, np.int8), np.zeros(len(prompts), np.float32)
+    return Examples([tokens], np.zeros(len(prompts), np.int32), offsets, kept, full, keys, groups, labels, margins)

@@ -1,0 +1,150 @@
+"""What one step computes from its examples: the objective on a micro-batch (`BatchLoss`: the policy's log-probs, the
+reference's, the loss and per-example metrics), and what a loss reads from the whole batch before its first
+micro-batch (`CoupledBatch`: every pair's statistics for aot, KTO's KL estimate over mismatched examples); the keys of
+every example whose reference log-probs a run reads. The Trainer (trainers.py) calls these once per micro-batch and
+once per batch; build.py makes them."""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from core.examples import Examples, from_ids
+from core.layouts import ModelBatch, to_device
+from core.losses import PairStats
+from core.scoring import Scorer
+from modeling.distributed import Topology
+
+
+@dataclass
+class Data:
+    """The run's tokenized examples and the order it trains on them."""
+
+    train_examples: Examples
+    eval_batches: list[list[dict]]
+    schedule: list[list[int]]  # per optimizer step, the indices of its training examples
+
+
+@dataclass
+class CoupledBatch:
+    """What a loss reads from the whole batch (an optimizer step's, or an eval batch), computed before its first
+    micro-batch: for aot every pair's statistics, detached, in batch order on every rank, with where each of this
+    rank's micro-batches sits in it and its reference log-probs (computed once, here); for kto the KL estimate."""
+
+    stats: PairStats | None  # [G]
+    positions: list[torch.Tensor | None]  # [b] per micro-batch
+    reference_logps: list[torch.Tensor | None]  # [2b] per micro-batch
+    kl_estimate: torch.Tensor | None  # [] float32
+
+    def part(self, index: int) -> tuple[dict, torch.Tensor | None]:
+        """(the PairStats fields of micro-batch `index`, its reference log-probs if computed here)."""
+        fields = {"batch": self.stats, "batch_positions": self.positions[index], "kl_estimate": self.kl_estimate}
+        return fields, self.reference_logps[index]
+
+
+@dataclass
+class BatchLoss:
+    """The objective on a micro-batch: the policy's log-probs (scored as the Scorer decided), the reference's, and the
+    loss. Returns (mean loss, {name: [B] per-example metric on the device}), metrics named as in the DPO reference."""
+
+    objective: object
+    scorer: Scorer
+    policy: torch.nn.Module
+    policy_compute: torch.dtype | None
+    reference: object | None  # reference_cache.LiveReference or CachedReference; None for a loss without one
+    topology: Topology
+    max_lengths: tuple[int, int]  # max_length, max_prompt_length: of KTO's mismatched examples
+
+    def __call__(self, examples: list[dict], split: str, batch: ModelBatch | None = None, coupled=None):
+        """batch: the examples already laid out, else they are laid out here (once: policy and a live reference
+        share it). coupled: CoupledBatch.part of this micro-batch, for a loss that reads the whole batch."""
+        batch = batch or self.scorer.batch(examples)
+        with_sum_sq = self.objective.reads_sum_sq
+        scores = self.scorer(self.policy, batch, self.policy_compute, with_sum_sq)  # a reward model's rewards
+        policy_logps, log_sum_sq = scores if with_sum_sq else (scores, None)
+        fields, reference_logps = coupled or ({}, None)
+        if reference_logps is None and self.reference is not None:
+            reference_logps = self.reference(examples, batch)
+        labels = None
+        if "label" in examples[0]:  # labelled completions
+            labels = to_device(torch.tensor([ex["label"] for ex in examples]), policy_logps.device)
+        lengths, margins = batch.sequence_lengths, {}
+        if self.objective.reads_margins and "margin" in examples[0]:  # a data column (reward models)
+            margins["margins"] = to_device(torch.tensor([ex["margin"] for ex in examples]), policy_logps.device)
+        return self.objective(policy_logps, reference_logps, lengths, split, log_sum_sq, fields, labels, **margins)
+
+    def couple(self, examples: list[dict], batch_size: int, accumulation: int) -> CoupledBatch | None:
+        """What the loss reads from the whole batch `examples` (cut into micro-batches as Topology.micro_batches
+        cuts it), or None if nothing: no-grad passes before the step, gathered over ranks.
+        - aot, where the batch is more than one micro-batch (accumulation or ranks): the policy over this rank's
+          micro-batches (its sort needs every pair before any backward): one forward more per step.
+        - kto: the policy and the reference over the batch's mismatched examples (mismatched): KTO's
+          reference point z0 = max(0, mean over their responses of log pi / pi_ref), the same for any
+          accumulation and rank count."""
+        micro_batches, n_real = self.topology.micro_batches(examples, batch_size, accumulation)
+        several = len(micro_batches) > 1 or self.topology.dp_size > 1
+        pairs = self.objective.couples_pairs and several
+        if not pairs and not self.objective.needs_kl_estimate:
+            return None
+        stats, kl = None, None
+        positions, references = [None] * len(micro_batches), [None] * len(micro_batches)
+        with torch.no_grad():
+            if pairs:
+                stats, positions, references = self.batch_statistics(micro_batches, n_real, len(examples))
+            if self.objective.needs_kl_estimate:
+                kl = self.kl_estimate(mismatched(examples, *self.max_lengths), batch_size, accumulation)
+        return CoupledBatch(stats, positions, references, kl)
+
+    def batch_statistics(self, micro_batches: list[list[dict]], n_real: int, n_examples: int):
+        """(PairStats [G] of the whole batch, where each micro-batch's pairs are in it, their reference log-probs)."""
+        columns, references, positions = [], [], []
+        share_start, index = self.topology.dp_rank * -(-n_examples // self.topology.dp_size), 0
+        for examples in micro_batches:
+            policy, reference, batch = self.scores(examples)
+            references.append(reference)
+            reference = torch.zeros_like(policy) if reference is None else reference
+            lengths = batch.sequence_lengths.to(policy)
+            columns.append(torch.stack([*policy.chunk(2), *reference.chunk(2), *lengths.chunk(2)]))
+            local = torch.arange(index, index + len(examples))  # a padding copy (past n_real) is items[0]
+            positions.append(to_device(torch.where(local < n_real, share_start + local, 0), policy.device))
+            index += len(examples)
+        stats = PairStats(*self.topology.gather_columns(torch.cat(columns, dim=1), n_examples))
+        return stats, positions, references
+
+    def kl_estimate(self, examples: list[dict], batch_size: int, accumulation: int) -> torch.Tensor:
+        """[] max(0, mean over every response of `examples` of policy - reference log-prob), over all ranks."""
+        micro_batches, _ = self.topology.micro_batches(examples, batch_size, accumulation)
+        columns = []
+        for micro_batch in micro_batches:
+            policy, reference, _ = self.scores(micro_batch)
+            columns.append((policy - reference).view(-1, len(micro_batch)).sum(0, keepdim=True))  # [1, b]
+        log_ratios = self.topology.gather_columns(torch.cat(columns, dim=1), len(examples))  # [1, G]
+        n_responses = len(examples[0]["responses"])
+        return (log_ratios.sum() / (n_responses * len(examples))).clamp(min=0)
+
+    def reference_keys(self, data: Data) -> list:
+        """The keys of every example whose reference log-probs training on `data` reads: its scheduled training
+        examples (an epoch's incomplete last batch is dropped), its eval batches' and, for kto, the mismatched
+        examples of each step and eval batch."""
+        scheduled = sorted({i for indices in data.schedule for i in indices})
+        keys = [*data.train_examples.keys[scheduled], *(ex["key"] for batch in data.eval_batches for ex in batch)]
+        if self.objective.needs_kl_estimate:
+            batches = [data.train_examples.take(indices) for indices in data.schedule] + data.eval_batches
+            keys += [ex["key"] for batch in batches for ex in mismatched(batch, *self.max_lengths)]
+        return keys
+
+    def scores(self, examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor | None, ModelBatch]:
+        """(policy log-probs, reference log-probs or None, the batch laid out), without gradients."""
+        batch = self.scorer.batch(examples)
+        policy = self.scorer(self.policy, batch, self.policy_compute)
+        return policy, self.reference(examples, batch) if self.reference is not None else None, batch
+
+
+def mismatched(examples: list[dict], max_length: int, max_prompt_length: int) -> list[dict]:
+    """KTO's KL examples (Ethayarajh et al. 2024): each example's prompt with the next one's responses (the last
+    with the first's), truncated and keyed as `from_ids` does, so that the reference cache holds them as it holds
+    pairs."""
+    responses = [examples[(index + 1) % len(examples)]["responses"] for index in range(len(examples))]
+    groups = np.zeros(len(examples), np.int64)
+    made = from_ids([example["prompt"] for example in examples], responses, groups, max_length, max_prompt_length)
+    return made.take(range(len(made)))
