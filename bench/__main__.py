@@ -73,9 +73,9 @@ def run(args: argparse.Namespace) -> None:
     return kernels.bench_kernels(args.size, args.repeats)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.rounds is not None and (not args.versus or args.rounds < 1):
         parser.error(f"--rounds {args.rounds}: a number of rounds of at least 1, and only with --versus")
     run(args)

@@ -55,6 +55,7 @@ def with_machine_rates(cache_dir: str) -> str:
     that every run's MFU, and `auto`'s choice, rest on the same numbers rather than on a fresh, noisy probe each."""
     from modeling.precision import cpu_matmul_flops
 
+    (REPO_ROOT / ".cache").mkdir(exist_ok=True)
     cpu_matmul_flops(REPO_ROOT / ".cache")
     shutil.copy(REPO_ROOT / ".cache" / "precision_probe.json", cache_dir)
     return cache_dir

@@ -2,7 +2,9 @@
 the first 48 pairs of HH harmless-base that neither trainer truncates or drops at max_length 512, 8 pairs a step,
 the same settings in both (AdamW at lr 1e-5, gradients clipped at 1.0, no warm-up of the rate), in float32 and in
 bfloat16 autocast; each configuration in a fresh process, the trainers alternating, 2 rounds: pairs/s, real tokens/s
-and peak RSS."""
+and peak RSS. --smoke: one round of one warm-up and one timed step on 16 pairs, of a random Llama of the tests' tiny
+sizes (assets/tiny-llama's shape and byte-level tokenizer), so that it runs in seconds even where bfloat16 is slow
+(AVX2-only CPUs)."""
 
 import json
 import os
@@ -13,6 +15,7 @@ import torch
 import transformers
 
 from bench.common import HH_FILE, peak_memory_gib, smollm2_dir, with_machine_rates, worker_subprocess
+from bench.gpu import CAMPAIGN_MODELS, campaign_model_dir
 from bench.step import lever_subprocess
 from bench.trl import StepTimer
 from modeling.precision import cpu_flags, cpu_name
@@ -121,20 +124,32 @@ def trl(model_dir: str, data_file: str, precision: str, warmup: int, steps: int)
         return worker_subprocess(trl_reward_worker, result_file, model_dir=model_dir, data_file=data_file, **settings)
 
 
+def tiny_model_dir(directory: Path) -> str:
+    """A random Llama of the tests' tiny sizes with its weights (both trainers load them), seeded."""
+    campaign_model_dir(directory, CAMPAIGN_MODELS["smoke"])
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.from_pretrained(directory)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return str(directory)
+
+
 def bench_reward(warmup: int, steps: int, smoke: bool, rounds: int = 2) -> None:
-    model_dir = smollm2_dir()
     n_rows = 2 * PAIRS if smoke else ROWS
     rounds, warmup, steps = (1, 1, 1) if smoke else (rounds, warmup, steps)
-    print(
-        f"CPU: {cpu_name()}, {os.cpu_count()} cores, flags {' '.join(cpu_flags()) or 'none'}, oneDNN ISA limit "
-        f"{os.environ.get('ONEDNN_MAX_CPU_ISA', 'none')}; torch {torch.__version__}, {torch.get_num_threads()} "
-        f"threads\nSmolLM2-135M-Instruct as a reward model, the first {n_rows} HH harmless-base pairs that fit "
-        f"max_length {MAX_LENGTH}, {PAIRS} pairs a step, AdamW lr 1e-5, clipping 1.0; {warmup} warm-up + {steps} "
-        f"timed steps; alternating, {rounds} rounds, each run in a fresh process"
-    )
-    print(f"{'trainer':28s} {'pairs/s':>8s} {'tokens/s':>9s} {'peak RSS':>9s}")
     speeds = {}
     with tempfile.TemporaryDirectory() as tmp:
+        if smoke:
+            model_dir, model = tiny_model_dir(Path(tmp) / "model"), "a random tiny Llama"
+        else:
+            model_dir, model = smollm2_dir(), "SmolLM2-135M-Instruct"
+        print(
+            f"CPU: {cpu_name()}, {os.cpu_count()} cores, flags {' '.join(cpu_flags()) or 'none'}, oneDNN ISA limit "
+            f"{os.environ.get('ONEDNN_MAX_CPU_ISA', 'none')}; torch {torch.__version__}, {torch.get_num_threads()} "
+            f"threads\n{model} as a reward model, the first {n_rows} HH harmless-base pairs that fit max_length "
+            f"{MAX_LENGTH}, {PAIRS} pairs a step, AdamW lr 1e-5, clipping 1.0; {warmup} warm-up + {steps} timed "
+            f"steps; alternating, {rounds} rounds, each run in a fresh process"
+        )
+        print(f"{'trainer':28s} {'pairs/s':>8s} {'tokens/s':>9s} {'peak RSS':>9s}")
         data_file = Path(tmp) / "pairs.jsonl"
         data_file.write_text("".join(json.dumps(row) + "\n" for row in hh_pairs(model_dir, n_rows, MAX_LENGTH)))
         for _ in range(rounds):

@@ -8,6 +8,11 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["WANDB_MODE"] = "disabled"  # tests that exercise wandb set their own mode
+# torch 2.13 reads a kernel it compiled (FlexAttention's, on the CPU) back from its on-disk cache under another
+# ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA, and computes wrong values with it (log-probs off by 0.48): the suite
+# keeps one cache per setting, so that runs limited to AVX2 (docs/testing.md) and unlimited ones on one machine agree.
+limits = "-".join(os.environ.get(name, "none") for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", f"/tmp/torchinductor_{os.getuid()}/{limits}")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -16,7 +21,8 @@ sys.path.insert(1, str(Path(__file__).parent / "faults"))  # ballast.fill
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# The cores shared out between pytest-xdist's workers (at most 2 threads each: the tiny models gain nothing more)
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 TINY_DIR = REPO_ROOT / "assets" / "tiny-llama"
 # A tiny causal LM of any architecture (tiny_lm_config): 2 layers of width 64 over 300 token ids.
@@ -145,6 +151,82 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+def forked_main(args: list[str], env: dict[str, str | None], out: str, err: str) -> None:
+    """In a process forked from the warm interpreter (warm_cli): become `python train.py args` started with `env`
+    set: its output to the files out and err, and what the interpreter does at start-up that the tests steer (the
+    thread count from OMP_NUM_THREADS; the sitecustomize of each PYTHONPATH directory: the fault hooks)."""
+    import runpy
+
+    import train
+
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    os.chdir(REPO_ROOT)
+    for stream, path in ((sys.stdout, out), (sys.stderr, err)):
+        stream.flush()
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(file, stream.fileno())
+        os.close(file)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    for directory in filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)):
+        sys.path.insert(0, directory)
+        if (Path(directory) / "sitecustomize.py").exists():
+            runpy.run_path(str(Path(directory) / "sitecustomize.py"))
+    train.main(args)
+
+
+@pytest.fixture(scope="session")
+def warm_cli(tmp_path_factory):
+    """warm_cli(*args, env_extra=None) -> CompletedProcess: `python train.py args` (run_cli) in a fresh process,
+    forked from an interpreter that has imported train.py and nothing more (multiprocessing's forkserver: it ran no
+    torch operation, so a child's OpenMP starts clean). A real process, killed and started again as the crash tests
+    need, without ~4 s of imports each time; its own thread count and fault hooks, as a new process would have."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["train", "conftest"])
+    scratch = tmp_path_factory.mktemp("warm_cli")
+
+    def run(*args: str, env_extra: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+        env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2", **(env_extra or {})}
+        out, err = scratch / "stdout", scratch / "stderr"
+        process = context.Process(target=forked_main, args=(list(args), env, str(out), str(err)))
+        process.start()
+        process.join(timeout)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+            raise TimeoutError(f"train.py {' '.join(args)} ran past {timeout} s")
+        return subprocess.CompletedProcess(["train.py", *args], process.exitcode, out.read_text(), err.read_text())
+
+    return run
+
+
+@pytest.fixture
+def run_main(capfd):
+    """run_main(*args, script="train.py"): `python script args` as the script's own main(args) runs it, in this
+    process: a CompletedProcess with its exit code and what it printed (workers it starts included). For a command
+    line whose subprocess would add nothing but its imports (~4 s of torch and transformers) to what the test
+    proves; crashes, signals and environment set before the imports keep their subprocess (run_cli)."""
+    import importlib
+
+    def run(*args: str, script: str = "train.py") -> subprocess.CompletedProcess:
+        main = importlib.import_module(Path(script).stem).main
+        capfd.readouterr()  # what the test printed before is not the command's
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else 1
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess([script, *args], code, out, err)
+
+    return run
 
 
 def smollm2_two_steps(tmp_path: Path, *overrides: str, timeout: int) -> tuple[subprocess.CompletedProcess, Path]:

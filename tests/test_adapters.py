@@ -17,7 +17,6 @@ from conftest import (
     policy_state,
     read_jsonl,
     records,
-    run_cli,
     smollm2_two_steps,
 )
 from modeling.adapters import AdaptersDisabled
@@ -70,9 +69,9 @@ def test_lora_resume_matches_uninterrupted(make_config, tmp_path):
     assert saved and all(".lora_" in name for name in saved)  # adapters only: small
 
 
-def test_cli_lora_export_is_merged_and_the_adapter_loads_in_peft(tmp_path, pairs_file, make_config):
+def test_cli_lora_export_is_merged_and_the_adapter_loads_in_peft(tmp_path, pairs_file, make_config, run_main):
     run_dir = tmp_path / "run"
-    result = run_cli(
+    result = run_main(
         "model=tiny",
         f"datasets={pairs_file}",
         f"local_run_dir={run_dir}",

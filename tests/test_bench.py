@@ -25,6 +25,7 @@ def run_bench(*flags: str, timeout: int, **env: str) -> subprocess.CompletedProc
     )
 
 
+@pytest.mark.slow  # three fresh processes (two layouts and TRL) and their imports: ~20 s
 def test_gpu_campaign_smoke_runs_every_configuration(tmp_path):
     result = run_bench("--gpu", "--smoke", timeout=600, OMP_NUM_THREADS="2")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -42,13 +43,17 @@ def test_gpu_campaign_smoke_runs_every_configuration(tmp_path):
     assert "packed layout (dense attention)" in result.stdout
 
 
-def test_rounds_is_refused_without_versus_or_below_one():
+def test_rounds_is_refused_without_versus_or_below_one(capsys):
     # --rounds only steers --versus: anywhere else, or at 0, it is one line of error, not a flag silently ignored
     # (or a division by zero after minutes of loading).
+    from bench.__main__ import main
+
     for flags in (["--fsdp", "--rounds", "3"], ["--versus", "HEAD", "--rounds", "0"]):
-        result = subprocess.run([sys.executable, "-m", "bench", *flags], cwd=REPO_ROOT, capture_output=True, text=True)
-        assert result.returncode == 2, flags
-        assert result.stderr.splitlines()[-1].endswith("at least 1, and only with --versus"), result.stderr
+        with pytest.raises(SystemExit) as exit:
+            main(flags)
+        assert exit.value.code == 2, flags
+        stderr = capsys.readouterr().err
+        assert stderr.splitlines()[-1].endswith("at least 1, and only with --versus"), stderr
 
 
 @pytest.mark.slow

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import MEASURED, optimizer_state, policy_state, read_jsonl, run_cli, tiny_run_overrides
+from conftest import MEASURED, optimizer_state, policy_state, read_jsonl, tiny_run_overrides
 from persistence import checkpoint
+
+pytestmark = pytest.mark.xdist_group("processes")  # see pyproject.toml
 
 FAULTS_DIR = Path(__file__).parent / "faults"  # sitecustomize.py: the FAULT=KIND:N hooks
 # The most events of each kind an attempt is sure to reach (see faults/sitecustomize.py), so each one is killed.
@@ -43,16 +45,16 @@ def faults(seed: int, ranks: int) -> list[tuple[str, int, int]]:
     return [("interrupt", 2, 0), ("step", 1, 0), *seeded]
 
 
-def assert_crashes_do_not_change_the_run(tmp_path, pairs_file, seed: int, ranks: int, *overrides: str):
+def assert_crashes_do_not_change_the_run(cli, tmp_path, pairs_file, seed: int, ranks: int, *overrides: str):
     env = {"OMP_NUM_THREADS": "1"} if ranks > 1 else {}
     whole = tmp_path / "whole"
-    result = run_cli(*command(whole, pairs_file, *overrides), env_extra=env)
+    result = cli(*command(whole, pairs_file, *overrides), env_extra=env)
     assert result.returncode == 0, result.stderr[-3000:]
 
     crashed = tmp_path / "crashed"
     for kind, n, rank in faults(seed, ranks):
         fault = {"PYTHONPATH": str(FAULTS_DIR), "FAULT": f"{kind}:{n}", "FAULT_RANK": str(rank), **env}
-        result = run_cli(*command(crashed, pairs_file, *overrides), env_extra=fault)
+        result = cli(*command(crashed, pairs_file, *overrides), env_extra=fault)
         if kind == "interrupt":  # a clean stop: a checkpoint of the last step, one line, no traceback
             assert result.returncode == 128 + signal.SIGINT, result.stderr[-3000:]
             assert "Traceback" not in result.stderr
@@ -65,7 +67,7 @@ def assert_crashes_do_not_change_the_run(tmp_path, pairs_file, seed: int, ranks:
             if checkpoint.STEP_DIR.fullmatch(directory.name) or directory.name == "LATEST":
                 assert checkpoint.describe(directory) is not None, (kind, n, directory)
                 assert {"policy", "optimizer", "scheduler.pt"} <= {p.name for p in directory.iterdir()}
-    result = run_cli(*command(crashed, pairs_file, *overrides), env_extra=env)
+    result = cli(*command(crashed, pairs_file, *overrides), env_extra=env)
     assert result.returncode == 0, result.stderr[-3000:]
 
     expected, actual = read_jsonl(whole / "metrics.jsonl"), read_jsonl(crashed / "metrics.jsonl")
@@ -101,16 +103,16 @@ def assert_equal_states(a, b, where: str):
         assert a == b, where
 
 
-def test_crashes_and_ctrl_c_resume_bit_identically(tmp_path, pairs_file):
-    assert_crashes_do_not_change_the_run(tmp_path, pairs_file, 0, 1)
+def test_crashes_and_ctrl_c_resume_bit_identically(warm_cli, tmp_path, pairs_file):
+    assert_crashes_do_not_change_the_run(warm_cli, tmp_path, pairs_file, 0, 1)
 
 
 @pytest.mark.slow
-def test_crashes_and_ctrl_c_resume_bit_identically_with_fsdp_on_2_processes(tmp_path, pairs_file):
-    assert_crashes_do_not_change_the_run(tmp_path, pairs_file, 1, 2, "trainer=FSDPTrainer", "nproc=2")
+def test_crashes_and_ctrl_c_resume_bit_identically_with_fsdp_on_2_processes(warm_cli, tmp_path, pairs_file):
+    assert_crashes_do_not_change_the_run(warm_cli, tmp_path, pairs_file, 1, 2, "trainer=FSDPTrainer", "nproc=2")
 
 
-def test_rounds_resume_bit_identically_after_crashes(tmp_path, pairs_file):
+def test_rounds_resume_bit_identically_after_crashes(warm_cli, tmp_path, pairs_file):
     # Three rounds of iterative DPO (rounds.py), killed mid-generation, mid-reference pass, mid-step, mid-eval and
     # mid-save, and stopped by Ctrl-C, each attempt re-run with the same command: the rounds' pairs, every record and
     # the final weights are the uninterrupted run's.
@@ -122,15 +124,15 @@ def test_rounds_resume_bit_identically_after_crashes(tmp_path, pairs_file):
         "n_epochs=2",
     )
     whole = tmp_path / "whole"
-    result = run_cli(*command(whole, pairs_file, *rounds))
+    result = warm_cli(*command(whole, pairs_file, *rounds))
     assert result.returncode == 0, result.stderr[-3000:]
     crashed = tmp_path / "crashed"
     for kind, n in [("interrupt", 3), ("generate", 40), ("step", 4), ("reference", 2), ("eval", 2), ("save", 3)]:
         fault = {"PYTHONPATH": str(FAULTS_DIR), "FAULT": f"{kind}:{n}"}
-        result = run_cli(*command(crashed, pairs_file, *rounds), env_extra=fault)
+        result = warm_cli(*command(crashed, pairs_file, *rounds), env_extra=fault)
         expected_code = 128 + signal.SIGINT if kind == "interrupt" else -signal.SIGKILL
         assert result.returncode == expected_code, (kind, n, result.returncode, result.stderr[-3000:])
-    result = run_cli(*command(crashed, pairs_file, *rounds))
+    result = warm_cli(*command(crashed, pairs_file, *rounds))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resume_from=auto: continuing from" in result.stdout
 

@@ -14,7 +14,7 @@ from ballast import fill
 
 import export
 import train
-from conftest import MEASURED, policy_state, read_jsonl, records, run_cli, tiny_run_overrides
+from conftest import MEASURED, policy_state, read_jsonl, records, tiny_run_overrides
 from modeling.distributed import Topology
 from persistence import checkpoint, storage
 from utils import UserError
@@ -92,9 +92,9 @@ def test_a_full_disk_at_a_save_is_one_line_and_the_run_resumes_exactly(
     assert_resumes_to_the_whole_run(make_config, run_dir, whole)
 
 
-def test_a_checkpoint_that_cannot_fit_stops_the_command_with_exit_code_2(tmp_path, pairs_file, small_disk):
+def test_a_checkpoint_that_cannot_fit_stops_the_command_with_exit_code_2(tmp_path, pairs_file, small_disk, run_main):
     run_dir = small_disk("4m") / "run"  # the first checkpoint's estimate (its tensors and 16 MiB for the rest) is more
-    result = run_cli(*tiny_run_overrides(tmp_path, pairs_file), f"local_run_dir={run_dir}")
+    result = run_main(*tiny_run_overrides(tmp_path, pairs_file), f"local_run_dir={run_dir}")
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
@@ -117,10 +117,10 @@ def test_a_full_disk_while_exporting_leaves_nothing(whole, small_disk, monkeypat
     assert list(out.parent.iterdir()) == []
 
 
-def test_a_read_only_run_directory_is_one_line(tmp_path, pairs_file, read_only):
+def test_a_read_only_run_directory_is_one_line(tmp_path, pairs_file, read_only, run_main):
     (tmp_path / "run").mkdir()
     run_dir = read_only(tmp_path / "run")
-    result = run_cli(*tiny_run_overrides(tmp_path, pairs_file), f"local_run_dir={run_dir}")
+    result = run_main(*tiny_run_overrides(tmp_path, pairs_file), f"local_run_dir={run_dir}")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: could not write {run_dir / '.lock'} (Read-only file system); choose a writable local_run_dir"
@@ -170,14 +170,15 @@ def test_a_metrics_append_failing_half_way_leaves_no_torn_line(make_config, whol
     assert [r["step"] for r in records(run_dir, "train")] == [8, 16, 24, 32, 40]
 
 
-def test_a_full_disk_under_rank_0_stops_every_rank_with_one_line(tmp_path, pairs_file, small_disk):
+@pytest.mark.xdist_group("processes")  # see pyproject.toml
+def test_a_full_disk_under_rank_0_stops_every_rank_with_one_line(tmp_path, pairs_file, small_disk, warm_cli):
     """Two processes; the run directory's disk fills at rank 0's first step (FAULT=fill): once metrics.jsonl has no
     room left for a line (a block's slack may hold a line or two), rank 0 cannot append it, and both ranks stop with
     its line at the next step, long before the collective timeout; the log holds whole lines only."""
     run_dir = small_disk("32m") / "run"
     fault = {"PYTHONPATH": str(FAULTS_DIR), "FAULT": "fill:1", "FAULT_FILL": str(run_dir), "OMP_NUM_THREADS": "1"}
     overrides = (f"local_run_dir={run_dir}", "trainer=FSDPTrainer", "nproc=2", "n_epochs=3", "eval_every=120")
-    result = run_cli(*tiny_run_overrides(tmp_path, pairs_file), *overrides, env_extra=fault, timeout=240)
+    result = warm_cli(*tiny_run_overrides(tmp_path, pairs_file), *overrides, env_extra=fault, timeout=240)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]

@@ -36,9 +36,13 @@ from modeling.distributed import (
 )
 from persistence import checkpoint
 
+pytestmark = pytest.mark.xdist_group("processes")  # see pyproject.toml
 
-def launch(run_dir, pairs_file, *overrides: str, launcher: str = "spawn", nproc: int = 2):
-    """A tiny-model run of train.py; "spawn": train.py starts nproc workers, "torchrun": torchrun starts 2 ranks."""
+TORCHRUN = (str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2")
+
+
+def run_args(run_dir: Path, pairs_file: Path, *overrides: str, nproc: int | None = 2) -> list[str]:
+    """train.py's command line for a tiny-model run in run_dir, on nproc workers (None: torchrun's world)."""
     # Gradient norms here run from 2.6 down to 1.2: max_grad_norm=1.5 clips most steps but not all.
     # AdamW's eps at 1e-6: with the default 1e-8, a gradient entry of ~1e-10 moves its weight by ~lr whatever its
     # rounding, so summation order alone could move a weight by a fraction of lr = 1e-3.
@@ -50,135 +54,116 @@ def launch(run_dir, pairs_file, *overrides: str, launcher: str = "spawn", nproc:
         "+optimizer_kwargs.eps=1e-6",
         *overrides,
     ]
-    torchrun = (str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2")
-    if launcher == "spawn" and not any(arg.startswith("trainer=BasicTrainer") for arg in overrides):
-        args.append(f"nproc={nproc}")
-    result = run_cli(
-        *args, launcher=torchrun if launcher == "torchrun" else (sys.executable,), env_extra={"OMP_NUM_THREADS": "1"}
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
+    return args if nproc is None or "trainer=BasicTrainer" in overrides else [*args, f"nproc={nproc}"]
+
+
+@pytest.fixture
+def launch(run_main):
+    """launch(run_dir, pairs_file, *overrides, launcher="spawn", nproc=2): a finished run of train.py. "spawn":
+    its main in this process, starting nproc workers (BasicTrainer: none); "torchrun": torchrun starting 2 ranks."""
+
+    def run(run_dir, pairs_file, *overrides: str, launcher: str = "spawn", nproc: int = 2):
+        if launcher == "torchrun":
+            args = run_args(run_dir, pairs_file, *overrides, nproc=None)
+            result = run_cli(*args, launcher=TORCHRUN, env_extra={"OMP_NUM_THREADS": "1"})
+        else:
+            result = run_main(*run_args(run_dir, pairs_file, *overrides, nproc=nproc))
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result
+
+    return run
 
 
 @pytest.fixture(scope="module")
 def basic_run(tmp_path_factory):
     """BasicTrainer's run of the tiny fixture in the padded layout, with full logits and a live reference: the run
     every distributed one must reproduce with the default levers."""
+    import train
+
     root = tmp_path_factory.mktemp("basic")
     pairs_file = write_jsonl(root / "pairs.jsonl", arithmetic_pairs(48))
-    launch(root / "run", pairs_file, "trainer=BasicTrainer", *PADDED_BASELINE)
+    train.main(run_args(root / "run", pairs_file, "trainer=BasicTrainer", *PADDED_BASELINE))
     return root / "run", pairs_file
 
 
-@pytest.mark.parametrize(
-    "trainer,overrides,launcher",
-    [
-        ("FSDPTrainer", ["sample_during_eval=true", "n_eval_model_samples=3", "generation.max_new_tokens=4"], "spawn"),
-        ("FSDPTrainer", ["gradient_accumulation_steps=2", "activation_checkpointing=true"], "torchrun"),
-        (
-            "TensorParallelTrainer",
-            ["sample_during_eval=true", "n_eval_model_samples=3", "generation.max_new_tokens=4"],
-            "spawn",
-        ),
-        ("TensorParallelTrainer", ["gradient_accumulation_steps=2", "activation_checkpointing=true"], "torchrun"),
-    ],
-)
-def test_distributed_trainer_matches_basic_trainer(basic_run, tmp_path, trainer, overrides, launcher):
-    # Per-step losses, rewards and gradient norms, every eval, and the final weights, all to ~1e-5.
+SAMPLING = ("sample_during_eval=true", "n_eval_model_samples=3", "generation.max_new_tokens=4")
+
+
+@pytest.mark.parametrize("trainer,launcher", [("FSDPTrainer", "spawn"), ("TensorParallelTrainer", "torchrun")])
+def test_distributed_trainer_matches_basic_trainer(basic_run, tmp_path, launch, trainer, launcher):
+    # Per-step losses, rewards and gradient norms, every eval, and the final weights, all to ~1e-5, with 2
+    # accumulation micro-batches a rank, activation checkpointing, and samples at each eval; either launcher.
     basic_dir, pairs_file = basic_run
     run_dir = tmp_path / "run"
-    result = launch(run_dir, pairs_file, f"trainer={trainer}", *overrides, launcher=launcher)
+    levers = ("gradient_accumulation_steps=2", "activation_checkpointing=true", *SAMPLING)
+    result = launch(run_dir, pairs_file, f"trainer={trainer}", *levers, launcher=launcher)
     assert result.stdout.count("run directory:") == 1  # rank 0 reports for all
     assert_same_metrics(read_jsonl(basic_dir / "metrics.jsonl"), read_jsonl(run_dir / "metrics.jsonl"))
     assert_same_weights(basic_dir, run_dir)
-    if "sample_during_eval=true" in overrides:
-        samples = read_jsonl(run_dir / "samples.jsonl")
-        assert [s["step"] for s in samples] == [0] * 3 + [16] * 3 + [32] * 3 + [40] * 3
-        assert all(isinstance(s["policy"], str) and isinstance(s["reference"], str) for s in samples)
+    samples = read_jsonl(run_dir / "samples.jsonl")
+    assert [s["step"] for s in samples] == [0] * 3 + [16] * 3 + [32] * 3 + [40] * 3
+    assert all(isinstance(s["policy"], str) and isinstance(s["reference"], str) for s in samples)
     # The export is a from_pretrained directory, whatever the trainer.
     assert AutoModelForCausalLM.from_pretrained(run_dir / "LATEST").config.architectures == ["LlamaForCausalLM"]
 
 
-def test_fsdp_and_tensor_parallel_on_a_2d_mesh_match_basic_trainer(basic_run, tmp_path):
+def test_fsdp_and_tensor_parallel_on_a_2d_mesh_match_basic_trainer_and_reshard_onto_any_mesh(
+    basic_run, tmp_path, launch
+):
     # 4 processes as 2 data-parallel groups x 2 tensor-parallel ranks: FSDP shards over dp what TP split over tp.
     # Each rank runs 2 accumulation micro-batches of 2 pairs; samples come from both dp groups.
     basic_dir, pairs_file = basic_run
-    run_dir = tmp_path / "run"
-    result = launch(
-        run_dir,
-        pairs_file,
-        "trainer=FSDPTrainer",
-        "tensor_parallel_size=2",
-        "gradient_accumulation_steps=2",
-        "sample_during_eval=true",
-        "n_eval_model_samples=3",
-        "generation.max_new_tokens=4",
-        nproc=4,
-    )
+    expected = read_jsonl(basic_dir / "metrics.jsonl")
+    mesh = tmp_path / "mesh"
+    levers = ("gradient_accumulation_steps=2", *SAMPLING)
+    result = launch(mesh, pairs_file, "trainer=FSDPTrainer", "tensor_parallel_size=2", *levers, nproc=4)
     assert "FSDPTrainer x4 (dp 2 x tp 2)" in result.stdout
-    assert_same_metrics(read_jsonl(basic_dir / "metrics.jsonl"), read_jsonl(run_dir / "metrics.jsonl"))
-    assert_same_weights(basic_dir, run_dir)
-    assert [s["step"] for s in read_jsonl(run_dir / "samples.jsonl")] == [0] * 3 + [16] * 3 + [32] * 3 + [40] * 3
-    # The 2-D run resumes BasicTrainer's step-16 checkpoint (broadcast onto 2-D DTensors) and ends where it did.
-    resumed = tmp_path / "resumed"
-    launch(
-        resumed,
-        pairs_file,
-        "trainer=FSDPTrainer",
-        "tensor_parallel_size=2",
-        f"resume_from={basic_dir / 'step-16'}",
-        nproc=4,
-    )
-    assert_same_metrics(
-        [r for r in read_jsonl(basic_dir / "metrics.jsonl") if r["step"] > 16], read_jsonl(resumed / "metrics.jsonl")
-    )
-    assert_same_weights(basic_dir, resumed)
-    # And the 2 x 2 run's own step-16 checkpoint, resharded onto 4 x 1 (FSDP over all 4 ranks), ends there too.
-    resharded = tmp_path / "resharded"
-    launch(resharded, pairs_file, "trainer=FSDPTrainer", f"resume_from={run_dir / 'step-16'}", nproc=4)
-    after_16 = [r for r in read_jsonl(basic_dir / "metrics.jsonl") if r["step"] > 16]
-    assert_same_metrics(after_16, read_jsonl(resharded / "metrics.jsonl"))
-    assert_same_weights(basic_dir, resharded)
-
-
-def test_a_checkpoint_of_4_ranks_resumes_on_2_and_on_1(basic_run, tmp_path):
-    # Every rank writes its shards of the weights and the optimizer state; a run on another number of ranks reads
-    # the slices of them its own shards cover, and ends where the uninterrupted run did.
-    basic_dir, pairs_file = basic_run
+    assert_same_metrics(expected, read_jsonl(mesh / "metrics.jsonl"))
+    assert_same_weights(basic_dir, mesh)
+    assert [s["step"] for s in read_jsonl(mesh / "samples.jsonl")] == [0] * 3 + [16] * 3 + [32] * 3 + [40] * 3
+    # Every rank writes its shards of the weights and the optimizer state; a run on another mesh reads the slices
+    # of them its own shards cover, and ends where the uninterrupted run did: the 2 x 2 run's step-16 resharded onto
+    # 4 x 1 (FSDP over all 4 ranks), whose step-32 then resumes on 2 ranks and on one process.
     four = tmp_path / "four"
-    launch(four, pairs_file, "trainer=FSDPTrainer", nproc=4)
-    assert {p.name for p in (four / "step-16" / "policy").iterdir()} == {
+    launch(four, pairs_file, "trainer=FSDPTrainer", f"resume_from={mesh / 'step-16'}", nproc=4)
+    assert_same_metrics([r for r in expected if r["step"] > 16], read_jsonl(four / "metrics.jsonl"))
+    assert_same_weights(basic_dir, four)
+    assert {p.name for p in (four / "step-32" / "policy").iterdir()} == {
         f"shard-0000{rank}-model-00001-of-00001.safetensors" for rank in (1, 2, 3, 4)
     }
-    expected = read_jsonl(basic_dir / "metrics.jsonl")
-    assert_same_metrics(expected, read_jsonl(four / "metrics.jsonl"))
-    for name, trainer in (("two", ["trainer=FSDPTrainer", "nproc=2"]), ("one", ["trainer=BasicTrainer"])):
-        launch(tmp_path / name, pairs_file, *trainer, f"resume_from={four / 'step-16'}")
-        assert_same_metrics([r for r in expected if r["step"] > 16], read_jsonl(tmp_path / name / "metrics.jsonl"))
+    for name, trainer in (("two", "trainer=FSDPTrainer"), ("one", "trainer=BasicTrainer")):
+        launch(tmp_path / name, pairs_file, trainer, f"resume_from={four / 'step-32'}")
+        assert_same_metrics([r for r in expected if r["step"] > 32], read_jsonl(tmp_path / name / "metrics.jsonl"))
         assert_same_weights(basic_dir, tmp_path / name)
 
 
-def test_a_rank_killed_mid_save_leaves_the_last_checkpoint_whole(basic_run, tmp_path):
+def test_a_2d_mesh_resumes_a_basic_trainer_checkpoint(basic_run, tmp_path, launch):
+    # BasicTrainer's step-16 checkpoint, broadcast onto 2-D DTensors, ends where the uninterrupted run did.
+    basic_dir, pairs_file = basic_run
+    resumed = tmp_path / "resumed"
+    overrides = ("trainer=FSDPTrainer", "tensor_parallel_size=2", f"resume_from={basic_dir / 'step-16'}")
+    launch(resumed, pairs_file, *overrides, nproc=4)
+    after_16 = [r for r in read_jsonl(basic_dir / "metrics.jsonl") if r["step"] > 16]
+    assert_same_metrics(after_16, read_jsonl(resumed / "metrics.jsonl"))
+    assert_same_weights(basic_dir, resumed)
+
+
+def test_a_rank_killed_mid_save_leaves_the_last_checkpoint_whole(basic_run, tmp_path, run_main, monkeypatch):
     # Rank 1 is killed (SIGKILL) right after writing its weight shards of step-32, before the optimizer state: the
     # half-written directory is never taken for a checkpoint, and the run resumes from step-16 to the same end.
+    # The workers load the fault hooks at start-up (tests/faults/sitecustomize.py), from the environment they inherit.
     basic_dir, pairs_file = basic_run
     run_dir = tmp_path / "run"
-    args = [
-        *tiny_run_overrides(tmp_path, pairs_file),
-        f"local_run_dir={run_dir}",
-        "distributed_timeout_secs=120",
-        "max_grad_norm=1.5",
-        "+optimizer_kwargs.eps=1e-6",
-        "trainer=FSDPTrainer",
-        "nproc=2",
-        "resume_from=auto",
-    ]
+    args = run_args(run_dir, pairs_file, "trainer=FSDPTrainer", "resume_from=auto")
     fault = {"PYTHONPATH": str(Path(__file__).parent / "faults"), "FAULT": "shards:3", "FAULT_RANK": "1"}
-    killed = run_cli(*args, env_extra={"OMP_NUM_THREADS": "1", **fault})
+    with monkeypatch.context() as environment:
+        for name, value in fault.items():
+            environment.setenv(name, value)
+        killed = run_main(*args)
     assert killed.returncode != 0 and "rank 1 was killed" in killed.stderr, killed.stderr[-2000:]
     assert checkpoint.describe(run_dir / "step-16") is not None and checkpoint.newest(run_dir) == run_dir / "step-16"
     assert not (run_dir / "step-32").exists() and (run_dir / "step-32.tmp" / "policy").is_dir()
-    resumed = run_cli(*args, env_extra={"OMP_NUM_THREADS": "1"})
+    resumed = run_main(*args)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resume_from=auto: continuing from {run_dir / 'step-16'}" in resumed.stdout
     assert not (run_dir / "step-32.tmp").exists()
@@ -203,8 +188,7 @@ def test_two_machines_train_save_and_resume(basic_run, tmp_path):
 
 def two_nodes(run_dir: Path, pairs_file: Path, *overrides: str) -> None:
     """train.py on two torchrun nodes of one process each, rendezvousing on localhost."""
-    args = [*tiny_run_overrides(run_dir.parent, pairs_file), f"local_run_dir={run_dir}", "distributed_timeout_secs=120",
-            "max_grad_norm=1.5", "+optimizer_kwargs.eps=1e-6", "trainer=FSDPTrainer", *overrides]  # fmt: skip
+    args = run_args(run_dir, pairs_file, "trainer=FSDPTrainer", *overrides, nproc=None)
     endpoint = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     nodes = [
@@ -240,7 +224,7 @@ def two_nodes(run_dir: Path, pairs_file: Path, *overrides: str) -> None:
     assert "FSDPTrainer x2 (dp 2 x tp 1)" in outputs[0][0]
 
 
-def test_fsdp_bfloat16_trains_close_to_float32(basic_run, tmp_path):
+def test_fsdp_bfloat16_trains_close_to_float32(basic_run, tmp_path, launch):
     basic_dir, pairs_file = basic_run
     launch(tmp_path / "run", pairs_file, "trainer=FSDPTrainer", "model.fsdp_policy_mp=bfloat16")
     float32, bfloat16 = read_jsonl(basic_dir / "metrics.jsonl"), read_jsonl(tmp_path / "run" / "metrics.jsonl")
@@ -254,19 +238,6 @@ def test_fsdp_bfloat16_trains_close_to_float32(basic_run, tmp_path):
         evals[-1]["rewards_eval/accuracies"] > evals[0]["rewards_eval/accuracies"]
         and evals[-1]["rewards_eval/accuracies"] >= 0.75
     )
-
-
-def test_checkpoints_resume_across_trainers(basic_run, tmp_path):
-    # FSDPTrainer continues BasicTrainer's step-16 checkpoint, then BasicTrainer continues FSDPTrainer's step-32:
-    # both end where the uninterrupted run did.
-    basic_dir, pairs_file = basic_run
-    launch(tmp_path / "fsdp", pairs_file, "trainer=FSDPTrainer", f"resume_from={basic_dir / 'step-16'}")
-    launch(tmp_path / "basic", pairs_file, "trainer=BasicTrainer", f"resume_from={tmp_path / 'fsdp' / 'step-32'}")
-    uninterrupted = read_jsonl(basic_dir / "metrics.jsonl")
-    assert_same_metrics([r for r in uninterrupted if r["step"] > 16], read_jsonl(tmp_path / "fsdp" / "metrics.jsonl"))
-    assert_same_metrics([r for r in uninterrupted if r["step"] > 32], read_jsonl(tmp_path / "basic" / "metrics.jsonl"))
-    assert_same_weights(basic_dir, tmp_path / "fsdp")
-    assert_same_weights(basic_dir, tmp_path / "basic")
 
 
 def fsdp_rank(local_rank: int, port: int, config, check, out_file: Path) -> None:
@@ -289,32 +260,16 @@ def run_fsdp_ranks(config, check, tmp_path):
     return json.loads((tmp_path / "result.json").read_text())
 
 
-def sample_unevenly(trainer, rank: int) -> list[dict]:
+def sample_unevenly_then_step(trainer, rank: int) -> dict:
+    """What one FSDP rank sees: greedy samples of the initial policy with rank 0 generating 8 tokens and rank 1 one
+    (rank 1 must keep joining rank 0's sharded forward passes), then one training step recorded micro-batch by
+    micro-batch (record_micro_batches)."""
     trainer.config.generation.max_new_tokens = 8 if rank == 0 else 1
-    return trainer.evaluator.sample(trainer.policy, trainer.reference_model, trainer.example_counter)
+    samples = trainer.evaluator.sample(trainer.policy, trainer.reference_model, trainer.example_counter)
+    return {"samples": samples, "micro_batches": record_micro_batches(trainer)}
 
 
-def test_fsdp_sampling_with_uneven_lengths_completes(make_config, tmp_path):
-    # Rank 0 generates 8 tokens and rank 1 one: rank 1 must keep joining rank 0's sharded forward passes.
-    config = make_config(
-        "trainer=FSDPTrainer", "sample_during_eval=true", "n_eval_model_samples=4", "generation.do_sample=false"
-    )
-    samples = run_fsdp_ranks(config, sample_unevenly, tmp_path)
-    single = build_trainer(
-        make_config("sample_during_eval=true", "n_eval_model_samples=4", "generation.do_sample=false"),
-        run_dir=tmp_path / "run",
-    )
-    examples = [ex for batch in single.data.eval_batches for ex in batch][:4]
-    single.config.generation.max_new_tokens = 8
-    long = single.evaluator.generate(single.policy, examples)
-    single.config.generation.max_new_tokens = 1
-    short = single.evaluator.generate(single.policy, examples)
-    # Greedy decoding from the same weights: rank 0 had pairs 0-1, rank 1 pairs 2-3.
-    assert [s["policy"] for s in samples] == long[:2] + short[2:]
-    assert [s["reference"] for s in samples] == long[:2] + short[2:]
-
-
-def record_micro_batches(trainer, rank: int) -> list[tuple[int, bool]]:
+def record_micro_batches(trainer) -> list[tuple[int, bool]]:
     """(pairs in the micro-batch, whether every gradient exists, as this rank's shard) before each micro-batch of one
     step, and after the step's last backward."""
     from torch.distributed.tensor import DTensor
@@ -341,13 +296,25 @@ def record_micro_batches(trainer, rank: int) -> list[tuple[int, bool]]:
     return seen
 
 
-def test_fsdp_reduces_every_micro_batch_into_sharded_gradients(make_config, tmp_path):
-    # 8 pairs, 2 ranks, 4 accumulation steps: each rank runs 4 micro-batches of 1 pair. Each backward
-    # reduce-scatters at once, so from the second micro-batch on every gradient is this rank's shard (deferring
-    # the reduction to the last micro-batch would hold each whole gradient, unsharded, on every rank meanwhile).
-    config = make_config("trainer=FSDPTrainer", "gradient_accumulation_steps=4")
-    expected = [[1, False]] + [[1, True]] * 3 + [[0, True]]
-    assert run_fsdp_ranks(config, record_micro_batches, tmp_path) == expected
+def test_fsdp_samples_uneven_lengths_and_reduces_every_micro_batch_into_sharded_gradients(make_config, tmp_path):
+    # Two FSDP ranks built in-process check two things in one launch.
+    # Sampling: rank 0 generates 8 tokens and rank 1 one, greedily from the same weights as one process.
+    # Accumulation: 8 pairs, 2 ranks, 4 accumulation steps: each rank runs 4 micro-batches of 1 pair. Each backward
+    # reduce-scatters at once, so from the second micro-batch on every gradient is this rank's shard (deferring the
+    # reduction to the last micro-batch would hold each whole gradient, unsharded, on every rank meanwhile).
+    sampling = ("sample_during_eval=true", "n_eval_model_samples=4", "generation.do_sample=false")
+    config = make_config("trainer=FSDPTrainer", "gradient_accumulation_steps=4", *sampling)
+    seen = run_fsdp_ranks(config, sample_unevenly_then_step, tmp_path)
+    assert seen["micro_batches"] == [[1, False]] + [[1, True]] * 3 + [[0, True]]
+    single = build_trainer(make_config(*sampling), run_dir=tmp_path / "run")
+    examples = [ex for batch in single.data.eval_batches for ex in batch][:4]
+    single.config.generation.max_new_tokens = 8
+    long = single.evaluator.generate(single.policy, examples)
+    single.config.generation.max_new_tokens = 1
+    short = single.evaluator.generate(single.policy, examples)
+    # Greedy decoding from the same weights: rank 0 had pairs 0-1, rank 1 pairs 2-3.
+    assert [s["policy"] for s in seen["samples"]] == long[:2] + short[2:]
+    assert [s["reference"] for s in seen["samples"]] == long[:2] + short[2:]
 
 
 def test_a_stopped_run_lets_go_of_what_it_held():
@@ -404,7 +371,7 @@ def test_shards_pad_short_shares_and_micro_batches_cut_them():
         ("FSDPTrainer", "kto"),
     ],
 )
-def test_other_losses_match_basic_trainer_across_processes(tmp_path, pairs_file, trainer, loss):
+def test_other_losses_match_basic_trainer_across_processes(tmp_path, pairs_file, launch, trainer, loss):
     # bco_pair's running reward mean is folded from the gathered batch: the same on every rank as on one process.
     # simpo reads no reference. wpo reads a second output of the fused head, inside FSDP's root forward. aot sorts
     # the whole batch: each rank's micro-batches see the other rank's pairs, in training and in evals; so does kto's
@@ -420,7 +387,7 @@ def test_other_losses_match_basic_trainer_across_processes(tmp_path, pairs_file,
 @pytest.mark.slow  # two two-process runs
 @pytest.mark.parametrize("trainer", ["FSDPTrainer", "TensorParallelTrainer"])
 def test_kto_on_labelled_completions_matches_basic_trainer_across_processes(
-    tmp_path, pairs_file, labelled_file, trainer
+    tmp_path, pairs_file, labelled_file, launch, trainer
 ):
     # unpaired data: each rank's labels, and the KL estimate over mismatched completions of both ranks' shares
     data = (f"datasets=[{labelled_file}]", "loss=kto")
@@ -433,7 +400,7 @@ def test_kto_on_labelled_completions_matches_basic_trainer_across_processes(
 
 
 @pytest.mark.parametrize("trainer", ["FSDPTrainer", pytest.param("TensorParallelTrainer", marks=pytest.mark.slow)])
-def test_a_reward_model_matches_basic_trainer_across_processes(tmp_path, pairs_file, trainer):
+def test_a_reward_model_matches_basic_trainer_across_processes(tmp_path, pairs_file, launch, trainer):
     # The scalar head reads hidden states inside the root's forward and hands its rewards out as the model's output
     # (scoring.head_returns_rewards), where FSDP gathers the root again for the backward; tensor parallelism leaves
     # the head whole. Packed rows, every eval, the final weights and the sequence-classifier export.
@@ -448,7 +415,7 @@ def test_a_reward_model_matches_basic_trainer_across_processes(tmp_path, pairs_f
 
 
 @pytest.mark.slow  # two two-process runs
-def test_a_lora_reward_model_matches_basic_trainer_across_processes(tmp_path, pairs_file):
+def test_a_lora_reward_model_matches_basic_trainer_across_processes(tmp_path, pairs_file, launch):
     # peft's trainable copy of the head (modules_to_save) beside the adapters, sharded by FSDP with the root
     lora = ("loss=reward", "lora.enabled=true", "lora.rank=4", "lora.alpha=8", "lora.dropout=0")
     launch(tmp_path / "basic", pairs_file, "trainer=BasicTrainer", *lora)
@@ -459,7 +426,7 @@ def test_a_lora_reward_model_matches_basic_trainer_across_processes(tmp_path, pa
     assert_same_weights(tmp_path / "basic", tmp_path / "run")
 
 
-def test_fsdp_lora_matches_basic_trainer_lora(tmp_path, pairs_file):
+def test_fsdp_lora_matches_basic_trainer_lora(tmp_path, pairs_file, launch):
     # FSDP2 over a peft model (frozen base, trainable adapters in the same blocks), with activation checkpointing.
     lora = ("lora.enabled=true", "lora.rank=4", "lora.alpha=8", "lora.dropout=0")
     launch(tmp_path / "basic", pairs_file, "trainer=BasicTrainer", *lora)
@@ -477,7 +444,7 @@ def test_fsdp_lora_matches_basic_trainer_lora(tmp_path, pairs_file):
     "trainer",
     ["FSDPTrainer", pytest.param("TensorParallelTrainer", marks=pytest.mark.slow)],  # slow: two runs more
 )
-def test_rounds_match_basic_trainer_across_processes(tmp_path, pairs_file, trainer):
+def test_rounds_match_basic_trainer_across_processes(tmp_path, pairs_file, launch, trainer):
     # Iterative rounds (rounds.py) under a sharded policy: each rank samples its share of the prompts (FSDP) or the
     # same rows as its tensor-parallel peer, from seeds of their own, and the reward and the round's file are rank 0's:
     # the same completions, pairs, records and weights as one process.
@@ -499,7 +466,7 @@ def test_rounds_match_basic_trainer_across_processes(tmp_path, pairs_file, train
 
 
 @pytest.mark.slow
-def test_a_sliding_window_model_packs_alike_on_one_rank_and_across_processes(tmp_path, pairs_file):
+def test_a_sliding_window_model_packs_alike_on_one_rank_and_across_processes(tmp_path, pairs_file, launch):
     # A Qwen2 with a 4-token window on its second layer (full attention on its first): packed rows with a mask per
     # layer type, under FSDP and tensor parallelism on 2 ranks, reproduce BasicTrainer's padded run (transformers'
     # own windowed masks, all logits) step by step and weight by weight.

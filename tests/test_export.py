@@ -15,8 +15,15 @@ from conftest import policy_state, run_cli, tiny_run_overrides
 TORCHRUN = (str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2")
 
 
-def run_export(*args: str, launcher: tuple[str, ...] = (sys.executable,)):
-    return run_cli(*args, launcher=launcher, script="export.py", env_extra={"OMP_NUM_THREADS": "1"})
+@pytest.fixture
+def run_export(run_main):
+    """run_export(*args): `python export.py args`, in this process (one process reads every shard)."""
+    return lambda *args: run_main(*args, script="export.py")
+
+
+def torchrun_export(*args: str):
+    """export.py on 2 torchrun ranks, each reading its shards."""
+    return run_cli(*args, launcher=TORCHRUN, script="export.py", env_extra={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -26,19 +33,15 @@ def fsdp_run(tmp_path_factory):
     from conftest import arithmetic_pairs, write_jsonl
 
     pairs = write_jsonl(root / "pairs.jsonl", arithmetic_pairs(48))
-    result = run_cli(
-        *tiny_run_overrides(root, pairs), "trainer=FSDPTrainer", "nproc=2", env_extra={"OMP_NUM_THREADS": "1"}
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    train.main([*tiny_run_overrides(root, pairs), "trainer=FSDPTrainer", "nproc=2"])
     return root / "run"
 
 
+@pytest.mark.xdist_group("processes")  # see pyproject.toml
 @pytest.mark.parametrize("launcher", ["one process", "torchrun, 2 processes"])
-def test_a_checkpoint_exports_to_exactly_its_weights(fsdp_run, tmp_path, launcher):
+def test_a_checkpoint_exports_to_exactly_its_weights(fsdp_run, tmp_path, run_export, launcher):
     out = tmp_path / "exported"
-    result = run_export(
-        str(fsdp_run / "step-16"), str(out), launcher=TORCHRUN if "torchrun" in launcher else (sys.executable,)
-    )
+    result = (torchrun_export if "torchrun" in launcher else run_export)(str(fsdp_run / "step-16"), str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"exported {fsdp_run / 'step-16'} to {out}" in result.stdout
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -49,7 +52,8 @@ def test_a_checkpoint_exports_to_exactly_its_weights(fsdp_run, tmp_path, launche
     assert not (tmp_path / "exported.tmp").exists()
 
 
-def test_the_runs_own_export_is_the_same(fsdp_run, tmp_path):
+@pytest.mark.xdist_group("processes")  # see pyproject.toml
+def test_the_runs_own_export_is_the_same(fsdp_run, tmp_path, run_export):
     # LATEST holds the run's export (the ranks consolidated it); export.py of LATEST writes the same tensors.
     result = run_export(str(fsdp_run / "LATEST"), str(tmp_path / "again"))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -61,7 +65,7 @@ def test_the_runs_own_export_is_the_same(fsdp_run, tmp_path):
 
 
 @pytest.mark.parametrize("loss", ["dpo", pytest.param("reward", marks=pytest.mark.slow)])
-def test_a_lora_checkpoint_exports_its_base_with_the_adapters_merged(tmp_path, pairs_file, loss):
+def test_a_lora_checkpoint_exports_its_base_with_the_adapters_merged(tmp_path, pairs_file, run_export, loss):
     # a reward model's base is a sequence classifier, its trained head merged in beside the adapters
     lora = ("lora.enabled=true", "lora.rank=4", "lora.alpha=8", "lr=1e-2", f"loss={loss}")
     train.main([*tiny_run_overrides(tmp_path, pairs_file), *lora])
@@ -74,7 +78,7 @@ def test_a_lora_checkpoint_exports_its_base_with_the_adapters_merged(tmp_path, p
     assert (tmp_path / "merged" / "adapter" / "adapter_config.json").exists()
 
 
-def test_a_reference_format_checkpoint_exports_too(make_config, tmp_path):
+def test_a_reference_format_checkpoint_exports_too(make_config, tmp_path, run_export):
     # Written by commit 419e2f5 (a whole policy.pt); its run's config names the model.
     legacy = tmp_path / "run" / "step-16"
     shutil.copytree(Path(__file__).parent / "assets" / "checkpoint-419e2f5" / "step-16", legacy)
@@ -86,7 +90,8 @@ def test_a_reference_format_checkpoint_exports_too(make_config, tmp_path):
     assert all(torch.equal(exported[name], value) for name, value in expected.items())
 
 
-def test_bad_exports_are_one_line(fsdp_run, tmp_path):
+@pytest.mark.xdist_group("processes")  # see pyproject.toml
+def test_bad_exports_are_one_line(fsdp_run, tmp_path, run_export):
     cases = [
         (
             (str(tmp_path / "nowhere"), str(tmp_path / "out")),

@@ -7,7 +7,7 @@ import torch
 
 import train
 from config import group_options
-from conftest import assert_resume_matches_uninterrupted, build_trainer, records, run_cli
+from conftest import assert_resume_matches_uninterrupted, build_trainer, records
 from persistence import checkpoint
 from utils import UserError
 
@@ -75,9 +75,9 @@ def test_reference_free_rewards_are_policy_logps(make_config):
 
 
 @pytest.mark.parametrize("loss", group_options()["loss"])
-def test_every_loss_trains_from_the_command_line(tmp_path, pairs_file, loss):
+def test_every_loss_trains_from_the_command_line(tmp_path, pairs_file, run_main, loss):
     run_dir = tmp_path / "run"
-    result = run_cli(
+    result = run_main(
         "model=tiny",
         f"loss={loss}",
         f"datasets={pairs_file}",

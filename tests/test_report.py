@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 import build
 import train
-from conftest import TINY_DIR, run_cli, tiny_run_overrides
+from conftest import TINY_DIR, tiny_run_overrides
 from modeling.distributed import Topology
 from modeling.precision import decide_precision
 from persistence.tokenized import Tokenization, tokenize_pairs
@@ -229,9 +229,9 @@ def test_the_smallest_mesh_fits_and_none_with_a_node_fewer_does(make_config, tin
 LLAMA_CONFIGS = Path(__file__).parents[1] / "assets" / "configs"
 
 
-def planned_dry_run(model: str, nodes: int, *overrides: str) -> subprocess.CompletedProcess:
+def planned_dry_run(run_main, model: str, nodes: int, *overrides: str) -> subprocess.CompletedProcess:
     """A dry run of an assets/configs model (its config.json alone) planned for nodes x 8 GPUs of 80 GiB."""
-    return run_cli(
+    return run_main(
         "dry_run=true", "model=blank_model", f"model.name_or_path={LLAMA_CONFIGS / model}",
         f"model.tokenizer_name_or_path={TINY_DIR}", "trainer=FSDPTrainer", "activation_checkpointing=true",
         f"plan.nodes={nodes}", "plan.gpus_per_node=8", "plan.gpu_memory_gib=80", "plan.host_memory_gib=2048",
@@ -239,24 +239,24 @@ def planned_dry_run(model: str, nodes: int, *overrides: str) -> subprocess.Compl
     )  # fmt: skip
 
 
-def test_a_70b_run_is_planned_on_16_gpus_and_a_405b_one_refused_with_the_mesh_it_needs(tmp_path):
-    fits = planned_dry_run("llama-3.1-70b", 2, f"local_dirs=[{tmp_path}]")
+def test_a_70b_run_is_planned_on_16_gpus_and_a_405b_one_refused_with_the_mesh_it_needs(tmp_path, run_main):
+    fits = planned_dry_run(run_main, "llama-3.1-70b", 2, f"local_dirs=[{tmp_path}]")
     assert fits.returncode == 0, fits.stderr[-2000:]
     assert (
         "memory per rank on 2 nodes x 8 GPUs of 80 GiB, 2048 GiB of host memory a node (70.55B parameters"
         in fits.stdout
     )
     assert "\nfits: " in fits.stdout
-    refused = planned_dry_run("llama-3.1-405b", 2, f"local_dirs=[{tmp_path}]")
+    refused = planned_dry_run(run_main, "llama-3.1-405b", 2, f"local_dirs=[{tmp_path}]")
     assert refused.returncode == 2
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: this run does not fit 2 nodes x 8 GPUs of 80 GiB")
     assert "the smallest mesh that fits: " in lines[0]
 
 
-def test_a_run_that_cannot_fit_this_machine_stops_before_reading_a_weight(tmp_path):
+def test_a_run_that_cannot_fit_this_machine_stops_before_reading_a_weight(tmp_path, run_main):
     # Llama-3.1-70B from its config alone (no weights here): one process would need over a terabyte.
-    result = run_cli(
+    result = run_main(
         "model=blank_model", f"model.name_or_path={LLAMA_CONFIGS / 'llama-3.1-70b'}",
         f"model.tokenizer_name_or_path={TINY_DIR}", "wandb.enabled=false", f"local_dirs=[{tmp_path}]",
         f"local_run_dir={tmp_path / 'run'}", "n_eval_examples=8",

@@ -204,14 +204,16 @@ GATE = '''
 
 
 def command(tmp_path: Path, pairs_file: Path, *overrides: str) -> list[str]:
-    """The tiny run (5 steps of 8, evals and checkpoints at 16 and 32 examples, LATEST at 40), resumable."""
-    return [str(REPO_ROOT / "train.py"), *tiny_run_overrides(tmp_path, pairs_file), "resume_from=auto", *overrides]
+    """train.py's arguments for the tiny run (5 steps of 8, evals and checkpoints at 16 and 32 examples, LATEST at
+    40), resumable."""
+    return [*tiny_run_overrides(tmp_path, pairs_file), "resume_from=auto", *overrides]
 
 
 def start_cli(args: list[str], tmp_path: Path, name: str, env_extra: dict) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **env_extra}
     with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
-        return subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, env=env, stdout=out, stderr=err)
+        script = [sys.executable, str(REPO_ROOT / "train.py")]
+        return subprocess.Popen([*script, *args], cwd=REPO_ROOT, env=env, stdout=out, stderr=err)
 
 
 def wait_paused(process: subprocess.Popen, gate: Path, tmp_path: Path) -> int:
@@ -239,7 +241,9 @@ def assert_complete_run(run_dir: Path) -> None:
     "trainer",
     ["BasicTrainer", pytest.param("FSDPTrainer", marks=pytest.mark.slow)],
 )
-def test_a_second_run_on_a_busy_directory_is_refused_and_the_first_finishes_intact(tmp_path, pairs_file, trainer):
+def test_a_second_run_on_a_busy_directory_is_refused_and_the_first_finishes_intact(
+    tmp_path, pairs_file, run_main, trainer
+):
     run_dir, gate = tmp_path / "run", tmp_path / "gate"
     gate.mkdir()
     extra = ["trainer=FSDPTrainer", "nproc=2", "distributed_timeout_secs=300"] if trainer == "FSDPTrainer" else []
@@ -253,14 +257,7 @@ def test_a_second_run_on_a_busy_directory_is_refused_and_the_first_finishes_inta
         before = {name: (run_dir / name).read_text() for name in ("metrics.jsonl", "config.yaml")}
 
         # the scheduler's retry: same directory, resume_from=auto (another seed: it would rewrite config.yaml)
-        second = subprocess.run(
-            [sys.executable, *command(tmp_path, pairs_file, *extra, "seed=1")],
-            cwd=REPO_ROOT,
-            env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        second = run_main(*command(tmp_path, pairs_file, *extra, "seed=1"))
         assert second.returncode == 2, second.stderr[-3000:]
         assert second.stderr.count("error: ") == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
         line = second.stderr.strip().splitlines()[-1]
@@ -276,21 +273,14 @@ def test_a_second_run_on_a_busy_directory_is_refused_and_the_first_finishes_inta
     assert_complete_run(run_dir)
 
 
-def test_a_run_killed_mid_way_is_taken_over_by_the_next(tmp_path, pairs_file):
+def test_a_run_killed_mid_way_is_taken_over_by_the_next(tmp_path, pairs_file, run_main):
     run_dir = tmp_path / "run"
     faults = {"PYTHONPATH": str(Path(__file__).parent / "faults"), "FAULT": "step:3"}  # SIGKILL in the third step
     killed = start_cli(command(tmp_path, pairs_file), tmp_path, "killed", faults)
     assert killed.wait(300) == -signal.SIGKILL, (tmp_path / "killed.err").read_text()[-3000:]
     assert holder_in_file(run_dir)["pid"] == killed.pid  # the killed run's lock file is left behind
 
-    result = subprocess.run(
-        [sys.executable, *command(tmp_path, pairs_file)],
-        cwd=REPO_ROOT,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_main(*command(tmp_path, pairs_file))
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     taking_over = f"run directory lock: taking over from pid {killed.pid} on {HOST} (no longer running)"

@@ -1,4 +1,5 @@
-"""The command line, end to end, in subprocesses."""
+"""The command line, end to end: train.py's main in this process, and once as a script in a subprocess (the wandb
+fallback, which reads the environment it starts with)."""
 
 import pytest
 import torch
@@ -68,7 +69,7 @@ def test_cli_run_writes_metrics_checkpoints_and_loadable_export(tmp_path, pairs_
             "error: nproc=abc must be a positive number of processes, or null",
         ),
         # raised while local rank 0 loads first and the other rank waits for it: still one line
-        (
+        pytest.param(
             [
                 "model=tiny",
                 "trainer=FSDPTrainer",
@@ -78,9 +79,10 @@ def test_cli_run_writes_metrics_checkpoints_and_loadable_export(tmp_path, pairs_
                 "distributed_timeout_secs=60",
             ],
             "error: unknown dataset 'nope': expected one of hh, shp, se, demo",
+            marks=pytest.mark.xdist_group("processes"),  # see pyproject.toml
         ),
         # raised in every worker: printed once, by rank 0
-        (
+        pytest.param(
             [
                 "model=tiny",
                 "trainer=TensorParallelTrainer",
@@ -90,6 +92,7 @@ def test_cli_run_writes_metrics_checkpoints_and_loadable_export(tmp_path, pairs_
             ],
             "error: TensorParallelTrainer splits attention heads over ranks, but LlamaForCausalLM has "
             "num_attention_heads=4, not a multiple of the world size 3",
+            marks=pytest.mark.xdist_group("processes"),
         ),
         (
             ["model=tiny", "datasets=[nope]", "wandb.enabled=false"],
@@ -109,20 +112,20 @@ def test_cli_run_writes_metrics_checkpoints_and_loadable_export(tmp_path, pairs_
         ),
     ],
 )
-def test_cli_errors_are_one_line(tmp_path, args, message):
-    result = run_cli(*args, f"local_dirs=[{tmp_path}]")
+def test_cli_errors_are_one_line(tmp_path, run_main, args, message):
+    result = run_main(*args, f"local_dirs=[{tmp_path}]")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(message), result.stderr[-2000:]
     assert "Traceback" not in result.stderr and result.stderr.count("error: ") == 1
 
 
-def test_cli_trains_on_the_real_hh_file(tmp_path):
+def test_cli_trains_on_the_real_hh_file(tmp_path, run_main):
     from conftest import HH_TEST_FILE
 
     if not HH_TEST_FILE.exists():
         pytest.skip(f"{HH_TEST_FILE} is not present")
     run_dir = tmp_path / "run"
-    result = run_cli(
+    result = run_main(
         "model=tiny",
         f"datasets=[{HH_TEST_FILE}]",
         f"local_run_dir={run_dir}",
@@ -182,7 +185,7 @@ def test_existing_run_dir_is_not_overwritten(make_config):
     assert (train.Path(config.local_run_dir) / "metrics.jsonl").read_text() == before
 
 
-def test_cli_help_prints_the_defaults():
-    result = run_cli("--help")
+def test_cli_help_prints_the_defaults(run_main):
+    result = run_main("--help")
     assert result.returncode == 0 and "python train.py [key=value ...]" in result.stdout
     assert "exp_name: ${loss.name}" in result.stdout and "name: dpo" in result.stdout

@@ -89,6 +89,7 @@ MESHES = {
 }
 
 
+@pytest.mark.xdist_group("processes")  # see pyproject.toml
 @pytest.mark.parametrize("mesh", MESHES)
 def test_sharded_reading_gives_exactly_the_weights_from_pretrained_loads(model_dirs, tmp_path, mesh):
     trainer, world, tp = MESHES[mesh]
