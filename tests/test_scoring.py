@@ -164,6 +164,7 @@ def test_probes_accept_models_that_take_both():
             assert scored_head_problem(model, torch.float32, CPU) is None
 
 
+@pytest.mark.xdist_group("flex")  # on one worker: each worker would compile FlexAttention's kernels anew (~20 s)
 @pytest.mark.parametrize("scored_head", [True, False])
 @pytest.mark.parametrize("sft", [False, True])
 def test_flex_attention_forward_equals_dense_and_padded_on_cpu(examples, scored_head, sft):
