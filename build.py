@@ -13,9 +13,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from core.evaluation import Evaluator
+from core.losses import LOSSES
 from core.objective import build_objective
 from core.optim import build_optimizer, build_scheduler
-from core.scoring import Scorer
+from core.router_loss import find_routers
+from core.scoring import Scorer, model_class
 from core.step import BatchLoss, Data, mismatched
 from modeling import weights
 from modeling.adapters import AdaptersDisabled, apply_lora, is_adapted, quantization_config
@@ -29,12 +31,13 @@ from modeling.precision import (
     decide_precision,
     device_key,
     parse_dtype,
+    slow_precision_note,
 )
 from persistence import checkpoint, reference_cache
 from persistence.tokenized import Tokenization, first_of_each_group, load_examples, tokenize_pairs
 from preference_datasets import PreferencePair, batch_schedule
 from reporting.report import GIB, Hardware, Workload, data_report, fit_verdict
-from reporting.telemetry import ModelFlops, peak_flops
+from reporting.telemetry import ModelFlops, PeakRate, peak_flops
 from utils import UserError, get_local_dir
 
 
@@ -57,7 +60,7 @@ class RunParts:
     batch_loss: BatchLoss
     evaluator: Evaluator
     flops: ModelFlops
-    peak_flops: float
+    peak_flops: PeakRate
 
 
 def load_data(
@@ -77,7 +80,7 @@ def load_data(
     if train.labelled and not objective.reads_labels:
         raise UserError(
             f"datasets={list(config.datasets)} hold labelled completions (prompt, completion, label): "
-            "only loss=kto trains on them"
+            f"only {' and '.join(f'loss={name}' for name, loss in LOSSES.items() if loss.labelled)} train on them"
         )
     if objective.needs_kl_estimate and config.batch_size < 2:
         raise UserError(
@@ -116,6 +119,10 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     precision = decide_precision(
         OmegaConf.to_object(config.model), autocast, lambda: auto_compute_dtype(topology, cache_dir, autocast)
     )
+    setting = config.model.fsdp_policy_mp
+    note = topology.run_on_main(lambda: slow_precision_note(setting, precision, topology.device, cache_dir))
+    if note:
+        print(note)
     with topology.main_first():
         tokenizer = load_tokenizer(config.model, cache_dir)
         policy, initial = prepare_model(  # on the meta device: weights are read once it is placed
@@ -126,6 +133,9 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
         policy.config.pad_token_id = tokenizer.pad_token_id
     if config.lora.enabled:  # after model.archive: the adapters go on the SFT weights
         policy = apply_lora(policy, config.lora, config.seed)
+    routers = find_routers(model_class(policy), config.loss.router_aux_loss_coef)
+    if routers is not None:
+        print(f"router loss: {routers.describe()} (aux_loss)")
     if config.resume_from is not None:  # fail now rather than after tokenizing and the reference pass
         topology.run_on_main(lambda: checkpoint.preflight(Path(config.resume_from), policy, config.batch_size))
     data = rank_data(config, topology, tokenizer, objective, cache_dir, pairs)
@@ -171,16 +181,18 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     if objective.needs_reference and not config.reference_cache:
         reference = reference_cache.LiveReference(reference_model, scorer, precision.reference_compute)
 
-    peak, source = topology.broadcast(
+    peak = topology.broadcast(
         topology.run_on_main(lambda: peak_flops(topology.device, precision.policy_compute or weights_dtype, cache_dir))
     )
-    print(f"MFU is measured against {peak / 1e12:.3g} TFLOP/s per device ({source})")
+    print(f"MFU is measured against {peak.describe()}")
     # After sharding and before any forward pass: FSDP then hands the optimizer the shards each rank owns.
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     optimizer = build_optimizer(config.optimizer, trainable, config.lr, OmegaConf.to_container(config.optimizer_kwargs))
     scheduler = build_scheduler(optimizer, config.warmup_steps)
     max_lengths = (config.max_length, config.max_prompt_length)
-    batch_loss = BatchLoss(objective, scorer, policy, precision.policy_compute, reference, topology, max_lengths)
+    batch_loss = BatchLoss(
+        objective, scorer, policy, precision.policy_compute, reference, topology, max_lengths, routers
+    )
     evaluator = Evaluator(config, topology, tokenizer, data.eval_batches, batch_loss)
     return RunParts(
         config, topology, tokenizer, objective, precision, data, policy, scorer, reference, reference_model,
@@ -280,6 +292,9 @@ def dry_run(config: DictConfig, world_size: int) -> None:
     planned = Hardware.planned(config.plan)
     auto = (lambda: torch.bfloat16) if planned else (lambda: choose_compute_dtype(device, cache_dir)[0])
     precision = decide_precision(OmegaConf.to_object(config.model), autocast, auto)
+    note = None if planned else slow_precision_note(config.model.fsdp_policy_mp, precision, device, cache_dir)
+    if note:
+        print(note)
     tokenizer = load_tokenizer(config.model, cache_dir)
     data = load_data(config, tokenizer, objective, cache_dir)
     n_evals = sum(map(len, data.eval_batches))

@@ -223,7 +223,7 @@ def pair_parser(row: dict, tokenizer) -> Callable[[dict], list[PreferencePair]]:
     raise ValueError(
         f"unrecognised columns {sorted(columns)}; expected chosen+rejected (+prompt), "
         "SHP's history/human_ref_A/human_ref_B/labels/score_A/score_B, SE's question/answers, "
-        "or prompt/completion/label (labelled completions, for loss=kto)"
+        "or prompt/completion/label (labelled completions, for loss=kto or loss=apo_zero_unpaired)"
     )
 
 

@@ -100,7 +100,7 @@ def lever_worker(
         "pairs_per_second": rates["perf/pairs_per_second"],
         "real_tokens_per_second": rates["perf/real_tokens_per_second"],
         "computed_tokens_per_second": rates["perf/computed_tokens_per_second"],
-        "mfu": rates["perf/mfu"],
+        "mfu": rates.get("perf/mfu", float("nan")),  # absent where the peak was exceeded (PeakRate.mfu)
         "peak_memory_gib": peak_memory_gib(trainer.topology.device.type == "cuda"),
         "training_rss_gib": step_rss[0],
         "precision": "bfloat16" if trainer.precision.policy_compute == torch.bfloat16 else "float32",

@@ -78,9 +78,9 @@ def trl_rates(model, rows: list[dict], pairs_per_second: float, cuda: bool) -> d
     ]
     flops_model = ModelFlops.of(model, list(model.model.layers))
     mean = lambda values: sum(values) / len(values)  # noqa: E731
-    peak, _ = peak_flops(
+    peak = peak_flops(
         torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32, Path(tempfile.gettempdir())
-    )
+    ).flops
     return {
         "pairs_per_second": pairs_per_second,
         "real_tokens_per_second": pairs_per_second

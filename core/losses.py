@@ -9,6 +9,7 @@ c = pc - rc and r = pr - rr, h = c - r; sigma is the logistic function. Rewards 
 loss defines its own, always detached: they are metrics, not loss terms.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -108,7 +109,20 @@ def chosen_nll(stats: PairStats) -> torch.Tensor:
 
 
 @dataclass
-class PairLossNeeds:
+class LossKeys:
+    """The keys of every objective: the weight of a mixture-of-experts policy's router load-balancing loss
+    (router_loss), added to whatever it trains on."""
+
+    router_aux_loss_coef: float | None = dataclasses.field(
+        default=None, metadata={"range": Range(0, null="for the model config's router_aux_loss_coef")}
+    )
+
+    def __post_init__(self):
+        check_ranges(self, "loss.")  # the keys of its subclasses too
+
+
+@dataclass
+class PairLossNeeds(LossKeys):
     """What a pair loss asks of the scorer and of the batch beyond its pairs' summed log-probs; the defaults: nothing.
     Each loss config overrides what it needs (objective.PreferenceObjective reads them once)."""
 
@@ -147,9 +161,6 @@ class PreferenceLoss(PairLossNeeds):
     name: str = MISSING
     beta: float = ranged(POSITIVE)
     nll_weight: float = ranged(NON_NEGATIVE)
-
-    def __post_init__(self):
-        check_ranges(self, "loss.")  # the keys of its subclasses too
 
 
 @dataclass
@@ -203,8 +214,9 @@ class AOTConfig(RatioLoss):
 
 
 @dataclass
-class KTOConfig(PreferenceLoss):
-    """KTO on paired data: chosen desirable, rejected undesirable (kto)."""
+class UnpairedConfig(PreferenceLoss):
+    """A loss on responses labelled desirable or not, one at a time (apo_zero_unpaired; kto adds a reference
+    point): on pairs, chosen desirable and rejected undesirable."""
 
     desirable_weight: float = ranged(POSITIVE)  # lambda_D
     undesirable_weight: float = ranged(POSITIVE)  # lambda_U
@@ -212,10 +224,15 @@ class KTOConfig(PreferenceLoss):
     def needs_reference(self) -> bool:
         return True
 
-    def needs_kl_estimate(self) -> bool:
+    def reads_labels(self) -> bool:
         return True
 
-    def reads_labels(self) -> bool:
+
+@dataclass
+class KTOConfig(UnpairedConfig):
+    """KTO: an unpaired loss around the batch's reference point z0 (kto)."""
+
+    def needs_kl_estimate(self) -> bool:
         return True
 
 
@@ -268,22 +285,19 @@ class SimPOConfig(PreferenceLoss):
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(LossKeys):
     """Supervised fine-tuning on each prompt's sft_target (objective.SFTObjective; not a pair loss)."""
 
     name: str = MISSING
 
 
 @dataclass
-class RewardConfig:
+class RewardConfig(LossKeys):
     """Reward modelling (objective.RewardObjective; not a pair loss on log-probs): a scalar-head model trained with
     the Bradley-Terry loss (bradley_terry)."""
 
     name: str = MISSING
     center_rewards_coefficient: float = ranged(NON_NEGATIVE)
-
-    def __post_init__(self):
-        check_ranges(self, "loss.")
 
 
 @dataclass
@@ -302,6 +316,7 @@ class WeightedConfig(PairLossNeeds):
     terms: dict[str, Any] = MISSING
 
     def __post_init__(self):
+        super().__post_init__()
         self.components = {}  # name -> (weight, the term's config dataclass)
         for term, values in self.terms.items():
             if term not in LOSSES or LOSSES[term].function is None or LOSSES[term].schema is WeightedConfig:
@@ -401,34 +416,36 @@ def sorted_match_losses(x: torch.Tensor, y: torch.Tensor, positions: torch.Tenso
     return terms.detach()[rank[positions]] + (surrogate - surrogate.detach())
 
 
-def kto_desirable(logratios: torch.Tensor, kl_estimate: torch.Tensor, cfg: KTOConfig) -> torch.Tensor:
-    """KTO (Ethayarajh et al. 2024, arXiv:2402.01306): lambda_D - v = lambda_D (1 - sigma(beta (r - z0))) of desirable
-    responses; r = log pi / pi_ref, z0 the batch's KL estimate (detached). [N] in, [N] out."""
-    return cfg.desirable_weight * (1 - torch.sigmoid(cfg.beta * (logratios - kl_estimate)))
-
-
-def kto_undesirable(logratios: torch.Tensor, kl_estimate: torch.Tensor, cfg: KTOConfig) -> torch.Tensor:
-    """KTO's lambda_U - v = lambda_U (1 - sigma(beta (z0 - r))) of undesirable responses."""
-    return cfg.undesirable_weight * (1 - torch.sigmoid(cfg.beta * (kl_estimate - logratios)))
-
-
 def kto_losses(logratios: torch.Tensor, desirable: torch.Tensor, kl_estimate: torch.Tensor, cfg: KTOConfig):
-    """[N] KTO losses of labelled responses; desirable: [N] bool."""
-    return torch.where(
-        desirable, kto_desirable(logratios, kl_estimate, cfg), kto_undesirable(logratios, kl_estimate, cfg)
-    )
-
-
-def kto(s: PairStats, cfg: KTOConfig, state: dict) -> LossOutput:
-    """KTO on pairs unpaired: the chosen response desirable, the rejected undesirable, each pair's loss the mean of
-    their two (so that the mean over pairs is the mean over responses, as KTO's). z0 = max(0, mean log-ratio of
-    mismatched prompt and response pairs of the whole batch) (step.BatchLoss.kl_estimate), logged as `kl`."""
-    if s.kl_estimate is None:
+    """KTO (Ethayarajh et al. 2024, arXiv:2402.01306), [N] losses of labelled responses (desirable: [N] bool) from
+    their log-ratios r = log pi / pi_ref: lambda_y - v, with v = lambda_D sigma(beta (r - z0)) for a desirable
+    response and lambda_U sigma(beta (z0 - r)) for an undesirable one; z0 the batch's KL estimate (detached)."""
+    if kl_estimate is None:
         raise ValueError("kto reads the batch's KL estimate (PairStats.kl_estimate)")
-    chosen = kto_desirable(s.chosen_logratio, s.kl_estimate, cfg)
-    rejected = kto_undesirable(s.rejected_logratio, s.kl_estimate, cfg)
-    losses = (chosen + rejected) / 2
-    return rewards(s, cfg.beta, losses, kl=s.kl_estimate.expand_as(losses))
+    desired = cfg.desirable_weight * (1 - torch.sigmoid(cfg.beta * (logratios - kl_estimate)))
+    undesired = cfg.undesirable_weight * (1 - torch.sigmoid(cfg.beta * (kl_estimate - logratios)))
+    return torch.where(desirable, desired, undesired)
+
+
+def apo_zero_unpaired_losses(logratios: torch.Tensor, desirable: torch.Tensor, kl_estimate, cfg: UnpairedConfig):
+    """APO-zero on labelled responses (D'Oosterlinck et al. 2024, arXiv:2408.06266; TRL's KTO loss_type
+    apo_zero_unpaired), [N] from [N]: raise each desirable response's likelihood, lambda_D (1 - sigma(beta r)), and
+    lower each undesirable one's, lambda_U sigma(beta r). No reference point (kl_estimate is not read)."""
+    raised = cfg.desirable_weight * (1 - torch.sigmoid(cfg.beta * logratios))
+    return torch.where(desirable, raised, cfg.undesirable_weight * torch.sigmoid(cfg.beta * logratios))
+
+
+def unpaired(s: PairStats, cfg: UnpairedConfig, state: dict) -> LossOutput:
+    """A loss on labelled responses (LossComponent.labelled) on pairs: the chosen response desirable, the rejected
+    undesirable, each pair's loss the mean of their two, so that the mean over pairs is the mean over responses (as
+    KTO's). kto's reference point z0 = max(0, mean log-ratio of mismatched prompt and response pairs of the whole
+    batch) (step.BatchLoss.kl_estimate) is logged as `kl`."""
+    n = s.chosen_logratio.numel()
+    logratios = torch.cat([s.chosen_logratio, s.rejected_logratio])
+    desirable = torch.arange(2 * n, device=logratios.device) < n
+    losses = LOSSES[cfg.name].labelled(logratios, desirable, s.kl_estimate, cfg).view(2, n).mean(0)
+    terms = {"kl": s.kl_estimate.expand_as(losses)} if s.kl_estimate is not None else {}
+    return rewards(s, cfg.beta, losses, **terms)
 
 
 def ipo(s: PairStats, cfg: IPOConfig, state: dict) -> LossOutput:
@@ -598,6 +615,9 @@ class LossComponent:
     function: Callable[[PairStats, object, dict], LossOutput] | None  # None: not a pair loss (objective below)
     running_reward_mean: bool = False  # its state holds the mean reward of all earlier steps (checkpointed)
     objective: str = "pairs"  # what it trains: "pairs" (a pair loss), "sft" or "reward" (objective.OBJECTIVES)
+    # A loss on labelled responses, (logratios [N], desirable [N] bool, kl_estimate, config) -> [N] losses: on
+    # labelled completions as it is, on pairs through `unpaired`.
+    labelled: Callable[[torch.Tensor, torch.Tensor, Any, object], torch.Tensor] | None = None
 
 
 LOSSES = {
@@ -615,11 +635,12 @@ LOSSES = {
     "discopop": LossComponent(DiscoPOPConfig, discopop),
     "dpop": LossComponent(DPOPConfig, dpop),
     "f_dpo": LossComponent(FDPOConfig, f_dpo),
-    "ld_dpo": LossComponent(LDDPOConfig, dpo),
+    "ld_dpo": LossComponent(LDDPOConfig, dpo),  # DPO on the sums its tail_weight asks the scorer for
     "wpo": LossComponent(WPOConfig, wpo),
     "aot": LossComponent(AOTConfig, aot),
     "aot_unpaired": LossComponent(AOTConfig, aot_unpaired),
-    "kto": LossComponent(KTOConfig, kto),  # DPO on the sums its tail_weight asks the scorer for
+    "kto": LossComponent(KTOConfig, unpaired, labelled=kto_losses),
+    "apo_zero_unpaired": LossComponent(UnpairedConfig, unpaired, labelled=apo_zero_unpaired_losses),
     "simpo": LossComponent(SimPOConfig, simpo),
     "orpo": LossComponent(PreferenceLoss, orpo),
     "cpo": LossComponent(PreferenceLoss, cpo),

@@ -5,7 +5,7 @@ DPO reference."""
 import torch
 from omegaconf import OmegaConf
 
-from core.losses import LOSSES, PairStats, bradley_terry, compute, kto_losses, running_reward_mean
+from core.losses import LOSSES, PairStats, bradley_terry, compute, running_reward_mean
 
 
 class Objective:
@@ -63,7 +63,8 @@ class PreferenceObjective(Objective):
         reference."""
         reference_logps = torch.zeros_like(policy_logps) if reference_logps is None else reference_logps
         if labels is not None:
-            return self.labelled(policy_logps, reference_logps, n_tokens, split, batch_fields["kl_estimate"], labels)
+            kl_estimate = (batch_fields or {}).get("kl_estimate")
+            return self.labelled(policy_logps, reference_logps, n_tokens, split, kl_estimate, labels)
         stats = PairStats(*policy_logps.chunk(2), *reference_logps.chunk(2), *n_tokens.to(policy_logps).chunk(2))
         if log_sum_sq is not None:
             stats.chosen_log_sum_sq, stats.rejected_log_sum_sq = log_sum_sq.chunk(2)
@@ -84,12 +85,12 @@ class PreferenceObjective(Objective):
         return output.losses.mean(), metrics
 
     def labelled(self, policy_logps, reference_logps, n_tokens, split: str, kl_estimate, labels):
-        """KTO on labelled completions (losses.kto_losses): one response per example, desirable or not; the
-        chosen_nll term of nll_weight on desirable ones. Rewards beta r are logged as TRL's KTO logs them:
-        rewards_<split>/chosen over the desirable examples, /rejected over the others (NaN elsewhere, left out of
-        the means)."""
+        """A loss on labelled completions (LossComponent.labelled: kto, apo_zero_unpaired): one response per example,
+        desirable or not; the chosen_nll term of nll_weight on desirable ones. Rewards beta r are logged as TRL's
+        KTO logs them: rewards_<split>/chosen over the desirable examples, /rejected over the others (NaN elsewhere,
+        left out of the means); kto's reference point z0 as `kl`."""
         logratios = policy_logps - reference_logps
-        losses = kto_losses(logratios, labels, kl_estimate, self.loss)
+        losses = LOSSES[self.loss.name].labelled(logratios, labels, kl_estimate, self.loss)
         if self.loss.nll_weight:
             nll = -policy_logps / n_tokens.to(policy_logps).clamp(min=1)  # per-token, as losses.chosen_nll
             losses = losses + self.loss.nll_weight * torch.where(labels, nll, 0.0)
@@ -100,9 +101,10 @@ class PreferenceObjective(Objective):
             f"rewards_{split}/rejected": torch.where(labels, nan, rewards),
             f"logps_{split}/chosen": torch.where(labels, logps, nan),
             f"logps_{split}/rejected": torch.where(labels, nan, logps),
-            f"kl/{split}": kl_estimate.expand_as(rewards),
             f"loss/{split}": losses.detach(),
         }
+        if kl_estimate is not None:
+            metrics[f"kl/{split}"] = kl_estimate.expand_as(rewards)
         return losses.mean(), metrics
 
     def observe(self, metrics: dict[str, list[float]]) -> None:

@@ -4,6 +4,7 @@ micro-batch (`CoupledBatch`: every pair's statistics for aot, KTO's KL estimate 
 every example whose reference log-probs a run reads. The Trainer (trainers.py) calls these once per micro-batch and
 once per batch; build.py makes them."""
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 from core.examples import Examples, from_ids
 from core.layouts import ModelBatch, to_device
 from core.losses import PairStats
+from core.router_loss import RouterCounts, Routers, token_weights
 from core.scoring import Scorer
 from modeling.distributed import Topology
 
@@ -26,20 +28,35 @@ class Data:
 
 
 @dataclass
+class RouterPart:
+    """Where a micro-batch sits in its batch, for the router loss (router_loss): the batch's counts (None: this
+    micro-batch is its rank's whole share, and its own counts summed over the ranks are the batch's), its real
+    examples (the rest are a rank's padding copies), the batch's, and the micro-batches of the batch over all ranks
+    (the trainer divides each one's loss by the accumulation and averages over ranks: its part is multiplied back)."""
+
+    counts: RouterCounts | None
+    n_real: int
+    batch_examples: int
+    parts: int
+
+
+@dataclass
 class CoupledBatch:
     """What a loss reads from the whole batch (an optimizer step's, or an eval batch), computed before its first
     micro-batch: for aot every pair's statistics, detached, in batch order on every rank, with where each of this
-    rank's micro-batches sits in it and its reference log-probs (computed once, here); for kto the KL estimate."""
+    rank's micro-batches sits in it and its reference log-probs (computed once, here); for kto the KL estimate; for
+    the router loss where each micro-batch sits and, where a rank has several, the batch's router counts."""
 
     stats: PairStats | None  # [G]
     positions: list[torch.Tensor | None]  # [b] per micro-batch
     reference_logps: list[torch.Tensor | None]  # [2b] per micro-batch
     kl_estimate: torch.Tensor | None  # [] float32
+    router: list[RouterPart] | None = None  # per micro-batch
 
-    def part(self, index: int) -> tuple[dict, torch.Tensor | None]:
-        """(the PairStats fields of micro-batch `index`, its reference log-probs if computed here)."""
+    def part(self, index: int) -> tuple[dict, torch.Tensor | None, RouterPart | None]:
+        """(the PairStats fields of micro-batch `index`, its reference log-probs if computed here, its RouterPart)."""
         fields = {"batch": self.stats, "batch_positions": self.positions[index], "kl_estimate": self.kl_estimate}
-        return fields, self.reference_logps[index]
+        return fields, self.reference_logps[index], self.router and self.router[index]
 
 
 @dataclass
@@ -54,15 +71,18 @@ class BatchLoss:
     reference: object | None  # reference_cache.LiveReference or CachedReference; None for a loss without one
     topology: Topology
     max_lengths: tuple[int, int]  # max_length, max_prompt_length: of KTO's mismatched examples
+    routers: Routers | None = None  # the policy's, where its router loss is on (router_loss)
 
     def __call__(self, examples: list[dict], split: str, batch: ModelBatch | None = None, coupled=None):
         """batch: the examples already laid out, else they are laid out here (once: policy and a live reference
-        share it). coupled: CoupledBatch.part of this micro-batch, for a loss that reads the whole batch."""
+        share it). coupled: CoupledBatch.part of this micro-batch, for a loss that reads the whole batch (always
+        given where the router loss is on)."""
         batch = batch or self.scorer.batch(examples)
         with_sum_sq = self.objective.reads_sum_sq
-        scores = self.scorer(self.policy, batch, self.policy_compute, with_sum_sq)  # a reward model's rewards
+        with self.recorded_routers() as router_logits:
+            scores = self.scorer(self.policy, batch, self.policy_compute, with_sum_sq)  # a reward model's rewards
         policy_logps, log_sum_sq = scores if with_sum_sq else (scores, None)
-        fields, reference_logps = coupled or ({}, None)
+        fields, reference_logps, router = coupled or ({}, None, None)
         if reference_logps is None and self.reference is not None:
             reference_logps = self.reference(examples, batch)
         labels = None
@@ -71,7 +91,31 @@ class BatchLoss:
         lengths, margins = batch.sequence_lengths, {}
         if self.objective.reads_margins and "margin" in examples[0]:  # a data column (reward models)
             margins["margins"] = to_device(torch.tensor([ex["margin"] for ex in examples]), policy_logps.device)
-        return self.objective(policy_logps, reference_logps, lengths, split, log_sum_sq, fields, labels, **margins)
+        loss, metrics = self.objective(
+            policy_logps, reference_logps, lengths, split, log_sum_sq, fields, labels, **margins
+        )
+        if self.routers is None:
+            return loss, metrics
+        part = self.routers.loss(*self.router_sums(router_logits, batch, examples, router))
+        metrics[f"aux_loss/{split}"] = (
+            (part * router.batch_examples / max(router.n_real, 1)).detach().expand(len(examples))
+        )
+        return loss + self.routers.coefficient * router.parts * part, metrics
+
+    def recorded_routers(self):
+        """The policy's router logits of the forwards inside (router_loss.Routers.recorded), where its loss is on."""
+        return self.routers.recorded(self.policy) if self.routers is not None else contextlib.nullcontext([])
+
+    def router_sums(self, logits: list, batch: ModelBatch, examples: list[dict], router: RouterPart):
+        """(this forward's router sums, the batch's router counts)."""
+        sums = self.routers.sums(logits, token_weights(batch, examples, router.n_real))
+        counts = router.counts if router.counts is not None else self.over_ranks(sums.counts)  # a rank's whole share
+        return sums, counts
+
+    def over_ranks(self, counts: RouterCounts) -> RouterCounts:
+        """Router counts summed over the data-parallel ranks."""
+        summed = self.topology.sum_over_dp(torch.cat([counts.choices, counts.tokens.reshape(1)]))
+        return RouterCounts(summed[:-1], summed[-1])
 
     def couple(self, examples: list[dict], batch_size: int, accumulation: int) -> CoupledBatch | None:
         """What the loss reads from the whole batch `examples` (cut into micro-batches as Topology.micro_batches
@@ -84,16 +128,38 @@ class BatchLoss:
         micro_batches, n_real = self.topology.micro_batches(examples, batch_size, accumulation)
         several = len(micro_batches) > 1 or self.topology.dp_size > 1
         pairs = self.objective.couples_pairs and several
-        if not pairs and not self.objective.needs_kl_estimate:
+        if not pairs and not self.objective.needs_kl_estimate and self.routers is None:
             return None
-        stats, kl = None, None
+        stats, kl, router = None, None, None
         positions, references = [None] * len(micro_batches), [None] * len(micro_batches)
         with torch.no_grad():
             if pairs:
                 stats, positions, references = self.batch_statistics(micro_batches, n_real, len(examples))
             if self.objective.needs_kl_estimate:
                 kl = self.kl_estimate(mismatched(examples, *self.max_lengths), batch_size, accumulation)
-        return CoupledBatch(stats, positions, references, kl)
+            if self.routers is not None:
+                router = self.router_parts(micro_batches, n_real, len(examples))
+        return CoupledBatch(stats, positions, references, kl, router)
+
+    def router_parts(self, micro_batches: list[list[dict]], n_real: int, n_examples: int) -> list[RouterPart]:
+        """Each micro-batch's RouterPart; where this rank has several, the batch's router counts from a no-grad
+        forward of each (router_loss: the choices of the whole batch are needed before the first backward)."""
+        size = len(micro_batches[0])
+        reals = [max(0, min(size, n_real - index * size)) for index in range(len(micro_batches))]
+        parts = len(micro_batches) * self.topology.dp_size
+        counts = None
+        if len(micro_batches) > 1:
+            counts = RouterCounts(
+                torch.zeros(self.routers.n_experts, device=self.topology.device),
+                torch.zeros((), device=self.topology.device),
+            )
+            for examples, real in zip(micro_batches, reals):
+                batch = self.scorer.batch(examples)
+                with self.recorded_routers() as logits:
+                    self.scorer(self.policy, batch, self.policy_compute)
+                counts = counts + self.routers.sums(logits, token_weights(batch, examples, real)).counts
+            counts = self.over_ranks(counts)
+        return [RouterPart(counts, real, n_examples, parts) for real in reals]
 
     def batch_statistics(self, micro_batches: list[list[dict]], n_real: int, n_examples: int):
         """(PairStats [G] of the whole batch, where each micro-batch's pairs are in it, their reference log-probs)."""

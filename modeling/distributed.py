@@ -158,6 +158,13 @@ class Topology:
         dist.all_gather_object(parts, dict(values), group=self.mesh.get_group("dp"))
         return {name: [v for part in parts for v in part[name]] for name in parts[0]}
 
+    def sum_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over the data-parallel ranks (every rank of a tensor-parallel group holds the same)."""
+        if self.dp_size > 1:
+            tensor = tensor.clone()
+            dist.all_reduce(tensor, group=self.mesh.get_group("dp"))
+        return tensor
+
     def any(self, flag: bool) -> bool:
         """Whether `flag` holds on any rank; every rank gets the same answer."""
         if self.world_size == 1:

@@ -45,8 +45,9 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def matmul_seconds(dtype: torch.dtype, repeats: int = 5) -> float:
-    """Best time of a PROBE_SIZE square matmul in `dtype` on the CPU."""
+def matmul_seconds(dtype: torch.dtype, repeats: int) -> float:
+    """Best time of `repeats` PROBE_SIZE square matmuls in `dtype` on the CPU: the best, because other processes
+    on a shared machine only ever slow one down."""
     a = torch.randn(PROBE_SIZE, PROBE_SIZE).to(dtype)
     a @ a  # warm-up: kernel selection and first-touch
     best = float("inf")
@@ -58,11 +59,12 @@ def matmul_seconds(dtype: torch.dtype, repeats: int = 5) -> float:
 
 
 def probe_cpu_matmul_flops() -> dict[str, float]:
-    """FLOP/s of a PROBE_SIZE square matmul on this CPU, by dtype name (float32, bfloat16)."""
+    """FLOP/s of a PROBE_SIZE square matmul on this CPU, by dtype name (float32, bfloat16). Ten repeats of float32
+    (about 3 ms each at 0.1 TFLOP/s), five of bfloat16 (0.2 s each where it is emulated)."""
     flops = 2 * PROBE_SIZE**3
     return {
-        "float32": flops / matmul_seconds(torch.float32),
-        "bfloat16": flops / matmul_seconds(torch.bfloat16, repeats=3),
+        "float32": flops / matmul_seconds(torch.float32, repeats=10),
+        "bfloat16": flops / matmul_seconds(torch.bfloat16, repeats=5),
     }
 
 
@@ -106,9 +108,10 @@ def device_key(device: torch.device) -> str:
     return machine_key()
 
 
-def cpu_matmul_flops(cache_dir: Path) -> dict[str, float]:
+def cpu_matmul_flops(cache_dir: Path, again: bool = False) -> dict[str, float]:
     """This CPU's matmul FLOP/s by dtype name (probe_cpu_matmul_flops), measured once per machine and cached in
-    cache_dir/precision_probe.json; a damaged or older file is measured again."""
+    cache_dir/precision_probe.json; a damaged or older file is measured again. again: measure now and keep the
+    faster of each rate (a probe that ran while the machine was loaded measured too little)."""
     machine = machine_key()
     cache_file = cache_dir / "precision_probe.json"
     try:
@@ -117,9 +120,13 @@ def cpu_matmul_flops(cache_dir: Path) -> dict[str, float]:
         cached = {}
     cached = cached if isinstance(cached, dict) else {}
     rates = cached.get(machine)
-    if isinstance(rates, dict) and all(isinstance(rates.get(name), (int, float)) for name in ("float32", "bfloat16")):
+    valid = isinstance(rates, dict) and all(
+        isinstance(rates.get(name), (int, float)) for name in ("float32", "bfloat16")
+    )
+    if valid and not again:
         return rates
-    rates = probe_cpu_matmul_flops()
+    measured = probe_cpu_matmul_flops()
+    rates = {name: max(rate, rates[name]) for name, rate in measured.items()} if valid else measured
     try:
         storage.write_text(cache_file, json.dumps({**cached, machine: rates}, indent=1))
     except storage.WriteFailed as error:  # the answer stands; it is measured again next time
@@ -151,6 +158,41 @@ def auto_compute_dtype(topology, cache_dir: Path, autocast: bool) -> torch.dtype
         f"precision: {f'bfloat16 compute ({how})' if dtype else 'float32'}, because {why} (model.fsdp_policy_mp=auto)"
     )
     return dtype
+
+
+# An explicit compute dtype this many times slower than `auto`'s choice gets a line: bfloat16 on an AVX2-only CPU
+# (~100x), not float32 where bfloat16 is merely faster (2-4x on AVX512-BF16: float32's exactness may be the point).
+SLOW_FACTOR = 10
+
+
+def slow_precision_note(setting: str | None, precision: "Precision", device: torch.device, cache_dir: Path):
+    """One line where an explicit model.fsdp_policy_mp (setting: anything but auto) has the policy compute far
+    slower on this device than `auto` would, with the measured ratio and the key to change; None otherwise. The run
+    goes on: the user asked for it."""
+    if setting == "auto":
+        return None
+    compute = precision.policy_compute or precision.policy_weights
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(compute)
+    if device.type == "cuda":
+        if compute == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+            gpu = torch.cuda.get_device_name(device)
+            return (
+                f"precision: bfloat16 compute, as configured, is emulated on {gpu} (no native bfloat16), slower than "
+                "float32; model.fsdp_policy_mp=auto computes in float32 here"
+            )
+        return None
+    if name is None:  # float16 on a CPU: not probed
+        return None
+    rates = cpu_matmul_flops(cache_dir)
+    auto = "bfloat16" if rates["bfloat16"] / rates["float32"] >= REQUIRED_SPEEDUP else "float32"
+    ratio = rates[auto] / rates[name]
+    if ratio < SLOW_FACTOR:
+        return None
+    return (
+        f"precision: {name} compute, as configured, runs matmuls {ratio:.3g}x slower than {auto} on this CPU "
+        f"({cpu_name()}: {rates[name] / 1e12:.3g} against {rates[auto] / 1e12:.3g} TFLOP/s, "
+        f"{cache_dir / 'precision_probe.json'}); model.fsdp_policy_mp=auto computes in {auto} here"
+    )
 
 
 @dataclass(frozen=True)

@@ -316,6 +316,21 @@ def tiny_lm_config(model_type: str, **overrides):
     return transformers.AutoConfig.for_model(model_type, **sizes)
 
 
+def save_tiny_lm(directory: Path, model_type: str, **overrides) -> Path:
+    """A tiny causal LM of `model_type` (tiny_lm_config, over the tiny tokenizer's ids), random weights from seed 0,
+    saved with the tiny tokenizer in `directory`, for runs of model=blank_model model.name_or_path=directory."""
+    import transformers
+
+    tiny = transformers.AutoConfig.from_pretrained(TINY_DIR)
+    ids = dict(vocab_size=tiny.vocab_size, eos_token_id=tiny.eos_token_id, pad_token_id=tiny.pad_token_id)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(tiny_lm_config(model_type, **ids, **overrides)).save_pretrained(
+        directory
+    )
+    transformers.AutoTokenizer.from_pretrained(TINY_DIR).save_pretrained(directory)
+    return directory
+
+
 # -------------------------------------------------------------------------------------------------------------
 # Real storage faults: a filesystem of a given size, filled on demand, and a read-only view of a directory
 

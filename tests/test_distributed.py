@@ -10,19 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from conftest import (
     PADDED_BASELINE,
     REPO_ROOT,
-    TINY_DIR,
     arithmetic_pairs,
     assert_same_metrics,
     assert_same_weights,
     build_trainer,
     read_jsonl,
     run_cli,
-    tiny_lm_config,
+    save_tiny_lm,
     tiny_run_overrides,
     write_jsonl,
 )
@@ -465,28 +464,27 @@ def test_rounds_match_basic_trainer_across_processes(tmp_path, pairs_file, launc
     assert_same_weights(tmp_path / "basic", tmp_path / "run")
 
 
+def test_fsdp_trains_a_mixture_of_experts_with_its_router_loss_as_one_process(tmp_path, pairs_file, launch):
+    # The router loss's batch is the whole step over both ranks (core/router_loss.py): each rank's counts are
+    # summed before the loss, so 2 ranks reproduce one process step by step and weight by weight, aux_loss included.
+    model_dir = save_tiny_lm(tmp_path / "mixtral", "mixtral", num_local_experts=4, num_experts_per_tok=2)
+    model = ("model=blank_model", f"model.name_or_path={model_dir}", "model.fsdp_policy_mp=null", "n_examples=16")
+    launch(tmp_path / "basic", pairs_file, *model, "trainer=BasicTrainer")
+    launch(tmp_path / "fsdp", pairs_file, *model, "trainer=FSDPTrainer")
+    basic = read_jsonl(tmp_path / "basic" / "metrics.jsonl")
+    assert sum("aux_loss/train" in r for r in basic) == 2
+    assert_same_metrics(basic, read_jsonl(tmp_path / "fsdp" / "metrics.jsonl"))
+    assert_same_weights(tmp_path / "basic", tmp_path / "fsdp")
+
+
 @pytest.mark.slow
 def test_a_sliding_window_model_packs_alike_on_one_rank_and_across_processes(tmp_path, pairs_file, launch):
     # A Qwen2 with a 4-token window on its second layer (full attention on its first): packed rows with a mask per
     # layer type, under FSDP and tensor parallelism on 2 ranks, reproduce BasicTrainer's padded run (transformers'
     # own windowed masks, all logits) step by step and weight by weight.
-    import transformers
-
-    model_dir = tmp_path / "qwen2-window"
-    tiny = transformers.AutoConfig.from_pretrained(TINY_DIR)
-    config = tiny_lm_config(
-        "qwen2",
-        vocab_size=tiny.vocab_size,
-        eos_token_id=tiny.eos_token_id,
-        pad_token_id=tiny.pad_token_id,
-        use_sliding_window=True,
-        sliding_window=4,
-        max_window_layers=1,
-    )
-    assert config.layer_types == ["full_attention", "sliding_attention"]
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
-    transformers.AutoTokenizer.from_pretrained(TINY_DIR).save_pretrained(model_dir)
+    window = dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    model_dir = save_tiny_lm(tmp_path / "qwen2-window", "qwen2", **window)
+    assert AutoConfig.from_pretrained(model_dir).layer_types == ["full_attention", "sliding_attention"]
     model = ("model=blank_model", f"model.name_or_path={model_dir}", "model.fsdp_policy_mp=null")
     padded = tmp_path / "padded"
     launch(padded, pairs_file, *model, "trainer=BasicTrainer", *PADDED_BASELINE)

@@ -297,6 +297,24 @@ def test_kto_closed_form_on_pairs():
     assert compute(config, s, {}).losses.item() == pytest.approx((0.5 + 1.5 * 0.5) / 2)
 
 
+def test_apo_zero_unpaired_closed_form_on_pairs_and_on_labelled_responses():
+    # APO-zero unpaired (TRL's KTO loss_type) with c = 1, r = -1, beta 0.5, lambda_D = 1, lambda_U = 1.5: chosen
+    # 1 - sigma(0.5), rejected 1.5 sigma(-0.5), no reference point; the pair's loss is their mean. Its gradient in
+    # pc: -beta sigma(0.5) sigma(-0.5) / 2.
+    config = preset("apo_zero_unpaired", "loss.beta=0.5", "loss.undesirable_weight=1.5")
+    assert config.needs_reference() and config.reads_labels() and not config.needs_kl_estimate()
+    s = stats(requires_grad=True)
+    output = compute(config, s, {})
+    assert output.losses.item() == pytest.approx(((1 - sigmoid(0.5)) + 1.5 * sigmoid(-0.5)) / 2, abs=1e-7)
+    assert output.terms is None  # no kl to log
+    output.losses.sum().backward()
+    assert s.policy_chosen.grad.item() == pytest.approx(-0.5 * sigmoid(0.5) * sigmoid(-0.5) / 2, abs=1e-7)
+    # labelled responses one at a time: log-ratios 2 (desirable) and 2 (undesirable)
+    labelled = LOSSES["apo_zero_unpaired"].labelled
+    losses = labelled(torch.tensor([2.0, 2.0]), torch.tensor([True, False]), None, config)
+    torch.testing.assert_close(losses, torch.tensor([1 - sigmoid(1.0), 1.5 * sigmoid(1.0)]), rtol=0, atol=1e-7)
+
+
 def test_dpop_penalises_chosen_below_the_reference():
     # pc = -2.5 < rc = -2: c = -0.5, r = -1, h = 0.5, penalty 50 x 0.5; -log sigma(0.5 (0.5 - 25))
     config = DPOPConfig(name="dpop", beta=0.5, nll_weight=0.0, length_normalized=False, dpop_lambda=50.0)

@@ -31,16 +31,22 @@ def test_kto_starts_at_its_closed_form_with_a_zero_kl_estimate(make_config, cach
     assert evals[-1]["loss/eval"] < evals[0]["loss/eval"]
 
 
-@pytest.mark.parametrize("reference", ["cached", "live", "LoRA's base"])
-def test_kto_on_labelled_completions_starts_at_its_closed_form(make_config, labelled_file, reference):
-    # Thumbs up or down on single answers: at step 0, z0 = 0 and each completion scores lambda / 2: 1/2 for the
-    # desirable half of the held-out prompts' completions and 3/2 for the other half, 1 on average; rewards 0.
+@pytest.mark.parametrize(
+    "loss, reference", [("kto", "cached"), ("kto", "live"), ("kto", "LoRA's base"), ("apo_zero_unpaired", "cached")]
+)
+def test_unpaired_losses_on_labelled_completions_start_at_their_closed_form(
+    make_config, labelled_file, loss, reference
+):
+    # Thumbs up or down on single answers: at step 0 (log-ratios 0; for kto, z0 = 0) each completion scores
+    # lambda / 2: 1/2 for the desirable half of the held-out prompts' completions and 3/2 for the other half, 1 on
+    # average; rewards 0.
     how = {"cached": (), "live": ("reference_cache=false",), "LoRA's base": ("lora.enabled=true", "lr=1e-2")}
-    overrides = ("loss=kto", "loss.undesirable_weight=3.0", *how[reference])
+    overrides = (f"loss={loss}", "loss.undesirable_weight=3.0", *how[reference])
     config = make_config(f"datasets=[{labelled_file}]", "n_examples=16", *overrides)
     train.run(config)
     evals = records(train.Path(config.local_run_dir), "eval")
-    assert evals[0]["kl/eval"] == 0.0 and evals[0]["loss/eval"] == pytest.approx(1.0, abs=1e-7)
+    assert evals[0]["loss/eval"] == pytest.approx(1.0, abs=1e-7)
+    assert evals[0].get("kl/eval") == (0.0 if loss == "kto" else None)
     assert evals[0]["rewards_eval/chosen"] == 0.0 and evals[0]["rewards_eval/rejected"] == 0.0
     assert evals[-1]["loss/eval"] < evals[0]["loss/eval"]
     # desirable answers end above undesirable ones: each column averaged over its own examples only (NaN elsewhere)
@@ -53,8 +59,9 @@ def test_a_last_eval_batch_of_one_joins_the_one_before_for_kto(make_config):
     assert [len(b) for b in build_trainer(make_config("n_eval_examples=9", "loss=kto")).data.eval_batches] == [9]
 
 
-def test_labelled_completions_train_only_kto(make_config, labelled_file):
-    with pytest.raises(UserError, match=r"hold labelled completions \(prompt, completion, label\): only loss=kto"):
+def test_labelled_completions_train_only_unpaired_losses(make_config, labelled_file):
+    expected = r"hold labelled completions \(prompt, completion, label\): only loss=kto and loss=apo_zero_unpaired "
+    with pytest.raises(UserError, match=expected):
         train.run(make_config(f"datasets=[{labelled_file}]", "loss=dpo"))
 
 

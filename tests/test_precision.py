@@ -100,3 +100,42 @@ def test_a_cache_written_with_bf16_kernels_is_not_read_where_they_are_limited_aw
     assert avx2["bfloat16"] < avx2["float32"] and emulated == "None"  # bf16 emulated through float32: slower
     if "avx512_bf16" in precision.cpu_flags() or "amx_bf16" in precision.cpu_flags():
         assert native == "torch.bfloat16"  # native bf16 dot products: several times float32
+
+
+@pytest.mark.parametrize(
+    "speedup, compute, expected",
+    [
+        (0.0077, torch.bfloat16, "bfloat16 compute, as configured, runs matmuls 130x slower than float32"),  # AVX2
+        (0.0077, torch.float32, None),
+        (3.0, torch.float32, None),  # bfloat16 merely faster: float32's exactness may be the point
+        (3.0, torch.bfloat16, None),
+        (20.0, torch.float32, "float32 compute, as configured, runs matmuls 20x slower than bfloat16"),
+    ],
+)
+def test_an_explicit_precision_far_slower_than_autos_choice_gets_one_line(
+    monkeypatch, tmp_path, speedup, compute, expected
+):
+    monkeypatch.setattr(precision, "probe_cpu_matmul_flops", probe_returning(speedup, []))
+    chosen = precision.Precision(torch.float32, compute, torch.float32, compute, True, True)
+    note = precision.slow_precision_note("bfloat16", chosen, torch.device("cpu"), tmp_path)
+    if expected is None:
+        assert note is None
+    else:
+        assert note.startswith(f"precision: {expected} on this CPU (") and "model.fsdp_policy_mp=auto computes" in note
+    assert precision.slow_precision_note("auto", chosen, torch.device("cpu"), tmp_path) is None
+
+
+def test_a_dry_run_in_bfloat16_on_an_avx2_cpu_says_how_slow(run_main, tmp_path, pairs_file):
+    # The probe's cache as an AVX2-only CPU leaves it (bfloat16 0.00135 TFLOP/s, float32 0.176): the design card's
+    # line model.fsdp_policy_mp=bfloat16 is told, in one line, before it starts a run 130x slower than it could be.
+    rates = {"float32": 1.76e11, "bfloat16": 1.35e9}
+    (tmp_path / "precision_probe.json").write_text(json.dumps({machine_key(): rates}))
+    overrides = ("model=tiny", f"datasets=[{pairs_file}]", f"local_dirs=[{tmp_path}]", "n_eval_examples=8")
+    result = run_main("dry_run=true", "model.fsdp_policy_mp=bfloat16", *overrides)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if "as configured" in line]
+    assert lines == [
+        f"precision: bfloat16 compute, as configured, runs matmuls 130x slower than float32 on this CPU "
+        f"({precision.cpu_name()}: 0.00135 against 0.176 TFLOP/s, {tmp_path / 'precision_probe.json'}); "
+        "model.fsdp_policy_mp=auto computes in float32 here"
+    ]

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from reporting import telemetry
-from reporting.telemetry import ModelFlops, Throughput, peak_flops, real_tokens, scored_tokens, visible_pairs
+from reporting.telemetry import ModelFlops, PeakRate, Throughput, peak_flops, real_tokens, scored_tokens, visible_pairs
 
 # prompt 3, chosen 2, rejected 1 tokens
 EXAMPLE = {"prompt": [1, 2, 3], "responses": [[4, 5], [6]]}
@@ -74,30 +74,29 @@ def test_model_flops_of_a_llama_with_and_without_lora():
 def test_gpu_peaks_by_name(monkeypatch, name, tflops):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     monkeypatch.setattr(telemetry, "measured_matmul_flops", lambda device, dtype: pytest.fail("not measured"))
-    assert peak_flops(torch.device("cuda", 0), torch.bfloat16, None) == (
-        tflops * 1e12,
-        f"{name}'s datasheet bfloat16 peak",
+    assert peak_flops(torch.device("cuda", 0), torch.bfloat16, None) == PeakRate(
+        tflops * 1e12, f"{name}'s datasheet bfloat16 peak"
     )
 
 
 def test_unknown_gpus_and_other_dtypes_are_measured(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 4090")
     monkeypatch.setattr(telemetry, "measured_matmul_flops", lambda device, dtype: 1.5e14)
-    assert peak_flops(torch.device("cuda", 0), torch.bfloat16, None)[0] == 1.5e14
+    assert peak_flops(torch.device("cuda", 0), torch.bfloat16, None).flops == 1.5e14
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    assert peak_flops(torch.device("cuda", 0), torch.float32, None)[0] == 1.5e14  # TF32, not in the table
+    assert peak_flops(torch.device("cuda", 0), torch.float32, None).flops == 1.5e14  # TF32, not in the table
 
 
 def test_a_cpus_peak_is_the_precision_probes_rate(tmp_path):
     from modeling.precision import machine_key
 
     (tmp_path / "precision_probe.json").write_text(json.dumps({machine_key(): {"float32": 1e11, "bfloat16": 4e11}}))
-    assert peak_flops(torch.device("cpu"), torch.bfloat16, tmp_path)[0] == 4e11
-    assert peak_flops(torch.device("cpu"), torch.float32, tmp_path)[0] == 1e11
+    assert peak_flops(torch.device("cpu"), torch.bfloat16, tmp_path).flops == 4e11
+    assert peak_flops(torch.device("cpu"), torch.float32, tmp_path).flops == 1e11
 
 
 def test_throughput_rates():
-    speed = Throughput(peak=1e12, devices=2, device=torch.device("cpu"))
+    speed = Throughput(peak=PeakRate(1e12, "given"), devices=2, device=torch.device("cpu"))
     speed.add(seconds=1.5, pairs=3, computed_tokens=90, real_tokens=60, scored_tokens=30, flops=6e11)
     speed.add(seconds=0.5, pairs=1, computed_tokens=10, real_tokens=20, scored_tokens=10, flops=4e11)
     rates = speed.rates()
@@ -105,3 +104,30 @@ def test_throughput_rates():
     assert rates["perf/real_tokens_per_second"] == 40 and rates["perf/scored_tokens_per_second"] == 20
     assert rates["perf/mfu"] == 1e12 / (2 * 2 * 1e12)
     assert 0 < rates["perf/peak_rss_gib"] < 64
+
+
+def test_a_measured_peak_that_training_beats_is_measured_again_and_mfu_never_exceeds_one(tmp_path, monkeypatch):
+    # The probe ran while the machine was loaded: 1e9 FLOP/s cached. Training then does 4e9 useful FLOP/s: the
+    # probe runs again (once), the faster rate is kept and cached, and MFU is against it. Where even that is beaten,
+    # no MFU is reported rather than one above 100%.
+    from modeling import precision
+
+    (tmp_path / "precision_probe.json").write_text(
+        json.dumps({precision.machine_key(): {"float32": 1e9, "bfloat16": 1e7}})
+    )
+    probes = []
+    monkeypatch.setattr(
+        precision, "probe_cpu_matmul_flops", lambda: probes.append(1) or {"float32": 8e9, "bfloat16": 2e6}
+    )
+    peak = peak_flops(torch.device("cpu"), torch.float32, tmp_path)
+    assert peak.flops == 1e9 and not probes
+    speed = Throughput(peak, devices=1, device=torch.device("cpu"))
+    speed.add(seconds=1.0, pairs=1, computed_tokens=1, real_tokens=1, scored_tokens=1, flops=4e9)
+    assert speed.rates()["perf/mfu"] == 0.5 and len(probes) == 1
+    assert json.loads((tmp_path / "precision_probe.json").read_text())[precision.machine_key()] == {
+        "float32": 8e9, "bfloat16": 1e7,
+    }  # fmt: skip
+    assert "MFU 50.00% of 0.008 TFLOP/s per device x 1" in speed.describe()
+    speed.add(seconds=0.0, pairs=0, computed_tokens=0, real_tokens=0, scored_tokens=0, flops=8e9)  # 12e9 FLOP/s
+    assert "perf/mfu" not in speed.rates() and len(probes) == 1  # measured again once per run, not per interval
+    assert "MFU not reported: training ran faster than the peak of 0.008 TFLOP/s per device" in speed.describe()
