@@ -527,7 +527,7 @@ def dpop(s: PairStats, cfg: DPOPConfig, state: dict) -> LossOutput:
     return rewards(s, cfg.beta, -F.logsigmoid(cfg.beta * (s.margin - penalty)))
 
 
-EXPONENT_CAP = 80.0  # exp(80) ~ 5.5e34 stays finite in float32 (its largest is ~3.4e38): the cap TRL uses too
+EXPONENT_CAP = 80.0  # exp(80) ~ 5.5e34 stays finite in float32 (largest ~3.4e38); TRL caps its alpha divergence so
 
 
 def f_dpo(s: PairStats, cfg: FDPOConfig, state: dict) -> LossOutput:
