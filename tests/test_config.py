@@ -62,8 +62,8 @@ from utils import UserError
         ),
         (
             ["loss=ipo", "loss.label_smoothing=0.1"],
-            "unknown key 'loss.label_smoothing' in loss=ipo; valid: name, beta, nll_weight, length_normalized, "
-            "reference_free",
+            "unknown key 'loss.label_smoothing' in loss=ipo; valid: router_aux_loss_coef, name, beta, nll_weight, "
+            "length_normalized, reference_free",
         ),
         (["loss.label_smoothing=0.6"], "loss.label_smoothing=0.6 must be in [0, 0.5]"),
         (["loss=robust", "loss.label_smoothing=0.5"], "loss.label_smoothing=0.5 must be in (0, 0.5)"),
