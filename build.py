@@ -69,7 +69,8 @@ def load_data(
     """The run's examples, tokenized once per machine and cached (tokenized.load_examples), or given as `pairs`
     ({"train": ..., "test": ...}, tokenized in memory); SFT's one example per prompt; the first n_eval_examples held
     out ones for eval; the training schedule. report: print the data report."""
-    settings = Tokenization(config.max_length, config.max_prompt_length, objective.sft_targets)
+    chat_template_kwargs = OmegaConf.to_container(config.chat_template_kwargs)
+    settings = Tokenization(config.max_length, config.max_prompt_length, objective.sft_targets, chat_template_kwargs)
     if pairs is None:
         splits = load_examples(config.datasets, tokenizer, settings, config.seed, config.n_eval_examples, cache_dir)
     else:

@@ -33,6 +33,7 @@ from core.scoring import ATTENTIONS
 from modeling.adapters import LoraSettings
 from modeling.distributed import TRAINERS, mesh_shape, planned_world_size
 from modeling.precision import parse_dtype
+from preference_datasets import template_kwargs_problem
 from utils import NON_NEGATIVE, POSITIVE, REPO_ROOT, Range, UserError, check_ranges, first_line, ranged
 
 CONFIG_DIR = REPO_ROOT / "config"
@@ -172,6 +173,7 @@ class Config:
     debug: bool = MISSING
     dry_run: bool = MISSING
     datasets: list[str] = MISSING
+    chat_template_kwargs: dict[str, Any] = MISSING
     wandb: WandbConfig = MISSING
     local_dirs: list[str] = MISSING
     local_run_dir: Optional[str] = MISSING
@@ -229,6 +231,9 @@ class Config:
         )
         if not self.datasets:
             raise UserError("datasets=[] names no dataset; give at least one, e.g. datasets=[demo]")
+        problem = template_kwargs_problem(self.chat_template_kwargs)
+        if problem:
+            raise UserError(f"chat_template_kwargs={as_override(self.chat_template_kwargs)} {problem}")
         if not self.local_dirs:
             raise UserError("local_dirs=[] names no directory; give at least one for run outputs and caches")
         for i, directory in enumerate(self.local_dirs):

@@ -6,7 +6,8 @@ Every source becomes a stream of `PreferencePair`s. Formats are recognised by th
                                                including the last "\\n\\nAssistant:" (Anthropic HH-RLHF)
   explicit:       prompt, chosen, rejected     strings
   conversational: [prompt,] chosen, rejected   lists of {"role", "content"} messages, rendered with the
-                                               tokenizer's chat template
+                                               tokenizer's chat template as TRL renders them (ChatTemplate),
+                                               optionally with `tools` and `chat_template_kwargs` columns
   shp:            history, human_ref_A, human_ref_B, labels, score_A, score_B   (Stanford SHP)
   se:             question, answers[{text, pm_score}]                           (Stack Exchange preferences)
 and labelled completions (thumbs up or down on single answers, for KTO) become `LabelledCompletion`s:
@@ -20,6 +21,7 @@ import hashlib
 import html.parser
 import json
 import math
+import os
 import random
 import re
 import zlib
@@ -55,6 +57,8 @@ class PreferencePair:
     sft_target: str  # the response SFT trains on for this prompt
     truncation_mode: str  # "keep_end" keeps the end of an over-long prompt, "keep_start" its start
     margin: float = 0.0  # how far apart the pair was rated (a `margin` column): reward models read it
+    append_eos: bool = True  # EOS ends each response; false where a chat template rendered them and ended them
+    with_tools: bool = False  # the prompt was rendered with tool schemas
 
 
 @dataclass(frozen=True)
@@ -65,10 +69,115 @@ class LabelledCompletion:
     completion: str
     label: bool
     truncation_mode: str
+    append_eos: bool = True
+    with_tools: bool = False
 
 
 class RowSkipped(Exception):
     """A row that cannot train (e.g. an empty response); it is counted and skipped, never fatal."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Chat templates: conversational rows into text
+
+
+# apply_chat_template's arguments that the rendering sets itself, which chat_template_kwargs may not set
+RENDERING_ARGUMENTS = ("conversation", "tokenize", "add_generation_prompt", "continue_final_message")
+
+
+def template_kwargs_problem(kwargs: dict) -> str | None:
+    """Why these keyword arguments cannot go to every apply_chat_template call, or None."""
+    taken = [key for key in kwargs if key in RENDERING_ARGUMENTS]
+    if taken:
+        return (
+            f"sets {', '.join(taken)}, which the rendering sets itself (the prompt alone with the generation prompt, "
+            "prompt and response together without)"
+        )
+    return None
+
+
+def tool_list(tools: Any) -> list | None:
+    """A row's tools as the chat template takes them: a list of tool schemas (JSON objects; callables from Python),
+    given as such or as a JSON string of one; None for none, an empty list included (as TRL: a template may render
+    tool boilerplate for an empty list)."""
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"tools is a string but not JSON ({error.msg} at character {error.pos})") from None
+    expected = "expected a list of tool schemas (JSON objects), or a JSON string of one"
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError(f"tools is a {type(tools).__name__}, {expected}")
+    for tool in tools or []:
+        if not isinstance(tool, dict) and not callable(tool):
+            raise ValueError(f"tools holds a {type(tool).__name__}, {expected}")
+    return tools or None
+
+
+def refuse_template_columns(row: dict) -> None:
+    """A row of strings renders with no chat template, so its tools or chat_template_kwargs would be dropped
+    silently: a ValueError instead."""
+    for column, given in (
+        ("tools", tool_list(row.get("tools"))),
+        ("chat_template_kwargs", row.get("chat_template_kwargs")),
+    ):
+        if given:
+            raise ValueError(
+                f"the row has {column}, but its texts are strings, which no chat template renders: give its prompt "
+                "and responses as lists of messages"
+            )
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """How conversational rows become text: the tokenizer's chat template, called as TRL 1.16 calls it (DPOTrainer's
+    and KTOTrainer's tokenization, trl.data_utils.apply_chat_template), with the same keyword arguments on every
+    call for a row: the run's chat_template_kwargs, overridden by the row's `tools` column, then by its own
+    `chat_template_kwargs` column (TRL's order for the row's two)."""
+
+    tokenizer: Any
+    run_kwargs: dict  # the run's chat_template_kwargs
+
+    def row_kwargs(self, row: dict) -> dict:
+        """The keyword arguments of every apply_chat_template call for `row` (ValueError where they are malformed)."""
+        own = row.get("chat_template_kwargs")
+        if own is not None and not isinstance(own, dict):
+            raise ValueError(
+                f"chat_template_kwargs is a {type(own).__name__}, expected an object of keyword arguments for the "
+                'chat template, e.g. {"enable_thinking": false}'
+            )
+        tools = {} if row.get("tools") is None else {"tools": row["tools"]}
+        kwargs = {**self.run_kwargs, **tools, **(own or {})}
+        problem = template_kwargs_problem(kwargs)
+        if problem:
+            raise ValueError(f"chat_template_kwargs {problem}")
+        if "tools" in kwargs:
+            kwargs["tools"] = tool_list(kwargs["tools"])
+        return kwargs
+
+    def render(self, row: dict, prompt: list[dict], responses: list[list[dict]]) -> tuple[str, list[str], bool]:
+        """(prompt text, each response's text, whether tools were rendered) of a row's prompt messages and responses
+        (each a list of messages following the prompt). The prompt is rendered with the generation prompt, and each
+        response after it, whole; the prompt's text is what all of these share at their start (a template may end
+        the generation prompt otherwise than the assistant turn that follows it: DeepSeek-R1, Gemma), each
+        response's text the rest of its rendering, its end-of-turn markup included."""
+        kwargs = self.row_kwargs(row)
+        alone = self.apply(prompt, kwargs, add_generation_prompt=True)
+        if kwargs.get("tools") and alone == self.apply(prompt, {**kwargs, "tools": None}, add_generation_prompt=True):
+            raise ValueError(
+                "the row has tools, but the tokenizer's chat template does not render them (the prompt reads the "
+                "same without them): use a tokenizer whose chat template renders tools (model.tokenizer_name_or_path)"
+            )
+        whole = [self.apply(prompt + response, kwargs) for response in responses]
+        shared = os.path.commonprefix([alone, *whole])
+        return shared, [text[len(shared) :] for text in whole], bool(kwargs.get("tools"))
+
+    def apply(self, messages: list[dict], kwargs: dict, add_generation_prompt: bool = False) -> str:
+        if self.tokenizer.chat_template is None and "chat_template" not in kwargs:
+            raise ValueError("conversational rows need a tokenizer with a chat template, and this one has none")
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -95,7 +204,7 @@ def parse_explicit(row: dict) -> list[PreferencePair]:
     return [make_pair(row["prompt"], row["chosen"], row["rejected"], "keep_start")]
 
 
-def parse_conversational(row: dict, chat_template: Callable[[list[dict]], str]) -> list[PreferencePair]:
+def parse_conversational(row: dict, chat: ChatTemplate) -> list[PreferencePair]:
     chosen, rejected = row["chosen"], row["rejected"]
     if "prompt" in row:  # explicit prompt: chosen and rejected hold just the assistant's turn
         messages = row["prompt"]
@@ -109,27 +218,33 @@ def parse_conversational(row: dict, chat_template: Callable[[list[dict]], str]) 
     for name, conversation in (("chosen", chosen), ("rejected", rejected)):
         if not conversation or conversation[-1].get("role") != "assistant":
             raise ValueError(f"the last message of {name} is not an assistant message")
-    return [make_pair(chat_template(messages), chosen[-1]["content"], rejected[-1]["content"], "keep_start")]
+    if "prompt" not in row:
+        chosen, rejected = chosen[-1:], rejected[-1:]
+    prompt, (chosen, rejected), with_tools = chat.render(row, messages, [chosen, rejected])
+    return [make_pair(prompt, chosen, rejected, "keep_start", append_eos=False, with_tools=with_tools)]
 
 
-def parse_unpaired(row: dict, chat_template: Callable[[list[dict]], str]) -> list[LabelledCompletion]:
-    """prompt, completion, label: strings, or lists of messages (the completion's last one the assistant's answer,
-    the prompt rendered with the chat template); label a JSON boolean."""
+def parse_unpaired(row: dict, chat: ChatTemplate) -> list[LabelledCompletion]:
+    """prompt, completion, label: strings, or lists of messages (the completion ending with the assistant's answer)
+    rendered with the chat template (ChatTemplate.render); label a JSON boolean."""
     prompt, completion, label = row["prompt"], row["completion"], row["label"]
     if not isinstance(label, bool):
         raise ValueError(f"label is {label!r}, expected true or false")
-    if isinstance(completion, list):
+    conversational, with_tools = isinstance(completion, list), False
+    if conversational:
         if not isinstance(prompt, list) or not all(isinstance(m, dict) for m in [*prompt, *completion]):
             raise ValueError("conversational rows hold lists of {'role': ..., 'content': ...} in prompt and completion")
         if not completion or completion[-1].get("role") != "assistant":
             raise ValueError("the last message of completion is not an assistant message")
-        prompt, completion = chat_template(prompt + completion[:-1]), completion[-1]["content"]
+        prompt, (completion,), with_tools = chat.render(row, prompt, [completion])
+    else:
+        refuse_template_columns(row)
     for name, value in (("prompt", prompt), ("completion", completion)):
         if not isinstance(value, str):
             raise ValueError(f"{name} is a {type(value).__name__}, expected a string")
     if not completion.strip():
         raise RowSkipped("empty response")
-    return [LabelledCompletion(prompt, completion, label, "keep_start")]
+    return [LabelledCompletion(prompt, completion, label, "keep_start", not conversational, with_tools)]
 
 
 def parse_shp(row: dict) -> list[PreferencePair]:
@@ -160,7 +275,13 @@ def parse_se(row: dict) -> list[PreferencePair]:
 
 
 def make_pair(
-    prompt: str, chosen: str, rejected: str, truncation_mode: str, sft_target: str | None = None
+    prompt: str,
+    chosen: str,
+    rejected: str,
+    truncation_mode: str,
+    sft_target: str | None = None,
+    append_eos: bool = True,
+    with_tools: bool = False,
 ) -> PreferencePair:
     for name, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
         if not isinstance(value, str):
@@ -169,7 +290,8 @@ def make_pair(
         raise RowSkipped("empty response")
     if chosen == rejected:
         raise RowSkipped("chosen == rejected")
-    return PreferencePair(prompt, chosen, rejected, chosen if sft_target is None else sft_target, truncation_mode)
+    sft_target = chosen if sft_target is None else sft_target
+    return PreferencePair(prompt, chosen, rejected, sft_target, truncation_mode, 0.0, append_eos, with_tools)
 
 
 class _TextOnly(html.parser.HTMLParser):
@@ -201,25 +323,36 @@ def with_margin(parse: Callable[[dict], list[PreferencePair]]) -> Callable[[dict
     return parse_with_margin
 
 
-def detect_parser(row: dict, tokenizer) -> Callable[[dict], list[PreferencePair]]:
+def text_pairs(parse: Callable[[dict], list[PreferencePair]]) -> Callable[[dict], list[PreferencePair]]:
+    """A parser of pairs given as strings: it refuses a row's tools and chat_template_kwargs
+    (refuse_template_columns)."""
+
+    def parse_text(row: dict) -> list[PreferencePair]:
+        refuse_template_columns(row)
+        return parse(row)
+
+    return parse_text
+
+
+def detect_parser(row: dict, chat: ChatTemplate) -> Callable[[dict], list[PreferencePair]]:
     """Choose the row parser from a row's columns; a pair format's `margin` column is read too (with_margin)."""
-    parse = pair_parser(row, tokenizer)
+    parse = pair_parser(row, chat)
     labelled = {"prompt", "completion", "label"} <= set(row)
     return with_margin(parse) if "margin" in row and not labelled else parse
 
 
-def pair_parser(row: dict, tokenizer) -> Callable[[dict], list[PreferencePair]]:
+def pair_parser(row: dict, chat: ChatTemplate) -> Callable[[dict], list[PreferencePair]]:
     columns = set(row)
     if {"history", "human_ref_A", "human_ref_B", "labels", "score_A", "score_B"} <= columns:
         return parse_shp
     if {"question", "answers"} <= columns:
         return parse_se
     if {"prompt", "completion", "label"} <= columns:
-        return lambda r: parse_unpaired(r, lambda messages: render_chat(tokenizer, messages))
+        return lambda r: parse_unpaired(r, chat)
     if {"chosen", "rejected"} <= columns:
         if isinstance(row["chosen"], list):
-            return lambda r: parse_conversational(r, lambda messages: render_chat(tokenizer, messages))
-        return parse_explicit if "prompt" in columns else parse_hh
+            return lambda r: parse_conversational(r, chat)
+        return text_pairs(parse_explicit if "prompt" in columns else parse_hh)
     raise ValueError(
         f"unrecognised columns {sorted(columns)}; expected chosen+rejected (+prompt), "
         "SHP's history/human_ref_A/human_ref_B/labels/score_A/score_B, SE's question/answers, "
@@ -227,24 +360,52 @@ def pair_parser(row: dict, tokenizer) -> Callable[[dict], list[PreferencePair]]:
     )
 
 
-def render_chat(tokenizer, messages: list[dict]) -> str:
-    if tokenizer.chat_template is None:
-        raise ValueError("conversational rows need a tokenizer with a chat template, and this one has none")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+SHOWN_CHARACTERS = 4000  # of each text of the example a data line shows rendered with tools
+
+
+def shown_text(text: str) -> str:
+    """A rendered text on one line (\\n for each line break), its first SHOWN_CHARACTERS characters."""
+    more = len(text) - SHOWN_CHARACTERS
+    return text[:SHOWN_CHARACTERS].replace("\n", "\\n") + (f" ... {more} more characters" if more > 0 else "")
+
+
+def rendered_lines(location: str, example: PreferencePair | LabelledCompletion) -> list[str]:
+    """An example rendered with tools as lines under its source's data line, so that the user sees what the chat
+    template made of the tool schemas."""
+    names = ("prompt", "completion") if isinstance(example, LabelledCompletion) else ("prompt", "chosen", "rejected")
+    lines = [f"  the first row with tools ({location}), as the chat template renders it (\\n: a line break):"]
+    return lines + [f"    {name:10} {shown_text(getattr(example, name))}" for name in names]
+
+
+def data_lines(line: str, shown: list[str]) -> str:
+    """A source's data line, and the lines showing its first example rendered with tools (none without)."""
+    return "\n".join([line, *shown])
 
 
 class RowCounts:
-    """What a source's rows gave: pairs, rows, and rows skipped by reason with the first of each."""
+    """What a source's rows gave: pairs, rows, rows with tools (the first shown rendered), and rows skipped by reason
+    with the first of each."""
 
     def __init__(self, source: str):
         self.source, self.pairs, self.rows = source, 0, 0
         self.skipped, self.first_skipped = Counter(), {}
         self.kind = "pairs"  # or "labelled completions"
+        self.with_tools, self.shown = 0, []
+
+    def add(self, location: str, pairs: list[PreferencePair] | list[LabelledCompletion]) -> None:
+        """Count what one row gave."""
+        self.pairs += len(pairs)
+        if pairs and isinstance(pairs[0], LabelledCompletion):
+            self.kind = "labelled completions"
+        if pairs and pairs[0].with_tools:
+            self.with_tools += 1
+            self.shown = self.shown or rendered_lines(location, pairs[0])
 
     def line(self) -> str:
         """The data line every run prints per source."""
         reasons = self.reasons()
-        return f"data: {self.source}: {self.pairs} {self.kind} from {self.rows} rows" + (
+        tools = f", {self.with_tools} of them with tools" if self.with_tools else ""
+        return f"data: {self.source}: {self.pairs} {self.kind} from {self.rows} rows{tools}" + (
             f"; skipped {sum(self.skipped.values())} rows: {reasons}" if self.skipped else ""
         )
 
@@ -258,16 +419,19 @@ class RowCounts:
             raise UserError(f"{self.source}: no usable preference pairs in {self.rows} rows{skipped}")
 
 
-def iter_pairs(rows: Iterable[tuple[str, Any]], tokenizer, counts: RowCounts) -> Iterator[PreferencePair]:
+def iter_pairs(
+    rows: Iterable[tuple[str, Any]], tokenizer, counts: RowCounts, chat_template_kwargs: dict | None = None
+) -> Iterator[PreferencePair]:
     """The pairs of (location, row) items, streamed; bad rows raise UserError naming the location, unusable ones
-    are skipped and counted in `counts`."""
-    parser = None
+    are skipped and counted in `counts`. Conversational rows are rendered with the tokenizer's chat template and
+    the run's chat_template_kwargs (ChatTemplate)."""
+    chat, parser = ChatTemplate(tokenizer, dict(chat_template_kwargs or {})), None
     for location, row in rows:
         counts.rows += 1
         try:
             if not isinstance(row, dict):
                 raise ValueError(f"expected a JSON object, got {type(row).__name__}")
-            parser = parser or detect_parser(row, tokenizer)
+            parser = parser or detect_parser(row, chat)
             pairs = parser(row)
         except RowSkipped as reason:
             counts.skipped[str(reason)] += 1
@@ -277,17 +441,17 @@ def iter_pairs(rows: Iterable[tuple[str, Any]], tokenizer, counts: RowCounts) ->
             raise UserError(f"{location}: missing column {key.args[0]}") from None
         except (ValueError, TypeError, AttributeError) as error:
             raise UserError(f"{location}: {error}") from None
-        counts.pairs += len(pairs)
-        if pairs and isinstance(pairs[0], LabelledCompletion):
-            counts.kind = "labelled completions"
+        counts.add(location, pairs)
         yield from pairs
 
 
-def parse_rows(rows: Iterable[tuple[str, Any]], source: str, tokenizer) -> list[PreferencePair]:
+def parse_rows(
+    rows: Iterable[tuple[str, Any]], source: str, tokenizer, chat_template_kwargs: dict | None = None
+) -> list[PreferencePair]:
     """Every pair of (location, row) items (see iter_pairs), with the source's data line printed."""
     counts = RowCounts(source)
-    pairs = list(iter_pairs(rows, tokenizer, counts))
-    print(counts.line())
+    pairs = list(iter_pairs(rows, tokenizer, counts, chat_template_kwargs))
+    print(data_lines(counts.line(), counts.shown))
     counts.check()
     return pairs
 
@@ -520,13 +684,21 @@ def eval_split(groups: list, n_eval: int | None, seed: int, source: str) -> list
 
 
 def get_dataset(
-    name: str, tokenizer, seed: int, n_eval_examples: int | None, cache_dir: Path
+    name: str,
+    tokenizer,
+    seed: int,
+    n_eval_examples: int | None,
+    cache_dir: Path,
+    chat_template_kwargs: dict | None = None,
 ) -> dict[str, list[PreferencePair]]:
     """{"train": pairs, "test": pairs} of a dataset (see dataset_sources), read whole; a source without a test split
     has n_eval_examples pairs held out (eval_split). Runs read their data tokenized and cached instead
     (tokenized.load_examples), through the same sources and split."""
     sources = dataset_sources(name, cache_dir)
-    splits = {split: parse_rows(source.rows(), source.label, tokenizer) for split, source in sources.items()}
+    splits = {
+        split: parse_rows(source.rows(), source.label, tokenizer, chat_template_kwargs)
+        for split, source in sources.items()
+    }
     if "train" not in splits:
         raise UserError(nothing_to_train_on([name]))
     if "test" in splits:

@@ -1,10 +1,11 @@
 """Tokenized examples: every source tokenized once per machine, held in flat arrays, and cached on disk across runs.
 
 An example is a prompt and its responses (chosen and rejected for a preference pair; the sft_target alone for SFT;
-one completion and its label for labelled completions, KTO's unpaired data),
-tokenized without special tokens (tokenizers disagree on BOS), EOS ending each response, and truncated as the DPO
-reference does: when prompt plus the longer response exceed max_length, the prompt is cut to max_prompt_length (its
-end kept for HH dialogues, its start otherwise), then the responses to max_length - max_prompt_length.
+one completion and its label for labelled completions, KTO's unpaired data), tokenized without special tokens
+(tokenizers disagree on BOS), EOS ending each response given as text (a chat template ends the responses it renders
+itself, as in TRL), and truncated as the DPO reference does: when prompt plus the longer response exceed max_length,
+the prompt is cut to max_prompt_length (its end kept for HH dialogues, its start otherwise), then the responses to
+max_length - max_prompt_length.
 
 Speed: texts reach the tokenizer in batches (a fast tokenizer's batch call runs in Rust on every core), each
 distinct text once, and truncation is arithmetic on lengths. Memory: `Examples` (core/examples.py) keeps the kept
@@ -13,12 +14,12 @@ lists; a source streams through in chunks, so building holds one chunk's text at
 
 The cache: one directory per source (a file, a directory's train or test files, a Hub split) under
 <cache_dir>/tokenized/, named by a digest of everything its ids depend on: the source (its label, and each file's
-content digest or the Hub dataset's own fingerprint), the tokenizer (its saved files: vocabulary, merges,
-normalisation, special and added tokens, chat template), the truncation settings and the format. Reruns, resumes and
-sweeps over anything else map its arrays, which every process of a machine then shares through the page cache. It is
-written under a temporary name with its files' checksums in meta.json, and renamed into place whole, so a crash
-leaves no half of one and two processes building at once leave one good copy; a copy that fails its checksums, or
-that was made for another key, is rebuilt, and a line says why.
+content digest or the Hub dataset's own fingerprint), the tokenizer (its saved files: vocabulary, merges, normalisation,
+special and added tokens, chat template), the run's chat_template_kwargs, the truncation settings and the format.
+Reruns, resumes and sweeps over anything else map its arrays, which every process of a machine then shares through the
+page cache. It is written under a temporary name with its files' checksums in meta.json, and renamed into place whole,
+so a crash leaves no half of one and two processes building at once leave one good copy; a copy that fails its
+checksums, or that was made for another key, is rebuilt, and a line says why.
 """
 
 import dataclasses
@@ -42,6 +43,7 @@ from preference_datasets import (
     PreferencePair,
     RowCounts,
     Source,
+    data_lines,
     dataset_sources,
     eval_split,
     file_digest,
@@ -50,7 +52,7 @@ from preference_datasets import (
 )
 from utils import UserError, first_line, release_free_memory
 
-FORMAT = 3  # 3: the margins array
+FORMAT = 4  # 3: the margins array; 4: conversational rows rendered as TRL renders them, the example with tools
 CHUNK_PAIRS = 2048  # pairs per batch call to the tokenizer, and the text a build holds at a time
 # tokenizer_config.json entries that say where a tokenizer was loaded from, not what it is
 LOADED_FROM = ("name_or_path", "is_local", "local_files_only", "_commit_hash")
@@ -58,11 +60,13 @@ LOADED_FROM = ("name_or_path", "is_local", "local_files_only", "_commit_hash")
 
 @dataclass(frozen=True)
 class Tokenization:
-    """What an example's ids depend on besides its text and the tokenizer."""
+    """What an example's ids depend on besides its source's rows and the tokenizer."""
 
     max_length: int
     max_prompt_length: int
     sft: bool  # one response per example, the pair's sft_target; else chosen and rejected
+    # the run's keyword arguments of every chat template call (preference_datasets.ChatTemplate)
+    chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
 
     def texts(self, pair: PreferencePair | LabelledCompletion) -> list[str]:
         """The prompt and the responses of a pair's (or a labelled completion's) example."""
@@ -72,7 +76,10 @@ class Tokenization:
 
     def describe(self) -> str:
         kind = "sft targets" if self.sft else "pairs"
-        return f"{kind}, max_length {self.max_length}, max_prompt_length {self.max_prompt_length}"
+        return (
+            f"{kind}, max_length {self.max_length}, max_prompt_length {self.max_prompt_length}, "
+            f"chat_template_kwargs {json.dumps(self.chat_template_kwargs, sort_keys=True)}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -120,13 +127,14 @@ def tokenize_chunk(pairs: list[PreferencePair], encode, eos_id: int, settings: T
     text_starts = np.cumsum(text_lengths) - text_lengths
 
     full = text_lengths[which]
-    full[:, 1:] += 1  # EOS ends each response
+    eos_count = np.array([int(pair.append_eos) for pair in pairs], np.int64)
+    full[:, 1:] += eos_count[:, None]  # EOS ends each response, unless a chat template ended it
     kept = truncated(full, settings.max_length, settings.max_prompt_length)
     keep_end = np.array([pair.truncation_mode == "keep_end" for pair in pairs])
     # gathered in order: the prompt's kept ids, then per response its kept ids and, unless cut, its EOS
     segments = [(text_starts[which[:, 0]] + np.where(keep_end, full[:, 0] - kept[:, 0], 0), kept[:, 0])]
     for r in range(1, which.shape[1]):
-        from_text = np.minimum(kept[:, r], full[:, r] - 1)
+        from_text = np.minimum(kept[:, r], full[:, r] - eos_count)
         segments += [(text_starts[which[:, r]], from_text), (np.full(len(pairs), eos), kept[:, r] - from_text)]
     starts = np.stack([start for start, _ in segments], axis=1).reshape(-1)
     counts = np.stack([count for _, count in segments], axis=1).reshape(-1)
@@ -191,7 +199,7 @@ def cached_examples(source: Source, tokenizer, tokenizer_digest: str, settings: 
     directory = Path(cache_dir) / "tokenized" / hashlib.sha256(key.encode()).hexdigest()[:32]
     examples, meta, why = read_cache(directory, key)
     if examples is not None:
-        print(f"{meta['data_line']} (tokenized earlier: {directory})")
+        print(data_lines(f"{meta['data_line']} (tokenized earlier: {directory})", meta["shown"]))
         return examples
     if why:
         print(f"tokenized data: rebuilding {directory}, since {why}")
@@ -199,10 +207,10 @@ def cached_examples(source: Source, tokenizer, tokenizer_digest: str, settings: 
     try:
         examples, meta = build_cache(source, tokenizer, settings, directory, key)
     except storage.WriteFailed as error:  # a full or read-only cache directory: the run goes on without the cache
-        examples, line = tokenize_source(source, tokenizer, settings)
-        print(f"{line} (tokenized in memory, not cached: {error})")
+        examples, counts = tokenize_source(source, tokenizer, settings)
+        print(data_lines(f"{counts.line()} (tokenized in memory, not cached: {error})", counts.shown))
         return examples
-    print(f"{meta['data_line']} (tokenized, cached in {directory})")
+    print(data_lines(f"{meta['data_line']} (tokenized, cached in {directory})", meta["shown"]))
     return examples
 
 
@@ -233,7 +241,7 @@ def mapped(directory: Path, meta: dict) -> Examples:
 def source_chunks(source: Source, tokenizer, settings: Tokenization, counts: RowCounts) -> Iterator[Examples]:
     """The source's examples, a chunk of CHUNK_PAIRS rows at a time (counted in `counts`, checked at its end)."""
     encode = batch_encoder(tokenizer)
-    for pairs in chunks(iter_pairs(source.rows(), tokenizer, counts), CHUNK_PAIRS):
+    for pairs in chunks(iter_pairs(source.rows(), tokenizer, counts, settings.chat_template_kwargs), CHUNK_PAIRS):
         yield tokenize_chunk(pairs, encode, tokenizer.eos_token_id, settings)
     counts.check()
 
@@ -261,6 +269,7 @@ def build_cache(source: Source, tokenizer, settings: Tokenization, directory: Pa
                 "format": FORMAT,
                 "key": key,
                 "data_line": counts.line(),
+                "shown": counts.shown,
                 "examples": len(examples),
                 "tokens": written,
                 "checksums": {name: file_digest(temporary / name) for name in files},
@@ -275,11 +284,11 @@ def build_cache(source: Source, tokenizer, settings: Tokenization, directory: Pa
         shutil.rmtree(temporary, ignore_errors=True)
 
 
-def tokenize_source(source: Source, tokenizer, settings: Tokenization) -> tuple[Examples, str]:
-    """(the source's examples in memory, its data line): for a cache that cannot be written."""
+def tokenize_source(source: Source, tokenizer, settings: Tokenization) -> tuple[Examples, RowCounts]:
+    """(the source's examples in memory, what its rows gave): for a cache that cannot be written."""
     counts = RowCounts(source.label)
     parts = list(source_chunks(source, tokenizer, settings, counts))
-    return Examples.concatenate(parts, 1 if settings.sft else 2), counts.line()
+    return Examples.concatenate(parts, 1 if settings.sft else 2), counts
 
 
 # ---------------------------------------------------------------------------------------------------------

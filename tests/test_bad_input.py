@@ -39,6 +39,14 @@ def write_corpus(d):
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     write_jsonl(d / "chat-ends-with-user.jsonl", [{"prompt": chat[:1], "chosen": chat[:1], "rejected": chat[1:]}])
     write_jsonl(d / "chat-of-strings.jsonl", [{"chosen": ["Hi", "Hello"], "rejected": ["Hi", "Bye"]}])
+    ask = {"prompt": chat[:1], "chosen": chat[1:], "rejected": [{"role": "assistant", "content": "Bye"}]}
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    write_jsonl(d / "tools-unrendered.jsonl", [{**ask, "tools": [weather]}])  # tiny's template never reads tools
+    write_jsonl(d / "tools-not-a-list.jsonl", [{**ask, "tools": weather}])
+    write_jsonl(d / "tools-bad-json.jsonl", [{**ask, "tools": "[{'name': 'get_weather'}]"}])
+    write_jsonl(d / "tools-on-strings.jsonl", [{**GOOD, "tools": [weather]}])
+    write_jsonl(d / "kwargs-string.jsonl", [{**ask, "chat_template_kwargs": "enable_thinking=false"}])
+    write_jsonl(d / "kwargs-reserved.jsonl", [{**ask, "chat_template_kwargs": {"add_generation_prompt": False}}])
     write_jsonl(d / "hh-no-assistant.jsonl", [{"chosen": "\n\nHuman: Hi\n\nBot: Hello", "rejected": "\n\nHuman: Hi"}])
     write_jsonl(d / "all-identical.jsonl", [{**GOOD, "rejected": GOOD["chosen"]}] * 3)
     (d / "no-data-files").mkdir()
@@ -92,6 +100,13 @@ ERRORS = [
     ("datasets={d}/missing-column.jsonl", "{d}/missing-column.jsonl:1: unrecognised columns ['chosen', 'prompt']"),
     ("datasets={d}/chat-ends-with-user.jsonl", "chat-ends-with-user.jsonl:1: the last message of chosen is not an"),
     ("datasets={d}/chat-of-strings.jsonl", "{d}/chat-of-strings.jsonl:1: a message is a str, expected"),
+    ("datasets={d}/tools-unrendered.jsonl", "{d}/tools-unrendered.jsonl:1: the row has tools, but the tokenizer's"),
+    ("datasets={d}/tools-not-a-list.jsonl", "{d}/tools-not-a-list.jsonl:1: tools is a dict, expected a list of tool"),
+    ("datasets={d}/tools-bad-json.jsonl", "{d}/tools-bad-json.jsonl:1: tools is a string but not JSON (Expecting"),
+    ("datasets={d}/tools-on-strings.jsonl", "{d}/tools-on-strings.jsonl:1: the row has tools, but its texts are str"),
+    ("datasets={d}/kwargs-string.jsonl", "{d}/kwargs-string.jsonl:1: chat_template_kwargs is a str, expected an"),
+    ("datasets={d}/kwargs-reserved.jsonl", "kwargs-reserved.jsonl:1: chat_template_kwargs sets add_generation_prompt,"),
+    ("+chat_template_kwargs.tokenize=true", "chat_template_kwargs={{tokenize:true}} sets tokenize, which the render"),
     ("datasets={d}/hh-no-assistant.jsonl", "{d}/hh-no-assistant.jsonl:1: no '\\n\\nAssistant:' marker"),
     (
         "datasets={d}/all-identical.jsonl",

@@ -84,10 +84,12 @@ def test_conversational_json_uses_chat_template(tmp_path, tiny_tokenizer):
     ]
     path = tmp_path / "chat.json"
     path.write_text(json.dumps(rows))
+    # each response is the rest of the prompt's conversation rendered with it, end of turn included (as in TRL)
     pairs = {p.chosen: p for split in load(path, tiny_tokenizer).values() for p in split}
-    assert pairs["yes 0"].prompt == "<|im_start|>user\nq0<|im_end|>\n<|im_start|>assistant\n"
-    assert pairs["yes 9"].prompt == "<|im_start|>user\nq9<|im_end|>\n<|im_start|>assistant\n"
-    assert pairs["yes 9"].rejected == "no 9"
+    assert pairs["yes 0<|im_end|>\n"].prompt == "<|im_start|>user\nq0<|im_end|>\n<|im_start|>assistant\n"
+    assert pairs["yes 9<|im_end|>\n"].prompt == "<|im_start|>user\nq9<|im_end|>\n<|im_start|>assistant\n"
+    assert pairs["yes 9<|im_end|>\n"].rejected == "no 9<|im_end|>\n"
+    assert not pairs["yes 9<|im_end|>\n"].append_eos  # the template ended the responses
 
 
 def test_labelled_completions_in_text_and_conversational_rows(tmp_path, tiny_tokenizer, capsys):
@@ -107,8 +109,8 @@ def test_labelled_completions_in_text_and_conversational_rows(tmp_path, tiny_tok
     assert completions[first["completion"]] == LabelledCompletion(
         first["prompt"], first["completion"], True, "keep_start"
     )
-    assert completions["yes 9"].prompt == "<|im_start|>user\nq9<|im_end|>\n<|im_start|>assistant\n"
-    assert completions["yes 9"].label is False
+    assert completions["yes 9<|im_end|>\n"].prompt == "<|im_start|>user\nq9<|im_end|>\n<|im_start|>assistant\n"
+    assert completions["yes 9<|im_end|>\n"].label is False
     assert "7 labelled completions from 8 rows; skipped 1 rows: 1 empty response" in capsys.readouterr().out
     path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "Q", "completion": " a", "label": "yes"}])
     with pytest.raises(UserError, match=r"bad.jsonl:1: label is 'yes', expected true or false"):

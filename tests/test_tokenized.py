@@ -33,11 +33,13 @@ def pair(prompt="Hello there", chosen=" yes indeed", rejected=" no", mode="keep_
 
 def one_call_per_text(pair: PreferencePair, tokenizer, settings: Tokenization) -> tuple[list, list]:
     """(prompt ids, response ids) as the DPO reference makes them: each text tokenized alone, EOS after each
-    response; when prompt + the longest response exceed max_length the prompt is cut to max_prompt_length (its
-    end kept for keep_end), and if they still do, each response to max_length - max_prompt_length."""
+    response given as text (a chat template ends those it renders); when prompt + the longest response exceed
+    max_length the prompt is cut to max_prompt_length (its end kept for keep_end), and if they still do, each response
+    to max_length - max_prompt_length."""
     texts = [pair.sft_target] if settings.sft else [pair.chosen, pair.rejected]
     prompt = tokenizer(pair.prompt, add_special_tokens=False)["input_ids"]
-    responses = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in texts]
+    eos = [tokenizer.eos_token_id] if pair.append_eos else []
+    responses = [tokenizer(text, add_special_tokens=False)["input_ids"] + eos for text in texts]
     longest = max(map(len, responses))
     m, n = settings.max_prompt_length, settings.max_length
     if len(prompt) + longest > n:
@@ -270,6 +272,7 @@ def test_what_the_ids_depend_on_misses_the_cache_and_nothing_else_does(tmp_path,
     assert len(cache_dirs(cache)) == 1
     assert not load(settings=Tokenization(25, 10, False))[1]  # max_length
     assert not load(settings=Tokenization(24, 10, True))[1]  # SFT's targets
+    assert not load(settings=Tokenization(24, 10, False, {"enable_thinking": False}))[1]  # the run's chat kwargs
     other_template = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
     other_template.chat_template = "{{ messages }}"
     assert not load(tokenizer=other_template)[1]
@@ -279,7 +282,7 @@ def test_what_the_ids_depend_on_misses_the_cache_and_nothing_else_does(tmp_path,
     assert load(tokenizer=transformers.AutoTokenizer.from_pretrained(TINY_DIR))[1]  # the same tokenizer, loaded again
     write_jsonl(path, arithmetic_pairs(13))  # the file's content
     assert not load()[1]
-    assert len(cache_dirs(cache)) == 6
+    assert len(cache_dirs(cache)) == 7
 
 
 @pytest.mark.parametrize("damage", ["truncate tokens", "flip a byte", "remove an array", "foreign key", "bad meta"])
