@@ -419,6 +419,20 @@ class RowCounts:
             raise UserError(f"{self.source}: no usable preference pairs in {self.rows} rows{skipped}")
 
 
+IMAGE_COLUMNS = ("images", "image")  # TRL's vision columns
+
+
+def refuse_images(row: dict) -> None:
+    """Pairs with images are refused rather than trained on their text alone, which would teach the model
+    preferences about pictures it never saw."""
+    for column in IMAGE_COLUMNS:
+        if row.get(column) not in (None, [], ""):
+            raise ValueError(
+                f"column {column!r} holds images, and this trainer takes text only: it would train on the text "
+                "without them; drop the column to train on the text"
+            )
+
+
 def iter_pairs(
     rows: Iterable[tuple[str, Any]], tokenizer, counts: RowCounts, chat_template_kwargs: dict | None = None
 ) -> Iterator[PreferencePair]:
@@ -431,6 +445,7 @@ def iter_pairs(
         try:
             if not isinstance(row, dict):
                 raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+            refuse_images(row)
             parser = parser or detect_parser(row, chat)
             pairs = parser(row)
         except RowSkipped as reason:

@@ -47,6 +47,7 @@ def write_corpus(d):
     write_jsonl(d / "tools-on-strings.jsonl", [{**GOOD, "tools": [weather]}])
     write_jsonl(d / "kwargs-string.jsonl", [{**ask, "chat_template_kwargs": "enable_thinking=false"}])
     write_jsonl(d / "kwargs-reserved.jsonl", [{**ask, "chat_template_kwargs": {"add_generation_prompt": False}}])
+    write_jsonl(d / "images.jsonl", [GOOD, {**GOOD, "images": ["cat.png"]}])
     write_jsonl(d / "hh-no-assistant.jsonl", [{"chosen": "\n\nHuman: Hi\n\nBot: Hello", "rejected": "\n\nHuman: Hi"}])
     write_jsonl(d / "all-identical.jsonl", [{**GOOD, "rejected": GOOD["chosen"]}] * 3)
     (d / "no-data-files").mkdir()
@@ -100,6 +101,7 @@ ERRORS = [
     ("datasets={d}/missing-column.jsonl", "{d}/missing-column.jsonl:1: unrecognised columns ['chosen', 'prompt']"),
     ("datasets={d}/chat-ends-with-user.jsonl", "chat-ends-with-user.jsonl:1: the last message of chosen is not an"),
     ("datasets={d}/chat-of-strings.jsonl", "{d}/chat-of-strings.jsonl:1: a message is a str, expected"),
+    ("datasets={d}/images.jsonl", "{d}/images.jsonl:2: column 'images' holds images, and this trainer takes text only"),
     ("datasets={d}/tools-unrendered.jsonl", "{d}/tools-unrendered.jsonl:1: the row has tools, but the tokenizer's"),
     ("datasets={d}/tools-not-a-list.jsonl", "{d}/tools-not-a-list.jsonl:1: tools is a dict, expected a list of tool"),
     ("datasets={d}/tools-bad-json.jsonl", "{d}/tools-bad-json.jsonl:1: tools is a string but not JSON (Expecting"),
