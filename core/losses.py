@@ -110,9 +110,10 @@ def chosen_nll(stats: PairStats) -> torch.Tensor:
 
 @dataclass
 class LossKeys:
-    """The keys of every objective: the weight of a mixture-of-experts policy's router load-balancing loss
-    (router_loss), added to whatever it trains on."""
+    """The keys of every objective: its name, and the weight of a mixture-of-experts policy's router load-balancing
+    loss (router_loss), added to whatever it trains on."""
 
+    name: str = MISSING
     router_aux_loss_coef: float | None = dataclasses.field(
         default=None, metadata={"range": Range(0, null="for the model config's router_aux_loss_coef")}
     )
@@ -158,7 +159,6 @@ class PairLossNeeds(LossKeys):
 class PreferenceLoss(PairLossNeeds):
     """Keys of a reference-free pair loss."""
 
-    name: str = MISSING
     beta: float = ranged(POSITIVE)
     nll_weight: float = ranged(NON_NEGATIVE)
 
@@ -288,15 +288,12 @@ class SimPOConfig(PreferenceLoss):
 class SFTConfig(LossKeys):
     """Supervised fine-tuning on each prompt's sft_target (objective.SFTObjective; not a pair loss)."""
 
-    name: str = MISSING
-
 
 @dataclass
 class RewardConfig(LossKeys):
     """Reward modelling (objective.RewardObjective; not a pair loss on log-probs): a scalar-head model trained with
     the Bradley-Terry loss (bradley_terry)."""
 
-    name: str = MISSING
     center_rewards_coefficient: float = ranged(NON_NEGATIVE)
 
 
@@ -304,15 +301,12 @@ class RewardConfig(LossKeys):
 class NLLConfig(PairLossNeeds):
     """The chosen response's per-token NLL on pair data: SFT as a term of a weighted loss (TRL's "sft" term)."""
 
-    name: str = MISSING
-
 
 @dataclass
 class WeightedConfig(PairLossNeeds):
     """A weighted sum of pair losses, e.g. MPO (Wang et al. 2024, arXiv:2411.10442). `terms` maps each loss name to
     {weight: w, and that loss's own keys}; each term is checked by its own schema."""
 
-    name: str = MISSING
     terms: dict[str, Any] = MISSING
 
     def __post_init__(self):

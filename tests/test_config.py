@@ -62,7 +62,7 @@ from utils import UserError
         ),
         (
             ["loss=ipo", "loss.label_smoothing=0.1"],
-            "unknown key 'loss.label_smoothing' in loss=ipo; valid: router_aux_loss_coef, name, beta, nll_weight, "
+            "unknown key 'loss.label_smoothing' in loss=ipo; valid: name, router_aux_loss_coef, beta, nll_weight, "
             "length_normalized, reference_free",
         ),
         (["loss.label_smoothing=0.6"], "loss.label_smoothing=0.6 must be in [0, 0.5]"),
