@@ -6,7 +6,7 @@ The order matters where noted: local rank 0 loads first (it fills the caches the
 log-probs come from the policy's initial weights, before any step; the optimizer is built after FSDP has sharded the
 policy (it then holds the shards each rank owns)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -20,7 +20,14 @@ from core.router_loss import find_routers
 from core.scoring import Scorer, model_class
 from core.step import BatchLoss, Data, mismatched
 from modeling import weights
-from modeling.adapters import AdaptersDisabled, apply_lora, is_adapted, quantization_config
+from modeling.adapters import (
+    AdaptersDisabled,
+    ReferenceAdapter,
+    add_reference_adapter,
+    apply_lora,
+    is_adapted,
+    quantization_config,
+)
 from modeling.distributed import TRAINERS, Topology, mesh_shape
 from modeling.models import InitialWeights, load_tokenizer, prepare_model, transformers_config
 from modeling.placement import find_blocks, parallelize
@@ -33,6 +40,7 @@ from modeling.precision import (
     parse_dtype,
     slow_precision_note,
 )
+from modeling.reference_sync import SyncedReference, schedule_line
 from persistence import checkpoint, reference_cache
 from persistence.tokenized import Tokenization, first_of_each_group, load_examples, tokenize_pairs
 from preference_datasets import PreferencePair, batch_schedule
@@ -107,9 +115,11 @@ def rank_data(config: DictConfig, topology: Topology, tokenizer, objective, cach
 
 
 def live_reference_model(config: DictConfig, needs_reference: bool) -> bool:
-    """Whether the run loads a reference model of its own: to score live (reference_cache=false) or to sample from,
-    unless LoRA's base serves (the policy with its adapters disabled)."""
-    return needs_reference and not config.lora.enabled and (not config.reference_cache or config.sample_during_eval)
+    """Whether the run loads a reference model of its own: to score live (reference_cache=false), to sample from or
+    to move towards the policy (reference_sync_steps), unless LoRA's base serves (the policy with its adapters
+    disabled, or with its reference adapter)."""
+    kept = not config.reference_cache or config.sample_during_eval or config.reference_sync_steps is not None
+    return needs_reference and not config.lora.enabled and kept
 
 
 def build(config: DictConfig, topology: Topology, pairs: dict[str, list[PreferencePair]] | None = None) -> RunParts:
@@ -117,13 +127,7 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     cache_dir = get_local_dir(config.local_dirs)
     objective = build_objective(config.loss)
     autocast = not topology.fsdp  # FSDP's MixedPrecisionPolicy casts the parameters instead
-    precision = decide_precision(
-        OmegaConf.to_object(config.model), autocast, lambda: auto_compute_dtype(topology, cache_dir, autocast)
-    )
-    setting = config.model.fsdp_policy_mp
-    note = topology.run_on_main(lambda: slow_precision_note(setting, precision, topology.device, cache_dir))
-    if note:
-        print(note)
+    precision = run_precision(config, topology, cache_dir, autocast)
     with topology.main_first():
         tokenizer = load_tokenizer(config.model, cache_dir)
         policy, initial = prepare_model(  # on the meta device: weights are read once it is placed
@@ -134,6 +138,8 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
         policy.config.pad_token_id = tokenizer.pad_token_id
     if config.lora.enabled:  # after model.archive: the adapters go on the SFT weights
         policy = apply_lora(policy, config.lora, config.seed)
+        if config.reference_sync_steps is not None:  # before placement: sharded like the policy's own adapters
+            add_reference_adapter(policy)
     routers = find_routers(model_class(policy), config.loss.router_aux_loss_coef)
     if routers is not None:
         print(f"router loss: {routers.describe()} (aux_loss)")
@@ -156,32 +162,9 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
         reward_eos,
     )  # fmt: skip
 
-    def load_reference() -> torch.nn.Module:  # placed, frozen; never with LoRA (AdaptersDisabled serves)
-        with topology.main_first():
-            model, initial = prepare_model(config.model, precision.reference_weights, cache_dir, config.seed)
-        return place(model.requires_grad_(False), config, topology, precision.reference_compute, initial)
-
-    reference = reference_model = None
-    if cached:
-        n_responses = data.train_examples.lengths.shape[1] - 1
-        computation = reference_computation(config, precision, scorer, topology, n_responses)
-        path = reference_cache.cache_path(cache_dir, initial_weights, computation)
-        # the initial policy itself computes them where the reference computes like it: no reference is loaded
-        like_policy = lambda: (policy, precision.policy_compute)  # noqa: E731
-        compute_with = (
-            like_policy if precision.reference_like_policy else lambda: (load_reference(), precision.reference_compute)
-        )
-        entries = fill_reference_cache(
-            config, topology, data, objective, scorer, path, initial_weights, computation, compute_with
-        )
-        reference = reference_cache.CachedReference(entries, topology.device)
-    if objective.needs_reference and is_adapted(policy):  # LoRA: the base model, the policy with adapters disabled
-        reference_model = AdaptersDisabled(policy)
-    elif live_reference_model(config, objective.needs_reference):
-        reference_model = load_reference()
-    if objective.needs_reference and not config.reference_cache:
-        reference = reference_cache.LiveReference(reference_model, scorer, precision.reference_compute)
-
+    reference, reference_model = build_reference(
+        config, topology, data, objective, precision, policy, scorer, cache_dir, initial_weights
+    )
     peak = topology.broadcast(
         topology.run_on_main(lambda: peak_flops(topology.device, precision.policy_compute or weights_dtype, cache_dir))
     )
@@ -199,6 +182,61 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
         config, topology, tokenizer, objective, precision, data, policy, scorer, reference, reference_model,
         optimizer, scheduler, batch_loss, evaluator, flops, peak,
     )  # fmt: skip
+
+
+def run_precision(config: DictConfig, topology: Topology, cache_dir: Path, autocast: bool) -> Precision:
+    """The run's dtypes (decide_precision, `auto` decided by rank 0), with one line where an explicit compute dtype
+    runs far slower on this device than `auto`'s choice (slow_precision_note)."""
+    precision = decide_precision(
+        OmegaConf.to_object(config.model), autocast, lambda: auto_compute_dtype(topology, cache_dir, autocast)
+    )
+    setting = config.model.fsdp_policy_mp
+    note = topology.run_on_main(lambda: slow_precision_note(setting, precision, topology.device, cache_dir))
+    if note:
+        print(note)
+    return precision
+
+
+def build_reference(config, topology, data, objective, precision, policy, scorer, cache_dir, initial_weights):
+    """(where the reference's log-probs come from, the reference model kept or None). The log-probs are cached
+    (initial_weights: the digest of the weights they are computed for, None for no cache) or computed live; a moving
+    reference (reference_sync_steps, reference_sync.py) is live after its first update, which only the steps before
+    it read the cache for. The reference model is loaded to score live, to sample from or to move, or is the LoRA
+    policy's base (adapters disabled) or base and reference adapter."""
+    synced = config.reference_sync_steps is not None
+
+    def load_reference() -> torch.nn.Module:  # placed, frozen; never with LoRA (the policy's base serves)
+        with topology.main_first():
+            model, initial = prepare_model(config.model, precision.reference_weights, cache_dir, config.seed)
+        return place(model.requires_grad_(False), config, topology, precision.reference_compute, initial)
+
+    reference_model = None
+    if objective.needs_reference and is_adapted(policy):  # LoRA: the base, with the reference adapter if it moves
+        reference_model = ReferenceAdapter(policy) if synced else AdaptersDisabled(policy)
+    elif live_reference_model(config, objective.needs_reference):
+        reference_model = load_reference()
+    cached = live = None
+    if initial_weights is not None:
+        n_responses = data.train_examples.lengths.shape[1] - 1
+        computation = reference_computation(config, precision, scorer, topology, n_responses)
+        path = reference_cache.cache_path(cache_dir, initial_weights, computation)
+        # the initial policy itself computes them where the reference computes like it: no reference is loaded
+        like_policy = lambda: (policy, precision.policy_compute)  # noqa: E731
+        kept_or_loaded = lambda: (reference_model or load_reference(), precision.reference_compute)  # noqa: E731
+        compute_with = like_policy if precision.reference_like_policy else kept_or_loaded
+        read = replace(data, schedule=data.schedule[: config.reference_sync_steps]) if synced else data
+        entries = fill_reference_cache(
+            config, topology, read, objective, scorer, path, initial_weights, computation, compute_with
+        )
+        cached = reference_cache.CachedReference(entries, topology.device)
+    if objective.needs_reference and (not config.reference_cache or synced):
+        live = reference_cache.LiveReference(reference_model, scorer, precision.reference_compute)
+    if not (objective.needs_reference and synced):
+        return (live if live is not None else cached), reference_model
+    owner = policy if is_adapted(policy) else reference_model  # where the weights that move are
+    every, alpha = config.reference_sync_steps, config.reference_mixup_alpha
+    print(schedule_line(every, alpha, len(data.schedule), cached is not None, is_adapted(policy)))
+    return SyncedReference(live, cached, policy, owner, every, alpha), reference_model
 
 
 def check_fit(config: DictConfig, topology: Topology, policy, data: Data, precision: Precision, live: bool) -> None:
@@ -303,6 +341,9 @@ def dry_run(config: DictConfig, world_size: int) -> None:
         f"steps: {len(data.schedule)} optimizer steps of {config.batch_size} examples "
         f"({len(data.schedule) * config.batch_size} examples), an eval every {config.eval_every} examples on {n_evals}"
     )
+    if config.reference_sync_steps is not None:
+        every, alpha, lora = config.reference_sync_steps, config.reference_mixup_alpha, config.lora.enabled
+        print(schedule_line(every, alpha, len(data.schedule), config.reference_cache, lora))
     policy = meta_policy(config, precision, cache_dir, objective.reward_model)
     resume = checkpoint.newest(Path(config.local_run_dir)) if config.resume_from == "auto" else config.resume_from
     if resume is not None:  # the checks a run makes before anything else
@@ -330,4 +371,9 @@ def meta_policy(config: DictConfig, precision: Precision, cache_dir: Path, rewar
     model_config = transformers_config(config.model, cache_dir, reward)
     with torch.device("meta"):
         model = weights.model_class(reward).from_config(model_config, dtype=precision.policy_weights)
-        return apply_lora(model, config.lora, config.seed) if config.lora.enabled else model
+        if not config.lora.enabled:
+            return model
+        model = apply_lora(model, config.lora, config.seed)
+        if config.reference_sync_steps is not None:
+            add_reference_adapter(model)
+        return model

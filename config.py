@@ -210,6 +210,8 @@ class Config:
     )
     scored_logits_only: bool = MISSING
     reference_cache: bool = MISSING
+    reference_sync_steps: Optional[int] = ranged(Range(0, low_open=True, null="to keep the reference fixed"))
+    reference_mixup_alpha: float = ranged(Range(0, 1, low_open=True))
     eval_every: int = ranged(POSITIVE)
     plots: bool = MISSING
     minimum_log_interval_secs: float = ranged(Range(0, infinite="to log only where an eval or checkpoint may follow"))
@@ -284,6 +286,8 @@ class Config:
                 "policy's base with its adapters disabled, so it computes like the policy (model.reference_dtype=auto)"
             )
         check_loss(self.loss, self.sample_during_eval)
+        if self.reference_sync_steps is not None:
+            check_reference_sync(self.reference_sync_steps, self.loss, self.rounds.n)
         if self.plan.active:
             self.check_plan()
         self.check_batches(self.plan.world_size if self.plan.active else planned_world_size(self.trainer, self.nproc))
@@ -370,6 +374,20 @@ def check_loss(loss, sample_during_eval: bool) -> None:
         raise UserError(
             "sample_during_eval=true samples from the policy, but loss=reward trains a reward model, which scores "
             "text and generates none: set sample_during_eval=false"
+        )
+
+
+def check_reference_sync(steps: int, loss, rounds: int) -> None:
+    """TR-DPO (reference_sync.py) moves the run's one reference: the loss reads one, and no round sets its own."""
+    if not loss.needs_reference():
+        raise UserError(
+            f"reference_sync_steps={steps} moves the reference towards the policy, but loss={loss.name} reads no "
+            "reference: set reference_sync_steps=null"
+        )
+    if rounds:
+        raise UserError(
+            f"reference_sync_steps={steps} with rounds.n={rounds}: each round's reference is the policy that starts "
+            "it; set reference_sync_steps=null"
         )
 
 

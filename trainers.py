@@ -26,6 +26,7 @@ import tqdm
 from build import RunParts
 from core.optim import clip_grad_norm
 from core.step import Data
+from modeling.reference_sync import SyncedReference
 from persistence import checkpoint, reference_cache
 from persistence.storage import append_jsonl, truncate_jsonl
 from reporting.plots import write_plots
@@ -37,9 +38,9 @@ LOGS = ("metrics.jsonl", "samples.jsonl", "plots.png")  # what a run writes besi
 
 
 class Trainer:
-    """Trains the policy against a frozen reference on this process's share of the topology: the parts come built
-    (build.py); train() runs a round of optimizer steps over a schedule and may run again on new data, with the
-    counters going on; finish() ends the run with a final eval, checkpoint and summary."""
+    """Trains the policy against a reference (frozen, or moving: reference_sync.py) on this process's share of the
+    topology: the parts come built (build.py); train() runs a round of optimizer steps over a schedule and may run
+    again on new data, with the counters going on; finish() ends the run with a final eval, checkpoint and summary."""
 
     def __init__(self, parts: RunParts, run_dir: Path, wandb_run=None):
         self.config, self.topology, self.run_dir = parts.config, parts.topology, run_dir
@@ -48,19 +49,12 @@ class Trainer:
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         self.scorer, self.batch_loss, self.evaluator = parts.scorer, parts.batch_loss, parts.evaluator
         self.flops, self.peak_flops, self.precision = parts.flops, parts.peak_flops, parts.precision
-        self.live_reference = isinstance(parts.reference, reference_cache.LiveReference)
+        self.synced = parts.reference if isinstance(parts.reference, SyncedReference) else None  # TR-DPO's
         self.log = RunLog(run_dir, wandb_run, self.topology.is_main, self.throughput)
         self.cadence = Cadence(
             self.config.eval_every, self.config.save_every or self.config.eval_every, self.config.do_first_eval
         )
-        # What a checkpoint holds, by file name: a new stateful part is one entry here.
-        parts = {
-            "policy": checkpoint.ModelWeights(self.policy),
-            "optimizer": checkpoint.OptimizerState(self.policy, self.optimizer),
-            "scheduler": self.scheduler,
-            "objective": self.objective,
-        }
-        self.checkpoints = Checkpointer(parts, self.config, self.topology, run_dir, self.tokenizer)
+        self.checkpoints = Checkpointer(checkpoint_parts(parts), self.config, self.topology, run_dir, self.tokenizer)
         self.example_counter = self.batch_counter = 0
         self.nonfinite = NonfiniteSteps(self.config.max_nonfinite_steps)
         self.round_start, self.round_state = 0, None  # where this round's schedule starts; rounds.py's round state
@@ -84,6 +78,8 @@ class Trainer:
         self.last_eval_at = loop.get("last_eval_at", step)  # older checkpoints were all written right after an eval
         self.nonfinite.in_a_row = loop.get("nonfinite_in_a_row", 0)
         self.round_state = loop.get("round")
+        if self.synced is not None:  # its weights came with the checkpoint
+            self.synced.resumed(self.batch_counter)
         # the run's end, unless it now asks for more steps (n_epochs, n_examples) or rounds (rounds.n)
         rounds = self.round_state
         left = rounds["round"] + 1 < c.rounds.n if rounds else self.batch_counter < len(self.data.schedule)
@@ -166,10 +162,23 @@ class Trainer:
                 if time.time() - last_log >= c.minimum_log_interval_secs or stopping or boundary:
                     self.log.close_interval(*self.counters())
                     last_log = time.time()
+                if self.synced is not None and self.synced.due(self.batch_counter):
+                    self.move_reference()  # before this step's checkpoint, which holds the moved reference
                 if stopping:
                     self.log.check(self.topology, self.stopped)
                     self.checkpoint_now()  # of the last finished step
                     raise stop.interrupted(self.example_counter, self.checkpoints.last, self.run_dir)
+
+    @property
+    def live_reference(self) -> bool:
+        """Whether a step runs the reference's forward pass (its FLOPs count in MFU)."""
+        return self.batch_loss.reference is not None and self.batch_loss.reference.live
+
+    def move_reference(self) -> None:
+        """TR-DPO's update of the reference after this step (reference_sync.py), logged with the updates so far."""
+        self.synced.update()
+        self.log.metrics({"reference/updates": self.synced.updates}, *self.counters())
+        print(f"reference: update {self.synced.updates} after step {self.batch_counter}, alpha {self.synced.alpha:g}")
 
     def finish(self) -> None:
         """The run's end: a final eval, checkpoint (LATEST, with the export) and summary; a signal now lets it end."""
@@ -228,6 +237,19 @@ class Trainer:
     def stopped(self, error: UserError) -> UserError:
         """A write failure's line, with where the run stopped, what is safe and how to go on."""
         return self.checkpoints.stopped(error, self.example_counter)
+
+
+def checkpoint_parts(parts: RunParts) -> dict:
+    """What a checkpoint holds, by file name: a new stateful part is one entry here."""
+    held = {
+        "policy": checkpoint.ModelWeights(parts.policy),
+        "optimizer": checkpoint.OptimizerState(parts.policy, parts.optimizer),
+        "scheduler": parts.scheduler,
+        "objective": parts.objective,
+    }
+    if isinstance(parts.reference, SyncedReference):  # the moved reference's weights
+        held["reference"] = checkpoint.ChosenWeights(parts.reference.owner, parts.reference.state)
+    return held
 
 
 class Checkpointer:

@@ -5,6 +5,9 @@ Adapters start at zero (peft initialises B = 0), so at step one policy and refer
 adapter dropout cannot make them differ: the DPO loss starts at ln 2. Checkpoints hold only the trainable
 (adapter) weights; the final export holds the adapter in peft's format and the merged model."""
 
+import copy
+import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,6 +20,7 @@ from modeling import weights
 from utils import POSITIVE, Range, UserError, check_ranges, ranged
 
 QUANTIZATIONS = ("4bit",)
+REFERENCE_ADAPTER = "reference"  # TR-DPO's moving reference under LoRA (ReferenceAdapter)
 
 
 @dataclass
@@ -121,12 +125,16 @@ class AdaptersDisabled(nn.Module):
         super().__init__()
         self.policy = policy
 
+    def computing(self):
+        """The context in which the policy computes as this model."""
+        return self.policy.disable_adapter()
+
     def forward(self, *args, **kwargs):
-        with self.policy.disable_adapter():
+        with self.computing():
             return self.policy(*args, **kwargs)
 
     def generate(self, *args, **kwargs):
-        with self.policy.disable_adapter():
+        with self.computing():
             return self.policy.generate(*args, **kwargs)
 
     def get_output_embeddings(self) -> nn.Module:
@@ -135,6 +143,59 @@ class AdaptersDisabled(nn.Module):
     @property
     def config(self):
         return self.policy.config
+
+
+class ReferenceAdapter(AdaptersDisabled):
+    """A LoRA policy's moving reference (TR-DPO, reference_sync.py): the base with the `reference` adapter set
+    (add_reference_adapter) in place of the policy's own, in the same modules: no second base is held."""
+
+    @contextmanager
+    def computing(self):
+        # Each LoRA layer computes with its active adapter. peft's set_adapter would also mark the adapter it activates
+        # trainable and the others frozen, which would toggle requires_grad on FSDP's sharded parameters mid-step:
+        # only the active name is switched here, and switched back.
+        from peft.tuners.lora import LoraLayer
+
+        layers = [module for module in self.policy.modules() if isinstance(module, LoraLayer)]
+        active = [layer._active_adapter for layer in layers]
+        for layer in layers:
+            layer._active_adapter = [REFERENCE_ADAPTER]
+        try:
+            yield
+        finally:
+            for layer, name in zip(layers, active):
+                layer._active_adapter = name
+
+
+def add_reference_adapter(policy: nn.Module) -> None:
+    """A second adapter set, `reference`, on every adapted layer: a frozen copy of the policy's adapters as
+    init_adapters made them (B zero), so that the reference starts as the initial policy, which is the base; without
+    dropout, so that it scores without randomness. reference_sync.py moves it towards the policy's adapters."""
+    settings = copy.copy(policy.peft_config["default"])
+    settings.lora_dropout = 0.0
+    policy.add_adapter(REFERENCE_ADAPTER, settings)
+    for layer in policy.modules():
+        for attribute in getattr(layer, "adapter_layer_names", ()):
+            adapters = getattr(layer, attribute)
+            if REFERENCE_ADAPTER not in adapters:
+                continue
+            own = adapters["default"]  # on the CPU, initialised, also over a base on the meta device
+            if isinstance(own, nn.Parameter):  # an embedding's adapters are parameters of a ParameterDict
+                adapters[REFERENCE_ADAPTER] = nn.Parameter(own.detach().clone(), requires_grad=False)
+            else:
+                adapters[REFERENCE_ADAPTER] = copy.deepcopy(own).requires_grad_(False)
+
+
+def reference_adapter_pairs(policy: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{name: (the reference adapter's tensor of that name, the policy adapter's counterpart)}, by the names
+    peft gives them in the policy (`...lora_A.reference.weight` and `...lora_A.default.weight`)."""
+    parameters = dict(policy.named_parameters())
+    marker = re.compile(rf"(\.lora_\w+)\.{REFERENCE_ADAPTER}(\.|$)")
+    return {
+        name: (parameter, parameters[marker.sub(r"\1.default\2", name)])
+        for name, parameter in parameters.items()
+        if marker.search(name)
+    }
 
 
 @torch.no_grad()

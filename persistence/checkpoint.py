@@ -4,6 +4,7 @@ or optimizer state. A directory holds:
 
   policy/           the trainable weights (a LoRA policy's: its adapters), every rank's shards as safetensors
   optimizer/        the optimizer's state, every rank's shards in DCP's format (.distcp files and their .metadata)
+  reference/        with reference_sync_steps (TR-DPO): the moving reference's weights, every rank's shards
   scheduler.pt ...  each small part's state in the DPO reference's file format ({"step_idx", "state", "metrics"})
   config.json, generation_config.json, tokenizer files: the model's, so that export.py needs nothing else
   checkpoint.json   written last: the step, the eval metrics, whether it ends the run, the loop's own state
@@ -18,6 +19,7 @@ import pickle
 import re
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -76,6 +78,18 @@ class ModelWeights:
         # strict=False: a LoRA checkpoint holds the adapters only (check_fit made sure it holds every trainable one)
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=False)
         set_model_state_dict(self.model, state, options=options)
+
+
+class ChosenWeights(ModelWeights):
+    """A checkpoint part: the tensors of `model` that chosen() gives by name (a moving reference's weights:
+    reference_sync.py), sharded as the model is. Collective."""
+
+    def __init__(self, model, chosen: Callable[[], dict[str, torch.Tensor]]):
+        super().__init__(model)
+        self.chosen = chosen
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.chosen()
 
 
 class OptimizerState(ModelWeights):
@@ -228,9 +242,9 @@ def export(directory: Path, policy, topology: Topology, shards: Path) -> None:
     original ones; merge the adapter into the original base instead. Collective."""
     if is_adapted(policy):
         adapters = {name: adapter_whole(t) for name, t in ModelWeights(policy).state().items()}
-        topology.run_on_main(
-            lambda: written(directory, lambda: policy.save_pretrained(directory / "adapter", state_dict=adapters))
-        )
+        own = ["default"]  # not TR-DPO's reference adapter (reference_sync.py)
+        save = lambda: policy.save_pretrained(directory / "adapter", state_dict=adapters, selected_adapters=own)  # noqa: E731
+        topology.run_on_main(lambda: written(directory, save))
         if is_quantized(policy):
             print(
                 "export: the adapter only (adapter/), not a merged model: the base is 4-bit. Merge it into the "
@@ -264,7 +278,7 @@ def load(checkpoint_dir: Path, parts: dict, batch_size: int, topology: Topology)
         topology.run_on_main(lambda: check_sharded(checkpoint_dir, parts["policy"].model, optimizer, batch_size))
     )
     for name, part in parts.items():
-        if collective(part):
+        if collective(part) and not optional_part_missing(checkpoint_dir, name):
             try:
                 part.load(checkpoint_dir / name)
             except CheckpointException as error:
@@ -272,6 +286,15 @@ def load(checkpoint_dir: Path, parts: dict, batch_size: int, topology: Topology)
     load_small(checkpoint_dir, parts, topology, setting)
     print(f"resumed from {checkpoint_dir} at {marker['step']} examples")
     return marker["step"], marker
+
+
+def optional_part_missing(checkpoint_dir: Path, name: str) -> bool:
+    """Whether a collective part other than the weights and the optimizer (checked before: check_sharded) has no
+    directory in the checkpoint, written by a run without it: the part keeps its state as built, and a line says so."""
+    if name in ("policy", "optimizer") or (checkpoint_dir / name).is_dir():
+        return False
+    print(f"resume: {checkpoint_dir} holds no {name}/ (written by a run without it): the {name} is as built")
+    return True
 
 
 def load_small(checkpoint_dir: Path, parts: dict, topology: Topology, setting: str) -> None:
@@ -358,7 +381,7 @@ def load_legacy(checkpoint_dir: Path, parts: dict, batch_size: int, topology: To
     states = topology.run_on_main(lambda: read(checkpoint_dir, list(parts), policy, optimizer, batch_size, setting))
     step, marker = topology.broadcast((states["policy"]["step_idx"], states["marker"]) if topology.is_main else None)
     for name, part in parts.items():
-        if collective(part):
+        if collective(part) and not optional_part_missing(checkpoint_dir, name):
             part.load_whole(states[name]["state"] if topology.is_main else {}, broadcast=topology.world_size > 1)
     load_small(checkpoint_dir, parts, topology, setting)
     print(f"resumed from {checkpoint_dir} at {step} examples")

@@ -150,6 +150,8 @@ def write(path: Path, weights: str, computation: str, table: ReferenceTable) -> 
 class LiveReference:
     """The frozen reference model, run on each batch without gradients."""
 
+    live = True  # a forward pass per batch
+
     def __init__(self, model: torch.nn.Module, scorer: "Scorer", compute: torch.dtype | None):
         self.model, self.scorer, self.compute = model, scorer, compute
 
@@ -161,6 +163,8 @@ class LiveReference:
 
 class CachedReference:
     """Log-probs looked up by pair key."""
+
+    live = False
 
     def __init__(self, table: ReferenceTable, device: torch.device):
         self.table, self.device = table, device

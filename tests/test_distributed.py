@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 from conftest import (
     PADDED_BASELINE,
+    PARAMETER_ATOL,
     REPO_ROOT,
     arithmetic_pairs,
     assert_same_metrics,
@@ -495,3 +496,31 @@ def test_a_sliding_window_model_packs_alike_on_one_rank_and_across_processes(tmp
         assert packed in result.stdout
         assert_same_metrics(read_jsonl(padded / "metrics.jsonl"), read_jsonl(run_dir / "metrics.jsonl"))
         assert_same_weights(padded, run_dir)
+
+
+@pytest.mark.slow  # three runs, two of them on 2 processes
+@pytest.mark.parametrize(
+    "adapters", [(), ("lora.enabled=true", "lora.rank=4", "lora.alpha=8", "lora.dropout=0")], ids=["full", "lora"]
+)
+def test_a_moving_reference_matches_basic_trainer_across_processes(tmp_path, pairs_file, launch, adapters):
+    # TR-DPO (reference_sync_steps): updates after steps 2 and 4 of 5, each FSDP rank mixing its own shards of the
+    # reference (a reference model, or LoRA's reference adapter) with the policy's; every logged number, the final
+    # policy and the final reference equal one process's. The 2-rank checkpoint after step 3 (the reference moved
+    # once) resumes on one process, its reference read from the shards, and ends there too.
+    from modeling import weights
+
+    sync = ("reference_sync_steps=2", "reference_mixup_alpha=0.6", "save_every=24", *adapters)
+    launch(tmp_path / "basic", pairs_file, "trainer=BasicTrainer", *sync)
+    launch(tmp_path / "run", pairs_file, "trainer=FSDPTrainer", *sync)
+    basic = read_jsonl(tmp_path / "basic" / "metrics.jsonl")
+    assert [r["reference/updates"] for r in basic if "reference/updates" in r] == [1, 2]
+    assert_same_metrics(basic, read_jsonl(tmp_path / "run" / "metrics.jsonl"))
+    assert_same_weights(tmp_path / "basic", tmp_path / "run")
+    references = [weights.full_state(tmp_path / name / "LATEST" / "reference") for name in ("basic", "run")]
+    assert references[0] and references[0].keys() == references[1].keys()
+    for name, value in references[0].items():
+        torch.testing.assert_close(references[1][name], value, rtol=0, atol=PARAMETER_ATOL, msg=name)
+    resumed = tmp_path / "resumed"
+    launch(resumed, pairs_file, "trainer=BasicTrainer", f"resume_from={tmp_path / 'run' / 'step-24'}", *sync)
+    assert_same_metrics([r for r in basic if r["step"] > 24], read_jsonl(resumed / "metrics.jsonl"))
+    assert_same_weights(tmp_path / "basic", resumed)
