@@ -350,12 +350,8 @@ class Config:
         per_step = self.gradient_accumulation_steps * data_ranks
         for key in ("batch_size", "eval_batch_size"):
             value = getattr(self, key)
-            expect(
-                value > 0 and value % per_step == 0,
-                key,
-                value,
-                f"a positive multiple of gradient_accumulation_steps x data-parallel ranks = {per_step}",
-            )
+            multiple = f"a positive multiple of gradient_accumulation_steps x data-parallel ranks = {per_step}"
+            expect(value > 0 and value % per_step == 0, key, value, multiple)
         for key in ("eval_every", "save_every"):
             value = getattr(self, key)
             expect(

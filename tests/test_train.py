@@ -62,7 +62,10 @@ def test_cli_run_writes_metrics_checkpoints_and_loadable_export(tmp_path, pairs_
             ["model.dtype=float32"],
             "error: unknown key 'model.dtype' in model=smollm2-135m; valid: name_or_path, tokenizer_name_or_path",
         ),
-        (["loss=sft", "loss.beta=0.1"], "error: unknown key 'loss.beta' in loss=sft; valid: name, router_aux_loss_coef"),
+        (
+            ["loss=sft", "loss.beta=0.1"],
+            "error: unknown key 'loss.beta' in loss=sft; valid: name, router_aux_loss_coef",
+        ),
         (["model=nope"], "error: unknown model 'nope'; valid: blank_model, gpt2-large"),
         (
             ["model=tiny", "trainer=FSDPTrainer", "nproc=abc"],
