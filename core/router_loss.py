@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.layouts import ModelBatch
+from core.layouts import ModelBatch, to_device
 from utils import UserError
 
 
@@ -70,19 +70,24 @@ class Routers:
         """[] E sum_e f_e S_e / T: this forward's part of the batch's load-balancing loss (f = choices / T)."""
         return self.n_experts * (batch.choices / batch.tokens * sums.probabilities).sum() / batch.tokens
 
+    def modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The model's routers: its modules of the class transformers records router logits from."""
+        named = model.named_modules()
+        return [
+            m for name, m in named if isinstance(m, self.target) and (self.name_part is None or self.name_part in name)
+        ]
+
     @contextlib.contextmanager
-    def recorded(self, model: torch.nn.Module):
-        """The router logits of the forwards inside this block, appended to the yielded list layer by layer as each
-        router runs ([tokens, E] each); nothing is recorded once it is left (a recomputing backward, under
-        activation checkpointing, adds nothing)."""
-        logits, handles = [], []
+    def recorded(self, routers: list[torch.nn.Module]):
+        """The logits of `routers` (modules) in the forwards inside this block, appended to the yielded list layer by
+        layer as each router runs ([tokens, E] each); nothing is recorded once it is left (a recomputing backward,
+        under activation checkpointing, adds nothing)."""
+        logits = []
 
         def record(module, inputs, output):
             logits.append(output[self.index] if isinstance(output, tuple) else output)
 
-        for name, module in model.named_modules():
-            if isinstance(module, self.target) and (self.name_part is None or self.name_part in name):
-                handles.append(module.register_forward_hook(record))
+        handles = [router.register_forward_hook(record) for router in routers]
         try:
             yield logits
         finally:
@@ -131,12 +136,13 @@ def token_weights(batch: ModelBatch, examples: list[dict], n_real: int) -> torch
     padding. Packed rows: a prompt token once per response of its example, a response token once, padding 0. The
     tokens of examples past the first n_real (a rank's padding copies, modeling.distributed.Topology.shard) count
     0."""
+    # per-example numbers made on the host and sent ahead, as the batch's own indices are (layouts.to_device)
     device = batch.input_ids.device
-    real = torch.tensor([index < n_real for index in range(len(examples))], device=device)
+    real = to_device(torch.arange(len(examples)) < n_real, device)
     if batch.segment_ids is None:  # padded: row r is response r // B of example r % B
         rows = real.repeat(batch.input_ids.shape[0] // len(examples))
         return (batch.attention_mask.float() * rows[:, None]).flatten()
-    responses = torch.tensor([len(example["responses"]) for example in examples], device=device)
+    responses = to_device(torch.tensor([len(example["responses"]) for example in examples]), device)
     segment = batch.segment_ids.clamp(min=0)
     weights = torch.where(batch.branch_ids == 0, responses[segment], 1) * real[segment]
     return torch.where(batch.segment_ids >= 0, weights, 0).float().flatten()

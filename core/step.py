@@ -1,10 +1,11 @@
 """What one step computes from its examples: the objective on a micro-batch (`BatchLoss`: the policy's log-probs, the
 reference's, the loss and per-example metrics), and what a loss reads from the whole batch before its first
-micro-batch (`CoupledBatch`: every pair's statistics for aot, KTO's KL estimate over mismatched examples); the keys of
-every example whose reference log-probs a run reads. The Trainer (trainers.py) calls these once per micro-batch and
-once per batch; build.py makes them."""
+micro-batch (`CoupledBatch`: every pair's statistics for aot, KTO's KL estimate over mismatched examples, the router
+loss's counts); the keys of every example whose reference log-probs a run reads. The Trainer (trainers.py) calls these
+once per micro-batch and once per batch; build.py makes them."""
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,9 +103,14 @@ class BatchLoss:
         )
         return loss + self.routers.coefficient * router.parts * part, metrics
 
+    @functools.cached_property
+    def router_modules(self) -> list[torch.nn.Module]:
+        """The placed policy's routers, found once (not on each forward)."""
+        return self.routers.modules(self.policy)
+
     def recorded_routers(self):
         """The policy's router logits of the forwards inside (router_loss.Routers.recorded), where its loss is on."""
-        return self.routers.recorded(self.policy) if self.routers is not None else contextlib.nullcontext([])
+        return self.routers.recorded(self.router_modules) if self.routers is not None else contextlib.nullcontext([])
 
     def router_sums(self, logits: list, batch: ModelBatch, examples: list[dict], router: RouterPart):
         """(this forward's router sums, the batch's router counts)."""
@@ -124,7 +130,9 @@ class BatchLoss:
           micro-batches (its sort needs every pair before any backward): one forward more per step.
         - kto: the policy and the reference over the batch's mismatched examples (mismatched): KTO's
           reference point z0 = max(0, mean over their responses of log pi / pi_ref), the same for any
-          accumulation and rank count."""
+          accumulation and rank count.
+        - the router loss: where each micro-batch sits, and where a rank has several, the batch's router counts
+          from one no-grad forward of each (router_parts)."""
         micro_batches, n_real = self.topology.micro_batches(examples, batch_size, accumulation)
         several = len(micro_batches) > 1 or self.topology.dp_size > 1
         pairs = self.objective.couples_pairs and several

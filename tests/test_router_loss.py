@@ -39,7 +39,7 @@ def examples(n: int, seed: int = 0) -> list[dict]:
 
 def router_loss(model, routers, batch, items, batch_counts=None):
     """(this batch's part of the loss against batch_counts (None: its own), its counts): through the scoring path."""
-    with routers.recorded(model) as logits:
+    with routers.recorded(routers.modules(model)) as logits:
         sequence_logps(model, batch, None, torch.float32, scored_head=True)
     sums = routers.sums(logits, token_weights(batch, items, len(items)))
     return routers.loss(sums, batch_counts or sums.counts), sums.counts
