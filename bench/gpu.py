@@ -64,16 +64,13 @@ def campaign_model_dir(directory: Path, sizes: dict) -> Path:
 
 
 def run_cuda_tests() -> None:
-    """The cuda-marked tests: their summary line, and the output's tail where one failed."""
+    """The cuda-marked tests, their output streamed as they run: a campaign cut short still shows how far it got."""
+    print("cuda tests:", flush=True)
     tests = subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", str(REPO_ROOT / "tests")],
+        [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider", str(REPO_ROOT / "tests")],
         cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
     )
-    print(f"cuda tests: {(tests.stdout.strip().splitlines() or ['no output'])[-1]}", flush=True)
-    if tests.returncode:
-        print(tests.stdout[-6000:], flush=True)
+    print(f"cuda tests: {'passed' if tests.returncode == 0 else f'exit {tests.returncode}'}", flush=True)
 
 
 def bench_gpu(smoke: bool, warmup: int, steps: int) -> None:
@@ -122,6 +119,8 @@ def bench_workload(tmp: Path, model_dir: Path, workload: tuple, warmup: int, ste
             [*overrides, *layout], warmup, steps, str(tmp / "result.json"), data_file=str(data_file), n_rows=None
         )
         print(campaign_row(name, result) + f"  {result['layout']}", flush=True)
+        for fallback in result["fallbacks"]:
+            print(f"{'':42s}{fallback}", flush=True)
     if trl:
         kwargs = dict(
             model_dir=str(model_dir),

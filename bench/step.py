@@ -105,6 +105,7 @@ def lever_worker(
         "training_rss_gib": step_rss[0],
         "precision": "bfloat16" if trainer.precision.policy_compute == torch.bfloat16 else "float32",
         "layout": trainer.scorer.describe(),
+        "fallbacks": list(trainer.scorer.fallbacks),
         "setup_seconds": setup_seconds,
         "first_step_seconds": first_step,
     }

@@ -327,8 +327,22 @@ def response_sums(token_values: torch.Tensor, batch: ModelBatch, tail_weight: fl
 
 
 def probe_tolerance(dtype: torch.dtype) -> float:
-    """Rounding allowance of the probes: float32 reorderings, or 16-bit compute; a real mismatch is of order 1."""
+    """Rounding allowance of the probes: float32 reorderings (TF32 is off while they run: exact_float32), or 16-bit
+    compute; a real mismatch is of order 1."""
     return 1e-4 if dtype == torch.float32 else 1e-1
+
+
+@contextlib.contextmanager
+def exact_float32():
+    """TF32 off for the forwards inside this block. Training enables it (train.py), and on a GPU it rounds float32
+    matmul inputs to 10 mantissa bits: a 16-layer 1B model's packed and padded log-probs then differ by more than
+    float32's allowance, and a model that honours the packed mask would be refused."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def model_class(model: torch.nn.Module):
@@ -345,7 +359,7 @@ def compare(
     are compared instead (sequence_rewards, with this EOS id)."""
     name = type(model_class(model)).__name__
     try:
-        with torch.no_grad():
+        with torch.no_grad(), exact_float32():
             if reward_eos is not None:
                 options = {key: options[key] for key in ("attention", "spans") if key in options}
                 got = sequence_rewards(model, batch.to(device), None, dtype, reward_eos, **options)
@@ -432,6 +446,7 @@ class Scorer:
     spans: dict[str, AttentionSpan] | None = None  # packed rows' span per layer type (None: full attention)
     logit_map: LogitMap = IDENTITY  # the scored head's map of its output
     reward_eos: int | None = None  # a reward model's: rewards read before this EOS id (sequence_rewards)
+    fallbacks: tuple[str, ...] = ()  # each lever the run asked for and did not get, and why (printed by create)
 
     @classmethod
     def create(
@@ -478,7 +493,7 @@ class Scorer:
         row_tokens = settings.pack_row_tokens
         scorer = cls(
             layout, attention, scored_head, pad_token_id, device, autocast, row_tokens, tail_weight, spans, logit_map,
-            reward_eos,
+            reward_eos, tuple(notes),
         )  # fmt: skip
         for note in notes:
             print(note)

@@ -14,11 +14,12 @@ from preference_datasets import PreferencePair
 CPU = torch.device("cpu")
 
 
-def tiny_model(architecture: str, attention: str) -> torch.nn.Module:
-    """A 2-layer random model over the tiny byte tokenizer's 259 ids: Llama (rotary positions) or GPT-2 (learned
-    absolute positions)."""
+def tiny_model(architecture: str, attention: str, head_dim: int = 8) -> torch.nn.Module:
+    """A 2-layer random model over the tiny byte tokenizer's 259 ids: Llama (rotary positions; heads of head_dim) or
+    GPT-2 (learned absolute positions)."""
     if architecture == "llama":
         config = transformers.LlamaConfig(
+            head_dim=head_dim,
             hidden_size=32,
             intermediate_size=64,
             num_hidden_layers=2,
@@ -214,6 +215,25 @@ def test_packing_probe_rejects_what_cannot_take_a_custom_mask(monkeypatch):
     )
 
 
+def test_the_probes_compute_in_exact_float32_while_training_uses_tf32():
+    # train.py turns TF32 on; on a GPU it rounds float32 matmul inputs to 10 mantissa bits, and a 1B model's packed
+    # and padded log-probs then differ by more than float32's allowance (seen on an H200: every packed run fell back
+    # to padded rows). Every probe forward runs with TF32 off, and the setting is restored after it.
+    model = tiny_model("llama", "sdpa")
+    seen = []
+    flags = lambda *_: seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))  # noqa: E731
+    model.register_forward_pre_hook(flags)
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        assert packing_problem(model, torch.float32, CPU) is None
+        assert scored_head_problem(model, torch.float32, CPU) is None
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (True, True)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    assert len(seen) == 4 and set(seen) == {(False, False)}
+
+
 def windowed_mistral(window: int) -> torch.nn.Module:
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(tiny_lm_config("mistral", sliding_window=window))
@@ -280,7 +300,7 @@ def test_layouts_and_heads_equal_padded_on_cuda(examples, architecture, dtype, a
     cuda = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        model = tiny_model(architecture, "sdpa").to(cuda)
+        model = tiny_model(architecture, "sdpa", head_dim=16).to(cuda)  # FlexAttention's GPU kernels: 16 at least
         autocast = dtype if dtype == torch.bfloat16 else None
         expected, expected_grads = logps_and_gradients(model, pad(examples, 0).to(cuda), False, autocast, dtype)
         budget = sum(segment_lengths(examples)) if attention == "block" else None

@@ -182,17 +182,22 @@ def test_block_mask_training_on_cuda_equals_the_padded_run_step_by_step(make_con
     finally:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     assert "scoring: packed layout (block attention), scored logits" in capsys.readouterr().out
-    assert_same_metrics(
-        read_jsonl(tmp_path / "padded" / "metrics.jsonl"), read_jsonl(tmp_path / "block" / "metrics.jsonl")
-    )
+    # At step 0 every margin is 0 in exact arithmetic (policy = reference), so its accuracy (margin > 0) is the sign
+    # of float32 rounding, which the GPU's kernels leave to each layout: the margins themselves are compared.
+    padded, block = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("padded", "block"))
+    for record in (record for record in (*padded, *block) if record["step"] == 0):
+        for name in ("rewards_eval/accuracies", "rewards_train/accuracies"):
+            record.pop(name, None)
+    assert_same_metrics(padded, block)
     assert_same_weights(tmp_path / "padded", tmp_path / "block")
-    assert read_jsonl(tmp_path / "block" / "metrics.jsonl")[-1]["perf/peak_allocated_gib"] > 0
+    assert records(tmp_path / "block", "train")[-1]["perf/peak_allocated_gib"] > 0  # train records carry perf/*
 
 
 @pytest.mark.cuda
 def test_the_default_cli_run_on_cuda_takes_block_masks_in_bfloat16(tmp_path, pairs_file):
-    # The command line, TF32 and bfloat16 autocast on: the block mask is chosen, step 0 is exactly ln 2 (the cached
-    # reference is the policy's own computation), and the run learns.
+    # The command line, TF32 and bfloat16 autocast on: the block mask is chosen, step 0 is ln 2 (the cached reference
+    # is the policy's own computation) to bfloat16 rounding, not to the bit as on a CPU: the file repeats pairs, and an
+    # eval pair's cached value then comes from a training batch, whose other shapes take other GPU kernels.
     from conftest import run_cli, tiny_run_overrides
 
     run_dir = tmp_path / "run"
@@ -200,7 +205,8 @@ def test_the_default_cli_run_on_cuda_takes_block_masks_in_bfloat16(tmp_path, pai
     assert result.returncode == 0, result.stderr[-3000:]
     assert "scoring: packed layout (block attention), scored logits" in result.stdout
     evals = records(run_dir, "eval")
-    assert evals[0]["loss/eval"] == torch.tensor(math.log(2)).item() and evals[-1]["loss/eval"] < evals[0]["loss/eval"]
+    assert evals[0]["loss/eval"] == pytest.approx(math.log(2), abs=1e-4)
+    assert evals[-1]["loss/eval"] < evals[0]["loss/eval"]
 
 
 @pytest.mark.parametrize("reference_cache", ["true", "false"])
