@@ -41,6 +41,7 @@ from modeling.precision import (
     slow_precision_note,
 )
 from modeling.reference_sync import SyncedReference, schedule_line
+from modeling.vision import freeze_vision_tower, vision_tower
 from persistence import checkpoint, reference_cache
 from persistence.tokenized import Tokenization, first_of_each_group, load_examples, tokenize_pairs
 from preference_datasets import PreferencePair, batch_schedule
@@ -136,6 +137,8 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
         )  # fmt: skip
     if objective.reward_model and policy.config.pad_token_id is None:  # its own pooling needs one (scoring)
         policy.config.pad_token_id = tokenizer.pad_token_id
+    if config.model.freeze_vision and vision_tower(policy) is not None:
+        print(f"vision tower: frozen ({freeze_vision_tower(policy) / 1e6:.3g}M parameters; model.freeze_vision)")
     if config.lora.enabled:  # after model.archive: the adapters go on the SFT weights
         policy = apply_lora(policy, config.lora, config.seed)
         if config.reference_sync_steps is not None:  # before placement: sharded like the policy's own adapters
@@ -159,7 +162,7 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     reward_eos = tokenizer.eos_token_id if objective.reward_model else None
     scorer = Scorer.create(
         policy, config, tokenizer.pad_token_id, topology, autocast, precision.policy_compute, objective.tail_weight,
-        reward_eos,
+        reward_eos, tokenizer.vision,
     )  # fmt: skip
 
     reference, reference_model = build_reference(
@@ -370,7 +373,7 @@ def meta_policy(config: DictConfig, precision: Precision, cache_dir: Path, rewar
     weights."""
     model_config = transformers_config(config.model, cache_dir, reward)
     with torch.device("meta"):
-        model = weights.model_class(reward).from_config(model_config, dtype=precision.policy_weights)
+        model = weights.model_class(reward, model_config).from_config(model_config, dtype=precision.policy_weights)
         if not config.lora.enabled:
             return model
         model = apply_lora(model, config.lora, config.seed)

@@ -72,6 +72,7 @@ class ModelConfig:
     trust_remote_code: bool = MISSING
 
     fsdp_reduce_dtype: Optional[str] = MISSING
+    freeze_vision: bool = True  # a vision-language model's vision tower trains (false) or stays as loaded (true)
 
     def __post_init__(self):
         for key in ("policy_dtype", "fsdp_policy_mp"):  # the dtypes gradients flow through

@@ -59,6 +59,7 @@ class PreferencePair:
     margin: float = 0.0  # how far apart the pair was rated (a `margin` column): reward models read it
     append_eos: bool = True  # EOS ends each response; false where a chat template rendered them and ended them
     with_tools: bool = False  # the prompt was rendered with tool schemas
+    images: tuple[bytes, ...] = ()  # the prompt's images, encoded files, one per placeholder in order
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class LabelledCompletion:
     truncation_mode: str
     append_eos: bool = True
     with_tools: bool = False
+    images: tuple[bytes, ...] = ()
 
 
 class RowSkipped(Exception):
@@ -419,18 +421,24 @@ class RowCounts:
             raise UserError(f"{self.source}: no usable preference pairs in {self.rows} rows{skipped}")
 
 
-IMAGE_COLUMNS = ("images", "image")  # TRL's vision columns
+def with_images(row: dict, pairs: list, vision) -> list:
+    """The row's pairs (or labelled completions) with its images, read now (modeling.vision.row_images), each
+    prompt holding one placeholder per image. A model without an image processor refuses rows with images rather
+    than train on their text alone, which would teach it preferences about pictures it never saw."""
+    from modeling.vision import IMAGE_COLUMNS, row_images
 
-
-def refuse_images(row: dict) -> None:
-    """Pairs with images are refused rather than trained on their text alone, which would teach the model
-    preferences about pictures it never saw."""
-    for column in IMAGE_COLUMNS:
-        if row.get(column) not in (None, [], ""):
-            raise ValueError(
-                f"column {column!r} holds images, and this trainer takes text only: it would train on the text "
-                "without them; drop the column to train on the text"
-            )
+    if vision is None:
+        for column in IMAGE_COLUMNS:
+            if row.get(column) not in (None, [], ""):
+                raise ValueError(
+                    f"column {column!r} holds images, and this model takes text only (no image processor beside "
+                    "it): it would train on the text without them; use a vision-language model, or drop the column"
+                )
+        return pairs
+    images = row_images(row, None)
+    for pair in pairs:
+        vision.check_placeholders(pair.prompt, len(images))
+    return [dataclasses.replace(pair, images=images) for pair in pairs] if images else pairs
 
 
 def iter_pairs(
@@ -439,15 +447,16 @@ def iter_pairs(
     """The pairs of (location, row) items, streamed; bad rows raise UserError naming the location, unusable ones
     are skipped and counted in `counts`. Conversational rows are rendered with the tokenizer's chat template and
     the run's chat_template_kwargs (ChatTemplate)."""
-    chat, parser = ChatTemplate(tokenizer, dict(chat_template_kwargs or {})), None
+    vision = getattr(tokenizer, "vision", None)  # a vision-language model's (modeling.models.load_tokenizer)
+    renderer = vision.processor if vision is not None else tokenizer  # a processor's template renders image parts
+    chat, parser = ChatTemplate(renderer, dict(chat_template_kwargs or {})), None
     for location, row in rows:
         counts.rows += 1
         try:
             if not isinstance(row, dict):
                 raise ValueError(f"expected a JSON object, got {type(row).__name__}")
-            refuse_images(row)
             parser = parser or detect_parser(row, chat)
-            pairs = parser(row)
+            pairs = with_images(row, parser(row), vision)
         except RowSkipped as reason:
             counts.skipped[str(reason)] += 1
             counts.first_skipped.setdefault(str(reason), location)
@@ -509,6 +518,29 @@ def text_lines(path: Path) -> Iterator[tuple[int, str]]:
     yield from enumerate(text.split("\n"), start=1)  # only "\n" ends a line: JSON strings may hold U+2028
 
 
+def with_image_paths(row: Any, base: Path) -> Any:
+    """The row with the image paths of its `images` / `image` column made absolute: relative ones are relative to
+    the data file's directory (`base`)."""
+    from modeling.vision import IMAGE_COLUMNS
+
+    if not isinstance(row, dict) or not any(row.get(column) for column in IMAGE_COLUMNS):
+        return row
+
+    def resolved(cell):
+        if isinstance(cell, str) and cell and not Path(cell).is_absolute():
+            return str(base / cell)
+        if isinstance(cell, dict) and not cell.get("bytes") and isinstance(cell.get("path"), str):
+            return {**cell, "path": resolved(cell["path"])}
+        return cell
+
+    row = dict(row)
+    for column in IMAGE_COLUMNS:
+        value = row.get(column)
+        if value:
+            row[column] = [resolved(cell) for cell in value] if isinstance(value, list) else resolved(value)
+    return row
+
+
 def read_file_rows(path: Path) -> Iterator[tuple[str, Any]]:
     """(location, row) for each row of a .jsonl, .jsonl.gz, .json or .parquet file; text in UTF-8, or in the UTF-8,
     UTF-16 or UTF-32 that a byte-order mark opening the file names."""
@@ -521,7 +553,7 @@ def read_file_rows(path: Path) -> Iterator[tuple[str, Any]]:
                         row = json.loads(line)
                     except json.JSONDecodeError as error:
                         raise UserError(f"{path}:{number}: malformed JSON line ({error.msg})") from None
-                    yield f"{path}:{number}", row
+                    yield f"{path}:{number}", with_image_paths(row, path.parent)
         except (EOFError, gzip.BadGzipFile, zlib.error) as error:
             raise UserError(f"{path}: a truncated or corrupt gzip file ({first_line(error)})") from None
     elif name.endswith(".json"):
@@ -536,7 +568,7 @@ def read_file_rows(path: Path) -> Iterator[tuple[str, Any]]:
         if not isinstance(rows, list):
             raise UserError(f"{path}: expected a JSON list of rows")
         for number, row in enumerate(rows, start=1):
-            yield f"{path} row {number}", row
+            yield f"{path} row {number}", with_image_paths(row, path.parent)
     else:
         import pyarrow
         import pyarrow.parquet
@@ -546,7 +578,7 @@ def read_file_rows(path: Path) -> Iterator[tuple[str, Any]]:
             for batch in pyarrow.parquet.ParquetFile(path).iter_batches(batch_size=4096):
                 for row in batch.to_pylist():
                     number += 1
-                    yield f"{path} row {number}", row
+                    yield f"{path} row {number}", with_image_paths(row, path.parent)
         except (pyarrow.ArrowException, OSError) as error:
             raise UserError(f"{path}: not a readable Parquet file ({first_line(error)})") from None
 
@@ -601,8 +633,32 @@ def files_source(label: str, files: list[Path]) -> Source:
     return Source(
         label,
         lambda: (item for file in files for item in read_file_rows(file)),
-        lambda: " ".join(f"{file}:{file_digest(file)}" for file in files),
+        lambda: " ".join(f"{file}:{file_digest(file)}{image_files_digest(file)}" for file in files),
     )
+
+
+def image_files_digest(file: Path) -> str:
+    """A digest of the image files a data file's rows name by path (none: ""): a changed image changes what its
+    examples are, as a changed row does."""
+    from modeling.vision import IMAGE_COLUMNS
+
+    if not file.name.endswith((".jsonl", ".jsonl.gz", ".json")) or b'"image' not in file_head(file):
+        return ""
+    digest, paths = hashlib.sha256(), 0
+    for _, row in read_file_rows(file):
+        cells = [row.get(column) for column in IMAGE_COLUMNS] if isinstance(row, dict) else []
+        for cell in (cell for value in cells for cell in (value if isinstance(value, list) else [value])):
+            path = cell.get("path") if isinstance(cell, dict) and not cell.get("bytes") else cell
+            if isinstance(path, str) and Path(path).is_file():
+                digest.update(f"{path}:{file_digest(Path(path))}".encode())
+                paths += 1
+    return f" images {digest.hexdigest()}" if paths else ""
+
+
+def file_head(file: Path) -> bytes:
+    """The start of a data file as stored, decompressed where it is gzip: enough to see its columns."""
+    with open_binary(file) as stream:
+        return stream.read(1 << 16)
 
 
 def hub_source(data, label: str) -> Source:

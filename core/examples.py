@@ -20,7 +20,9 @@ PER_EXAMPLE = (
     "groups",
     "labels",
     "margins",
-)  # the arrays besides the token ids
+    "image_offsets",
+    "image_lengths",
+)  # the arrays besides the token ids and the images
 
 
 @dataclass
@@ -36,6 +38,9 @@ class Examples:
     groups:       [n] int64, a digest of the prompt's text: a prompt's pairs are held out together, SFT takes one
     labels:       [n] int8, a labelled completion's label (1 desirable, 0 not); -1 for a pair
     margins:      [n] float32, a pair's margin from the data (a `margin` column, which reward models read; 0 without)
+    image_parts:  uint8, the prompts' images (modeling.vision.pack_images), flat: one array per token part
+    image_offsets: [n] int64, where its prompt's images start in its part's image array
+    image_lengths: [n] int64, their bytes (0: a prompt without images)
     """
 
     token_parts: list[np.ndarray]
@@ -47,6 +52,16 @@ class Examples:
     groups: np.ndarray
     labels: np.ndarray
     margins: np.ndarray
+    image_parts: list[np.ndarray] | None = None  # None: text only, no image in any part
+    image_offsets: np.ndarray | None = None
+    image_lengths: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.image_parts is None:
+            self.image_parts = [NO_IMAGES] * len(self.token_parts)
+        if self.image_offsets is None:
+            self.image_offsets = np.zeros(len(self.part), np.int64)
+            self.image_lengths = np.zeros(len(self.part), np.int64)
 
     def __len__(self) -> int:
         return len(self.part)
@@ -60,6 +75,9 @@ class Examples:
         bounds = list(itertools.accumulate(lengths, initial=0))
         prompt, *responses = [ids[a:b] for a, b in zip(bounds, bounds[1:])]
         example = {"prompt": prompt, "responses": responses, "key": self.keys[i : i + 1].tobytes()}
+        if self.image_lengths[i]:
+            start = int(self.image_offsets[i])
+            example["images"] = self.image_parts[self.part[i]][start : start + int(self.image_lengths[i])].tobytes()
         if self.labels[i] >= 0:
             example["label"] = bool(self.labels[i])
         else:
@@ -78,7 +96,11 @@ class Examples:
         """The examples at `indices` (an index array, a range or a boolean mask), sharing the token ids."""
         indices = np.asarray(indices)
         per_example = {name: getattr(self, name)[indices] for name in ("part", *PER_EXAMPLE)}
-        return Examples(self.token_parts, **per_example)
+        return Examples(self.token_parts, **per_example, image_parts=self.image_parts)
+
+    @property
+    def with_images(self) -> bool:
+        return bool(self.image_lengths.any())
 
     @property
     def n_tokens(self) -> int:
@@ -88,7 +110,7 @@ class Examples:
     @property
     def nbytes(self) -> int:
         """Bytes of the arrays, the token ids of every part included (mapped or not)."""
-        arrays = [*self.token_parts, self.part, *(getattr(self, name) for name in PER_EXAMPLE)]
+        arrays = [*self.token_parts, *self.image_parts, self.part, *(getattr(self, name) for name in PER_EXAMPLE)]
         return sum(array.nbytes for array in arrays)
 
     @staticmethod
@@ -100,16 +122,20 @@ class Examples:
     @staticmethod
     def concatenate(parts: Sequence["Examples"], n_responses: int) -> "Examples":
         """The examples of `parts`, in order; their token ids are not copied."""
-        token_parts, which = [], []
+        token_parts, image_parts, which = [], [], []
         for examples in parts:
             which.append(examples.part + len(token_parts))
             token_parts.extend(examples.token_parts)
+            image_parts.extend(examples.image_parts)
         if not parts:
             return Examples.empty(n_responses)
         if len({(p.lengths.shape[1], p.labelled) for p in parts if len(p)}) > 1:
             raise UserError("the datasets mix preference pairs and labelled completions: train on one kind at a time")
         per_example = {name: np.concatenate([getattr(p, name) for p in parts]) for name in PER_EXAMPLE}
-        return Examples(token_parts, np.concatenate(which).astype(np.int32), **per_example)
+        return Examples(token_parts, np.concatenate(which).astype(np.int32), **per_example, image_parts=image_parts)
+
+
+NO_IMAGES = np.zeros(0, np.uint8)
 
 
 def empty_keys(n: int) -> np.ndarray:
@@ -132,13 +158,18 @@ def truncated(full: np.ndarray, max_length: int, max_prompt_length: int) -> np.n
     return np.column_stack([prompt, responses])
 
 
-def example_keys(tokens: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """[n] S16: a digest of each example's kept ids and of how they split into prompt and responses."""
+def example_keys(
+    tokens: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, images: list[bytes] | None = None
+) -> np.ndarray:
+    """[n] S16: a digest of each example's kept ids, of how they split into prompt and responses, and of its
+    prompt's images (each example's packed bytes, where there are any): a changed image changes the key."""
     keys = empty_keys(len(offsets))
     totals = lengths.sum(axis=1)
     for i, (start, total) in enumerate(zip(offsets.tolist(), totals.tolist())):
         digest = hashlib.blake2b(lengths[i].tobytes(), digest_size=16)
         digest.update(tokens[start : start + total].tobytes())
+        if images and images[i]:
+            digest.update(b"images" + images[i])
         keys[i] = digest.digest()
     return keys
 

@@ -64,6 +64,9 @@ class ModelBatch:
                       of sequence_lengths; the rest is the response's tail, which LD-DPO weighs down)
     first_positions:  [S] flat index into R * T of each sequence's first response token
     last_positions:   [S] flat index into R * T of each sequence's last token, where a reward model reads its score
+    prompt_examples:  the example of each prompt the rows hold, in the order the model reads them (row by row):
+                      whose images a vision-language model encodes, in that order (padded: every prompt twice)
+    image_inputs:     a vision-language model's image inputs of those images (pixel_values, ...), or None
     """
 
     input_ids: torch.Tensor
@@ -79,9 +82,14 @@ class ModelBatch:
     shared_lengths: torch.Tensor
     first_positions: torch.Tensor
     last_positions: torch.Tensor
+    prompt_examples: list[int] | None = None
+    image_inputs: dict[str, torch.Tensor] | None = None
 
     def to(self, device: torch.device) -> "ModelBatch":
-        return ModelBatch(**{name: to_device(v, device) if torch.is_tensor(v) else v for name, v in vars(self).items()})
+        moved = {name: to_device(v, device) if torch.is_tensor(v) else v for name, v in vars(self).items()}
+        if self.image_inputs is not None:
+            moved["image_inputs"] = {name: to_device(v, device) for name, v in self.image_inputs.items()}
+        return ModelBatch(**moved)
 
     @property
     def n_sequences(self) -> int:
@@ -171,7 +179,8 @@ def pad(examples: list[dict], pad_token_id: int) -> ModelBatch:
         scored += [(row, row, p, token) for p, token in scored_tokens(len(prompt), len(prompt), response, len(prompt))]
         spans.append((row, row * length + len(prompt), row * length + len(tokens) - 1))
     fields = scored_fields(scored, spans, len(examples), len(examples[0]["responses"]), tuple(input_ids.shape))
-    return ModelBatch(input_ids, None, attention_mask, None, None, **fields)
+    prompts = [i for _ in examples[0]["responses"] for i in range(len(examples))]  # the rows' order
+    return ModelBatch(input_ids, None, attention_mask, None, None, **fields, prompt_examples=prompts)
 
 
 def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:
@@ -240,7 +249,8 @@ def pack(examples: list[dict], pad_token_id: int, row_tokens: int | None = None,
                 offset += len(response)
             start += lengths[index]
     fields = scored_fields(scored, spans, n_examples, len(examples[0]["responses"]), tuple(input_ids.shape))
-    return ModelBatch(input_ids, position_ids, None, segment_ids, branch_ids, **fields)
+    prompts = [index for members in rows for index in members]  # each prompt once, as the rows hold them
+    return ModelBatch(input_ids, position_ids, None, segment_ids, branch_ids, **fields, prompt_examples=prompts)
 
 
 def packed_mask_mod(

@@ -29,6 +29,7 @@ from core.layouts import (
 )
 from core.logprobs import IDENTITY, LogitMap, token_logps_from_hidden, token_logps_from_logits
 from modeling.models import reward_head
+from modeling.vision import Vision, unpack_images
 from utils import first_line
 
 # Probe inputs: two examples with prompts of 3 and 1 tokens and responses of 1 to 3 tokens.
@@ -291,7 +292,7 @@ def model_inputs(batch: ModelBatch, mask_dtype: torch.dtype, attention: str, spa
     if not flex:
         mask = model_mask(mask, mask_dtype)
     inputs = dict(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids, use_cache=False)
-    return inputs, flex
+    return inputs | (batch.image_inputs or {}), flex
 
 
 def forward_context(model: torch.nn.Module, device: torch.device, autocast_dtype: torch.dtype | None, flex: bool):
@@ -447,6 +448,7 @@ class Scorer:
     logit_map: LogitMap = IDENTITY  # the scored head's map of its output
     reward_eos: int | None = None  # a reward model's: rewards read before this EOS id (sequence_rewards)
     fallbacks: tuple[str, ...] = ()  # each lever the run asked for and did not get, and why (printed by create)
+    vision: Vision | None = None  # a vision-language model's processor: the batches' image inputs
 
     @classmethod
     def create(
@@ -459,6 +461,7 @@ class Scorer:
         compute: torch.dtype | None,
         tail_weight: float = 1.0,
         reward_eos: int | None = None,
+        vision: Vision | None = None,
     ) -> "Scorer":
         """As configured (settings: the run's config) where the model allows, checked on the placed model by every
         rank (sharded models need them all in each forward) and decided by rank 0; each fallback is one line
@@ -493,7 +496,7 @@ class Scorer:
         row_tokens = settings.pack_row_tokens
         scorer = cls(
             layout, attention, scored_head, pad_token_id, device, autocast, row_tokens, tail_weight, spans, logit_map,
-            reward_eos, tuple(notes),
+            reward_eos, tuple(notes), vision,
         )  # fmt: skip
         for note in notes:
             print(note)
@@ -524,6 +527,9 @@ class Scorer:
         (once: the policy and a live reference share it)."""
         multiple = FLEX_BLOCK if self.attention == "block" else 1
         batch = make_batch(self.layout, examples, self.pad_token_id, self.row_budget(examples), multiple)
+        if self.vision is not None and any("images" in example for example in examples):
+            images = [image for i in batch.prompt_examples for image in unpack_images(examples[i].get("images", b""))]
+            batch.image_inputs = self.vision.pixel_inputs(images)
         batch = batch.to(self.device)
         if self.layout == "packed":
             batch.attention_mask = packed_mask(batch, self.attention, self.spans)

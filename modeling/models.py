@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from modeling import weights
 from modeling.adapters import base_model_name
+from modeling.vision import Vision
 from persistence import storage
 from persistence.checkpoint import read_file
 from utils import UserError, first_line
@@ -156,7 +157,22 @@ def load_tokenizer(model_config: DictConfig, cache_dir: Path):
         raise UserError(f"the tokenizer of '{name}' has no EOS token, which ends every response")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out by length, so any id will do
+    tokenizer.vision = load_vision(model_config, cache_dir, tokenizer)
     return tokenizer
+
+
+def load_vision(model_config: DictConfig, cache_dir: Path, tokenizer) -> Vision | None:
+    """A vision-language model's processor (modeling.vision.Vision), its tokenizer the run's, or None for a model
+    without an image processor beside it (a text model)."""
+    directory = resolve_model_dir(model_config.name_or_path, cache_dir)
+    if not any((Path(directory) / name).exists() for name in ("processor_config.json", "preprocessor_config.json")):
+        return None
+    processor = transformers.AutoProcessor.from_pretrained(
+        directory, cache_dir=str(cache_dir), trust_remote_code=model_config.trust_remote_code
+    )
+    if getattr(processor, "tokenizer", None) is not None:
+        processor.tokenizer = tokenizer  # one tokenizer: its pad token as the run set it
+    return Vision.of(processor)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -373,7 +389,7 @@ def whole_model(
     path = resolve_model_dir(model_config.name_or_path, cache_dir)
     common = {"cache_dir": str(cache_dir), "trust_remote_code": model_config.trust_remote_code}
     device = {"device_map": {"": torch.cuda.current_device()}} if quantization is not None else {}
-    model, loading = weights.model_class(reward).from_pretrained(
+    model, loading = weights.model_class(reward, config).from_pretrained(
         path, config=config, dtype=dtype, quantization_config=quantization, output_loading_info=True, **device, **common
     )
     if reward and any(name.split(".")[0] == "score" for name in loading["missing_keys"]):
@@ -407,7 +423,7 @@ def random_init_dir(config, dtype: torch.dtype, seed: int, cache_dir: Path, trus
     target = cache_dir / "models" / f"random-init-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if not (target / "config.json").exists():
         torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = weights.model_class(False, config).from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
         transformers.utils.logging.disable_progress_bar()  # stderr is for errors: one line each
         try:
             with written_model(target) as tmp:

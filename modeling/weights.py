@@ -41,10 +41,19 @@ EXPORT_FILE_BYTES = 4 * 2**30  # the export's files (from_pretrained reads any n
 INDEX = "model.safetensors.index.json"  # which export file holds each tensor
 
 
-def model_class(reward: bool):
-    """transformers' auto class of the model a run trains: a causal LM, or a reward model (a sequence classifier with
-    one output: the causal LM's body and a scalar head)."""
-    return transformers.AutoModelForSequenceClassification if reward else transformers.AutoModelForCausalLM
+def model_class(reward: bool, config: transformers.PretrainedConfig | None = None):
+    """transformers' auto class of the model a run trains: a causal LM, a vision-language model (a config with a
+    vision tower that transformers maps to an image-text-to-text model), or a reward model (a sequence classifier
+    with one output: the causal LM's body and a scalar head)."""
+    if reward:
+        return transformers.AutoModelForSequenceClassification
+    return transformers.AutoModelForImageTextToText if is_vision_language(config) else transformers.AutoModelForCausalLM
+
+
+def is_vision_language(config: transformers.PretrainedConfig | None) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return hasattr(config, "vision_config") and config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
 def is_reward_model(model: nn.Module) -> bool:
@@ -60,7 +69,7 @@ def empty_model(
     and its buffers computed on the CPU: rotary frequencies and the like are in no weights file, and they are
     small."""
     with init_empty_weights(include_buffers=False):
-        model = model_class(reward).from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = model_class(reward, config).from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.tie_weights()  # init_empty_weights gives each tied name a meta parameter of its own: tie them again
     return model
 

@@ -36,7 +36,8 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from core.examples import PER_EXAMPLE, Examples, example_keys, truncated
+from core.examples import NO_IMAGES, PER_EXAMPLE, Examples, example_keys, truncated
+from modeling.vision import pack_images
 from persistence import storage
 from preference_datasets import (
     LabelledCompletion,
@@ -52,7 +53,7 @@ from preference_datasets import (
 )
 from utils import UserError, first_line, release_free_memory
 
-FORMAT = 4  # 3: the margins array; 4: conversational rows rendered as TRL renders them, the example with tools
+FORMAT = 5  # 3: margins; 4: conversational rows rendered as TRL renders them, tools; 5: the prompts' images
 CHUNK_PAIRS = 2048  # pairs per batch call to the tokenizer, and the text a build holds at a time
 # tokenizer_config.json entries that say where a tokenizer was loaded from, not what it is
 LOADED_FROM = ("name_or_path", "is_local", "local_files_only", "_commit_hash")
@@ -68,11 +69,13 @@ class Tokenization:
     # the run's keyword arguments of every chat template call (preference_datasets.ChatTemplate)
     chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
 
-    def texts(self, pair: PreferencePair | LabelledCompletion) -> list[str]:
-        """The prompt and the responses of a pair's (or a labelled completion's) example."""
+    def texts(self, pair: PreferencePair | LabelledCompletion) -> list[str | tuple[str, tuple[bytes, ...]]]:
+        """The prompt and the responses of a pair's (or a labelled completion's) example; a prompt with images as
+        (text, images)."""
+        prompt = (pair.prompt, pair.images) if pair.images else pair.prompt
         if isinstance(pair, LabelledCompletion):
-            return [pair.prompt, pair.completion]
-        return [pair.prompt, pair.sft_target] if self.sft else [pair.prompt, pair.chosen, pair.rejected]
+            return [prompt, pair.completion]
+        return [prompt, pair.sft_target] if self.sft else [prompt, pair.chosen, pair.rejected]
 
     def describe(self) -> str:
         kind = "sft targets" if self.sft else "pairs"
@@ -84,6 +87,21 @@ class Tokenization:
 
 # ---------------------------------------------------------------------------------------------------------
 # Tokenizing
+
+
+def encoder(tokenizer) -> Callable[[list], list[list[int]]]:
+    """texts -> the token ids of each (batch_encoder), where a text may be a prompt with images, (text, images),
+    whose placeholders a vision-language model's processor expands into each image's tokens (Vision.prompt_ids)."""
+    encode, vision = batch_encoder(tokenizer), getattr(tokenizer, "vision", None)
+    if vision is None:
+        return encode
+
+    def encode_with_images(items: list) -> list[list[int]]:
+        plain = [i for i, item in enumerate(items) if isinstance(item, str)]
+        ids = dict(zip(plain, encode([items[i] for i in plain])))
+        return [ids[i] if i in ids else vision.prompt_ids(*item) for i, item in enumerate(items)]
+
+    return encode_with_images
 
 
 def batch_encoder(tokenizer) -> Callable[[list[str]], list[list[int]]]:
@@ -114,6 +132,15 @@ def text_group(text: str) -> int:
     return int.from_bytes(digest, "little", signed=True)
 
 
+def prompt_group(pair: PreferencePair | LabelledCompletion) -> int:
+    """A 64-bit digest of a prompt: its text, and its images where it has any (one question asked of many images is
+    as many prompts)."""
+    if not pair.images:
+        return text_group(pair.prompt)
+    digest = hashlib.blake2b(pair.prompt.encode("utf-8", "surrogatepass") + pack_images(pair.images), digest_size=8)
+    return int.from_bytes(digest.digest(), "little", signed=True)
+
+
 def tokenize_chunk(pairs: list[PreferencePair], encode, eos_id: int, settings: Tokenization) -> Examples:
     """The examples of `pairs`, with their ids in one array: each distinct text tokenized once, in one batch call
     (encode: batch_encoder's), then every example's kept ids gathered from those by their truncated lengths."""
@@ -141,11 +168,23 @@ def tokenize_chunk(pairs: list[PreferencePair], encode, eos_id: int, settings: T
     tokens = flat[gather_ranges(starts, counts)]
     offsets = np.cumsum(kept.sum(axis=1)) - kept.sum(axis=1)
     kept, full = kept.astype(np.int32), full.astype(np.int32)
-    keys = example_keys(tokens, offsets, kept)
-    groups = np.fromiter((text_group(pair.prompt) for pair in pairs), np.int64, len(pairs))
+    images = [pack_images(pair.images) for pair in pairs]
+    lost = [i for i, pair in enumerate(pairs) if pair.images and kept[i, 0] < full[i, 0]]
+    if lost:  # a cut prompt loses image tokens, or leaves them without the text they belong to
+        raise UserError(
+            f"a prompt with images is {int(full[lost[0], 0])} tokens, its images' included, and max_length "
+            f"{settings.max_length} / max_prompt_length {settings.max_prompt_length} would cut it: raise them"
+        )
+    keys = example_keys(tokens, offsets, kept, images)
+    groups = np.fromiter((prompt_group(pair) for pair in pairs), np.int64, len(pairs))
     labels = np.array([getattr(pair, "label", -1) for pair in pairs], dtype=np.int8)
     margins = np.array([getattr(pair, "margin", 0.0) for pair in pairs], dtype=np.float32)
-    return Examples([tokens], np.zeros(len(pairs), np.int32), offsets, kept, full, keys, groups, labels, margins)
+    image_lengths = np.fromiter(map(len, images), np.int64, len(images))
+    image_parts = [np.frombuffer(b"".join(images), np.uint8)] if image_lengths.any() else None
+    return Examples(
+        [tokens], np.zeros(len(pairs), np.int32), offsets, kept, full, keys, groups, labels, margins,
+        image_parts, np.cumsum(image_lengths) - image_lengths, image_lengths,
+    )  # fmt: skip
 
 
 def chunks(items: Iterable, size: int) -> Iterator[list]:
@@ -156,7 +195,7 @@ def chunks(items: Iterable, size: int) -> Iterator[list]:
 
 def tokenize_pairs(pairs: Iterable[PreferencePair], tokenizer, settings: Tokenization) -> Examples:
     """The examples of `pairs`, in memory (a run's data is read through the cache instead: load_examples)."""
-    encode = batch_encoder(tokenizer)
+    encode = encoder(tokenizer)
     parts = [tokenize_chunk(chunk, encode, tokenizer.eos_token_id, settings) for chunk in chunks(pairs, CHUNK_PAIRS)]
     return Examples.concatenate(parts, 1 if settings.sft else 2)
 
@@ -235,12 +274,14 @@ def mapped(directory: Path, meta: dict) -> Examples:
     """The examples of a cache directory, the token ids memory-mapped (shared by the processes of a machine)."""
     tokens = np.memmap(directory / "tokens.bin", dtype=np.int32, mode="r", shape=(meta["tokens"],))
     per_example = {name: np.load(directory / f"{name}.npy", allow_pickle=False) for name in PER_EXAMPLE}
-    return Examples([tokens], np.zeros(meta["examples"], np.int32), **per_example)
+    size = meta["image_bytes"]  # an empty file cannot be mapped
+    images = np.memmap(directory / "images.bin", dtype=np.uint8, mode="r", shape=(size,)) if size else NO_IMAGES
+    return Examples([tokens], np.zeros(meta["examples"], np.int32), **per_example, image_parts=[images])
 
 
 def source_chunks(source: Source, tokenizer, settings: Tokenization, counts: RowCounts) -> Iterator[Examples]:
     """The source's examples, a chunk of CHUNK_PAIRS rows at a time (counted in `counts`, checked at its end)."""
-    encode = batch_encoder(tokenizer)
+    encode = encoder(tokenizer)
     for pairs in chunks(iter_pairs(source.rows(), tokenizer, counts, settings.chat_template_kwargs), CHUNK_PAIRS):
         yield tokenize_chunk(pairs, encode, tokenizer.eos_token_id, settings)
     counts.check()
@@ -255,16 +296,19 @@ def build_cache(source: Source, tokenizer, settings: Tokenization, directory: Pa
         with storage.writing(directory):
             temporary.mkdir(parents=True)
             counts = RowCounts(source.label)
-            parts, written = [], 0
-            with open(temporary / "tokens.bin", "wb") as tokens_file:
+            parts, written, image_bytes = [], 0, 0
+            with open(temporary / "tokens.bin", "wb") as tokens_file, open(temporary / "images.bin", "wb") as images:
                 for chunk in source_chunks(source, tokenizer, settings, counts):
                     tokens_file.write(chunk.token_parts[0].tobytes())
-                    parts.append(dataclasses.replace(chunk, token_parts=[], offsets=chunk.offsets + written))
+                    images.write(chunk.image_parts[0].tobytes())
+                    moved = dict(offsets=chunk.offsets + written, image_offsets=chunk.image_offsets + image_bytes)
+                    parts.append(dataclasses.replace(chunk, token_parts=[], image_parts=[], **moved))
                     written += len(chunk.token_parts[0])
+                    image_bytes += len(chunk.image_parts[0])
             examples = Examples.concatenate(parts, 1 if settings.sft else 2)
             for name in PER_EXAMPLE:
                 np.save(temporary / f"{name}.npy", getattr(examples, name), allow_pickle=False)
-            files = ["tokens.bin", *(f"{name}.npy" for name in PER_EXAMPLE)]
+            files = ["tokens.bin", "images.bin", *(f"{name}.npy" for name in PER_EXAMPLE)]
             meta = {
                 "format": FORMAT,
                 "key": key,
@@ -272,6 +316,7 @@ def build_cache(source: Source, tokenizer, settings: Tokenization, directory: Pa
                 "shown": counts.shown,
                 "examples": len(examples),
                 "tokens": written,
+                "image_bytes": image_bytes,
                 "checksums": {name: file_digest(temporary / name) for name in files},
             }
             (temporary / "meta.json").write_text(json.dumps(meta, indent=1))

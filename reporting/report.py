@@ -215,7 +215,7 @@ def count(n: int) -> str:
 def device_memory(work: Workload, trainer: str, mesh: tuple[int, int], on_gpu: bool) -> dict[str, float]:
     """{part: bytes} one rank's device holds while training."""
     config, policy, train, schedule, precision = work.config, work.policy, work.train, work.schedule, work.precision
-    model_config = policy.config
+    model_config = policy.config.get_text_config()  # a vision-language model's: its language model's
     weights_dtype = precision.policy_weights
     n_parameters = sum(p.numel() for p in policy.parameters())
     n_trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)

@@ -63,7 +63,7 @@ class ModelFlops:
     @classmethod
     def of(cls, model: torch.nn.Module, blocks: list[torch.nn.Module]) -> "ModelFlops":
         """From the model before placement (whole tensors) and its transformer blocks (placement.find_blocks)."""
-        config = model.config
+        config = model.config.get_text_config()  # a vision-language model's: its language model's
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         head = model.get_output_embeddings() or reward_head(model)  # a reward model's: its scalar head

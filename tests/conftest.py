@@ -331,6 +331,59 @@ def save_tiny_lm(directory: Path, model_type: str, **overrides) -> Path:
     return directory
 
 
+# A chat template for the tiny vision-language models: each {"type": "image"} part of a message is the processor's
+# image placeholder, each {"type": "text"} part its text.
+TINY_VLM_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def save_tiny_vlm(directory: Path, family: str = "llava", **text_overrides) -> Path:
+    """A tiny vision-language model of `family` over the tiny tokenizer's ids and an added <image> token: a 2-layer
+    CLIP-like tower on 32 x 32 images in 8 x 8 patches (16 image tokens), a 2-layer Llama, random weights from seed
+    0, saved with its processor (tokenizer, image processor, TINY_VLM_TEMPLATE) in `directory`."""
+    import transformers
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8
+    )
+    text = transformers.LlamaConfig(**{
+        **TINY_LM_SIZES, "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id, "bos_token_id": None, **text_overrides,
+    })  # fmt: skip
+    assert family == "llava", family
+    config = transformers.LlavaConfig(
+        vision_config=vision, text_config=text, image_token_id=image_id, vision_feature_select_strategy="default"
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(directory)
+    images = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor = transformers.LlavaProcessor(
+        image_processor=images, tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
+        num_additional_image_tokens=1, chat_template=TINY_VLM_TEMPLATE,
+    )  # fmt: skip
+    processor.save_pretrained(directory)
+    return directory
+
+
+def png(colour: tuple[int, int, int], size: int = 32) -> bytes:
+    """A square PNG of one colour."""
+    import io
+
+    from PIL import Image
+
+    encoded = io.BytesIO()
+    Image.new("RGB", (size, size), colour).save(encoded, format="PNG")
+    return encoded.getvalue()
+
+
 # -------------------------------------------------------------------------------------------------------------
 # Real storage faults: a filesystem of a given size, filled on demand, and a read-only view of a directory
 

@@ -1,0 +1,149 @@
+"""Images in preference pairs: reading them from a row (paths beside the data file, bytes, `datasets` Image
+features), a vision-language model's processor that expands each image placeholder of a prompt into the image's
+tokens, and the pixel inputs of a batch, decoded from the encoded bytes only when the batch is built.
+
+An example's images travel as their encoded files (PNG, JPEG, ...), packed into one byte string (pack_images):
+the tokenized cache maps them like token ids, the example's key digests them (a changed image changes the key), and
+no decoded image outlives the batch that needs it."""
+
+import io
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+IMAGE_COLUMNS = ("images", "image")  # TRL's vision columns: a list of images, or one
+
+
+def image_bytes(value: Any, base: Path | None) -> bytes:
+    """The encoded file of one image cell: a path (relative to the data file's directory `base`), bytes, or a
+    `datasets` Image feature ({"bytes": ..., "path": ...}). ValueError, saying which, for anything unreadable."""
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if hasattr(value, "save") and hasattr(value, "mode"):  # a PIL image (a decoded `datasets` Image feature)
+        encoded = io.BytesIO()
+        value.save(encoded, format="PNG")
+        value = encoded.getvalue()
+    if isinstance(value, (bytes, bytearray)):
+        data = bytes(value)
+    elif isinstance(value, str):
+        path = Path(value) if base is None or Path(value).is_absolute() else base / value
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            raise ValueError(f"image {value!r} cannot be read ({error.strerror or error})") from None
+    else:
+        raise ValueError(f"an image is a {type(value).__name__}, expected a path, bytes or {{'bytes': ...}}")
+    decode(data, value if isinstance(value, str) else "an image given as bytes")  # unreadable: said now, not mid-run
+    return data
+
+
+def row_images(row: dict, base: Path | None) -> tuple[bytes, ...]:
+    """The encoded images of a row's `images` (a list) or `image` column, in order; () without either."""
+    cells = []
+    for column in IMAGE_COLUMNS:
+        value = row.get(column)
+        if value is None or value == [] or value == "":
+            continue
+        cells += value if isinstance(value, list) else [value]
+    return tuple(image_bytes(cell, base) for cell in cells)
+
+
+def decode(data: bytes, what: str = "an image"):
+    """A PIL image in RGB from an encoded file."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except UnidentifiedImageError:
+        raise ValueError(f"{what} is not an image that can be decoded") from None
+    except OSError as error:
+        raise ValueError(f"{what} is not an image that can be decoded ({error})") from None
+    return image.convert("RGB")
+
+
+def pack_images(images: tuple[bytes, ...]) -> bytes:
+    """Images as one byte string: each one's length (4 bytes, little-endian), then its bytes."""
+    return b"".join(struct.pack("<I", len(data)) + data for data in images)
+
+
+def unpack_images(packed: bytes | memoryview) -> list[bytes]:
+    images, position = [], 0
+    while position < len(packed):
+        (length,) = struct.unpack_from("<I", packed, position)
+        images.append(bytes(packed[position + 4 : position + 4 + length]))
+        position += 4 + length
+    return images
+
+
+@dataclass
+class Vision:
+    """A vision-language model's processor, as the data and the batches use it.
+
+    processor:      transformers' processor (tokenizer and image processor)
+    image_token_id: the id each image's tokens carry in a prompt
+    placeholder:    the text that stands for one image in a prompt (the processor's image token)
+    """
+
+    processor: Any
+    image_token_id: int
+    placeholder: str
+
+    @classmethod
+    def of(cls, processor) -> "Vision | None":
+        """The processor's Vision, or None for a processor without images (a text model's tokenizer)."""
+        if getattr(processor, "image_processor", None) is None or getattr(processor, "image_token", None) is None:
+            return None
+        tokenizer = processor.tokenizer
+        return cls(processor, tokenizer.convert_tokens_to_ids(processor.image_token), processor.image_token)
+
+    def check_placeholders(self, prompt: str, n_images: int) -> None:
+        """ValueError when the prompt's image placeholders and the row's images differ in number."""
+        placeholders = prompt.count(self.placeholder)
+        if placeholders != n_images:
+            raise ValueError(
+                f"the prompt has {placeholders} image placeholder{'s' * (placeholders != 1)} ({self.placeholder!r}) "
+                f"and the row {n_images} image{'s' * (n_images != 1)}"
+            )
+
+    def prompt_ids(self, prompt: str, images: tuple[bytes, ...]) -> list[int]:
+        """The prompt's token ids, each placeholder expanded into its image's tokens (no special tokens added, as
+        for text)."""
+        self.check_placeholders(prompt, len(images))
+        inputs = self.processor(
+            text=[prompt], images=[decode(data) for data in images], add_special_tokens=False, return_tensors="np"
+        )
+        return inputs["input_ids"][0].tolist()
+
+    def pixel_inputs(self, images: list[bytes]) -> dict[str, torch.Tensor]:
+        """The model's image inputs (pixel_values and what else its image processor gives) of these images, in
+        order: decoded now, for this batch only."""
+        if not images:
+            return {}
+        outputs = self.processor.image_processor(images=[decode(data) for data in images], return_tensors="pt")
+        return {name: value for name, value in outputs.items() if isinstance(value, torch.Tensor)}
+
+
+VISION_TOWERS = ("vision_tower", "visual", "vision_model")  # what transformers' VLMs call their image encoder
+
+
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
+    """A vision-language model's image encoder (LLaVA's vision_tower, Qwen-VL's visual, Idefics' vision_model), or
+    None for a text model."""
+    inner = getattr(model, "model", model)
+    return next((getattr(inner, name) for name in VISION_TOWERS if hasattr(inner, name)), None)
+
+
+def freeze_vision_tower(model: torch.nn.Module) -> int:
+    """The image encoder's parameters frozen (as loaded, never updated; the projector and the language model
+    train): the preference signal is about the answers, and the encoder was trained on far more images than a
+    preference set holds. The number of parameters frozen."""
+    tower = vision_tower(model)
+    frozen = 0
+    for parameter in tower.parameters() if tower is not None else ():
+        parameter.requires_grad_(False)
+        frozen += parameter.numel()
+    return frozen
