@@ -12,6 +12,7 @@ that a policy and its cached reference agree to the last bit on any device.
 
 import contextlib
 import inspect
+import io
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ from core.layouts import (
 )
 from core.logprobs import IDENTITY, LogitMap, token_logps_from_hidden, token_logps_from_logits
 from modeling.models import reward_head
-from modeling.vision import Vision, unpack_images
+from modeling.vision import Vision, pack_images, unpack_images
 from utils import first_line
 
 # Probe inputs: two examples with prompts of 3 and 1 tokens and responses of 1 to 3 tokens.
@@ -390,11 +391,31 @@ def scored_head_problem(model: torch.nn.Module, dtype: torch.dtype, device: torc
     return compare(model, batch, batch, dtype, device, tried, mismatch, scored_head=True, logit_map=logit_map)
 
 
-def packing_problem(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, reward_eos=None) -> str | None:
+def probe_examples(vision: Vision | None) -> list[dict]:
+    """The probes' examples; for a vision-language model the first one's prompt opens with an image (a 32 x 32
+    picture of two colours), whose tokens the packed layout must give the positions and the attention that the
+    model's own forward gives them."""
+    if vision is None:
+        return PROBE_EXAMPLES
+    from PIL import Image
+
+    picture = Image.new("RGB", (32, 32), (200, 40, 40))
+    picture.paste((40, 40, 200), (0, 16, 32, 32))
+    encoded = io.BytesIO()
+    picture.save(encoded, format="PNG")
+    images = (encoded.getvalue(),)
+    prompt = vision.prompt_ids(f"{vision.placeholder} a", images)
+    first = PROBE_EXAMPLES[0] | {"prompt": prompt + PROBE_EXAMPLES[0]["prompt"], "images": pack_images(images)}
+    return [first, *PROBE_EXAMPLES[1:]]
+
+
+def packing_problem(
+    model: torch.nn.Module, dtype: torch.dtype, device: torch.device, reward_eos=None, vision: Vision | None = None
+) -> str | None:
     """Why this model cannot take the packed layout, or None when it can: it must honour a custom 4-D attention
     mask (one per layer type where they differ) and explicit position ids, which the probe checks numerically
     against the padded layout, both examples in one row, with the model's windows and chunks cut to PROBE_SPAN (a
-    reward model's rewards: reward_eos, compare)."""
+    reward model's rewards: reward_eos, compare); a vision-language model (vision) with an image in a prompt."""
     implementation = getattr(model.config, "_attn_implementation", None)
     if implementation not in ("sdpa", "eager"):
         return f"attention implementation {implementation!r} takes no 4-D mask (sdpa and eager do)"
@@ -402,10 +423,11 @@ def packing_problem(model: torch.nn.Module, dtype: torch.dtype, device: torch.de
         spans = attention_spans(model)
         if isinstance(spans, str):
             return spans
-        packed = pack(PROBE_EXAMPLES, 0, row_tokens=sum(segment_lengths(PROBE_EXAMPLES)))
-        mismatch = "does not honour a custom 4-D mask and position ids"
+        examples = probe_examples(vision)
+        packed = with_image_inputs(pack(examples, 0, row_tokens=sum(segment_lengths(examples))), examples, vision)
+        mismatch = "does not honour a custom 4-D mask and position ids" + (" with an image" if vision else "")
         tried = "a custom 4-D mask and position ids"
-        expected = pad(PROBE_EXAMPLES, 0)
+        expected = with_image_inputs(pad(examples, 0), examples, vision)
         options = dict(scored_head=False, spans=spans, reward_eos=reward_eos)
         return compare(model, packed, expected, dtype, device, tried, mismatch, **options)
 
@@ -427,6 +449,15 @@ def block_attention_problem(
         spans, expected = attention_spans(model), pad(PROBE_EXAMPLES, 0)
         options = dict(scored_head=False, attention="block", spans=spans, reward_eos=reward_eos)
         return compare(model, packed, expected, dtype, device, tried, mismatch, **options)
+
+
+def with_image_inputs(batch: ModelBatch, examples: list[dict], vision: Vision | None) -> ModelBatch:
+    """The batch with a vision-language model's image inputs: the images of each prompt its rows hold, in the order
+    the rows hold them (ModelBatch.prompt_examples: in the packed layout each pair's images once)."""
+    if vision is not None:
+        images = [image for i in batch.prompt_examples for image in unpack_images(examples[i].get("images", b""))]
+        batch.image_inputs = vision.image_inputs(batch.input_ids, images)
+    return batch
 
 
 @dataclass
@@ -474,7 +505,8 @@ class Scorer:
         layout, attention, scored_head = settings.layout, settings.packed_attention, settings.scored_logits_only
         scored_head = scored_head and reward_eos is None
         notes = []
-        problem = packing_problem(model, probe_dtype, device, reward_eos) if layout == "packed" else None
+        vision = vision.for_model(model) if vision is not None else None
+        problem = packing_problem(model, probe_dtype, device, reward_eos, vision) if layout == "packed" else None
         if problem:
             notes.append(f"layout: padded, not packed: {problem}")
             layout = "padded"
@@ -527,10 +559,7 @@ class Scorer:
         (once: the policy and a live reference share it)."""
         multiple = FLEX_BLOCK if self.attention == "block" else 1
         batch = make_batch(self.layout, examples, self.pad_token_id, self.row_budget(examples), multiple)
-        if self.vision is not None and any("images" in example for example in examples):
-            images = [image for i in batch.prompt_examples for image in unpack_images(examples[i].get("images", b""))]
-            batch.image_inputs = self.vision.pixel_inputs(images)
-        batch = batch.to(self.device)
+        batch = with_image_inputs(batch, examples, self.vision).to(self.device)
         if self.layout == "packed":
             batch.attention_mask = packed_mask(batch, self.attention, self.spans)
         return batch

@@ -6,6 +6,8 @@ An example's images travel as their encoded files (PNG, JPEG, ...), packed into 
 the tokenized cache maps them like token ids, the example's key digests them (a changed image changes the key), and
 no decoded image outlives the batch that needs it."""
 
+import dataclasses
+import inspect
 import io
 import struct
 from dataclasses import dataclass
@@ -91,14 +93,32 @@ class Vision:
     processor: Any
     image_token_id: int
     placeholder: str
+    type_inputs: tuple[str, ...] = ()  # the model's inputs that mark image tokens (Vision.for_model)
 
     @classmethod
     def of(cls, processor) -> "Vision | None":
-        """The processor's Vision, or None for a processor without images (a text model's tokenizer)."""
+        """The processor's Vision, or None for a processor without images (a text model's tokenizer). The
+        placeholder is what a prompt's text holds for an image: the processor's image token, or, where the processor
+        opens each image with a token of its own (Gemma 3's <start_of_image>), that one."""
         if getattr(processor, "image_processor", None) is None or getattr(processor, "image_token", None) is None:
             return None
         tokenizer = processor.tokenizer
-        return cls(processor, tokenizer.convert_tokens_to_ids(processor.image_token), processor.image_token)
+        placeholder = getattr(processor, "boi_token", None) or processor.image_token
+        return cls(processor, tokenizer.convert_tokens_to_ids(processor.image_token), placeholder)
+
+    def for_model(self, model: torch.nn.Module) -> "Vision":
+        """This Vision with the inputs the model reads to tell image tokens from text (Gemma 3's token_type_ids, which
+        let an image's tokens see each other; Qwen-VL's mm_token_type_ids, its 3-D positions), given by the image
+        token's positions as its processor gives them."""
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        accepted = inspect.signature(inner.forward).parameters
+        names = tuple(name for name in ("token_type_ids", "mm_token_type_ids") if name in accepted)
+        config = inner.config  # the id the model replaces with image features (a processor may name another)
+        image_token_id = next(
+            (getattr(config, key) for key in ("image_token_id", "image_token_index") if hasattr(config, key)),
+            self.image_token_id,
+        )
+        return dataclasses.replace(self, type_inputs=names, image_token_id=image_token_id)
 
     def check_placeholders(self, prompt: str, n_images: int) -> None:
         """ValueError when the prompt's image placeholders and the row's images differ in number."""
@@ -118,13 +138,15 @@ class Vision:
         )
         return inputs["input_ids"][0].tolist()
 
-    def pixel_inputs(self, images: list[bytes]) -> dict[str, torch.Tensor]:
-        """The model's image inputs (pixel_values and what else its image processor gives) of these images, in
-        order: decoded now, for this batch only."""
+    def image_inputs(self, input_ids: torch.Tensor, images: list[bytes]) -> dict[str, torch.Tensor]:
+        """The model's image inputs for rows `input_ids` [R, T] holding `images` in order: pixel_values and what else
+        its image processor gives, decoded now, for this batch only; and the inputs that mark image tokens."""
+        marks = (input_ids == self.image_token_id).long()
+        inputs = {name: marks for name in self.type_inputs}
         if not images:
-            return {}
+            return inputs
         outputs = self.processor.image_processor(images=[decode(data) for data in images], return_tensors="pt")
-        return {name: value for name, value in outputs.items() if isinstance(value, torch.Tensor)}
+        return inputs | {name: value for name, value in outputs.items() if isinstance(value, torch.Tensor)}
 
 
 VISION_TOWERS = ("vision_tower", "visual", "vision_model")  # what transformers' VLMs call their image encoder

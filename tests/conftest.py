@@ -341,34 +341,70 @@ TINY_VLM_TEMPLATE = (
 )
 
 
-def save_tiny_vlm(directory: Path, family: str = "llava", **text_overrides) -> Path:
-    """A tiny vision-language model of `family` over the tiny tokenizer's ids and an added <image> token: a 2-layer
-    CLIP-like tower on 32 x 32 images in 8 x 8 patches (16 image tokens), a 2-layer Llama, random weights from seed
-    0, saved with its processor (tokenizer, image processor, TINY_VLM_TEMPLATE) in `directory`."""
+def save_tiny_vlm(directory: Path, family: str = "llava") -> Path:
+    """A tiny vision-language model of `family` (llava, gemma3, idefics3) over the tiny tokenizer's ids and the
+    family's image tokens: a 2-layer vision tower on 32 x 32 images in 8 x 8 patches and a 2-layer language model,
+    random weights from seed 0, saved with its processor (tokenizer, image processor, TINY_VLM_TEMPLATE with the
+    family's placeholder) in `directory`. Idefics3 splits each image into tiles of 32 x 32 (a 48 x 48 image: 4 and
+    a global one)."""
     import transformers
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    image_id = tokenizer.convert_tokens_to_ids("<image>")
-    vision = transformers.CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8
-    )
-    text = transformers.LlamaConfig(**{
-        **TINY_LM_SIZES, "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id, "bos_token_id": None, **text_overrides,
-    })  # fmt: skip
-    assert family == "llava", family
-    config = transformers.LlavaConfig(
-        vision_config=vision, text_config=text, image_token_id=image_id, vision_feature_select_strategy="default"
-    )
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32)
+    tower["patch_size"] = 8
+
+    def text_config(cls, tokenizer, **extra):
+        ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+        return cls(**{**TINY_LM_SIZES, "vocab_size": len(tokenizer), **ids, **extra})
+
+    if family == "llava":
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+        images = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+        processor = transformers.LlavaProcessor(
+            image_processor=images, tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
+            num_additional_image_tokens=1, chat_template=TINY_VLM_TEMPLATE,
+        )  # fmt: skip
+        config = transformers.LlavaConfig(
+            vision_config=transformers.CLIPVisionConfig(**tower),
+            text_config=text_config(transformers.LlamaConfig, tokenizer),
+            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+            vision_feature_select_strategy="default",
+        )
+    elif family == "gemma3":
+        tokens = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR, extra_special_tokens=tokens)
+        processor = transformers.Gemma3Processor(
+            image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}), tokenizer=tokenizer,
+            image_seq_length=4, chat_template=TINY_VLM_TEMPLATE.replace("<image>", tokens["boi_token"]),
+        )  # fmt: skip
+        ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in tokens.items()}
+        config = transformers.Gemma3Config(
+            text_config=text_config(transformers.Gemma3TextConfig, tokenizer, sliding_window=4),
+            vision_config=transformers.SiglipVisionConfig(**tower),
+            mm_tokens_per_image=4,
+            boi_token_index=ids["boi_token"],
+            eoi_token_index=ids["eoi_token"],
+            image_token_index=ids["image_token"],
+        )
+    elif family == "idefics3":
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+        images = Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+        processor = transformers.Idefics3Processor(
+            image_processor=images, tokenizer=tokenizer, image_seq_len=4, chat_template=TINY_VLM_TEMPLATE
+        )
+        config = transformers.Idefics3Config(
+            text_config=text_config(transformers.LlamaConfig, tokenizer),
+            vision_config=transformers.Idefics3VisionConfig(**tower),
+            image_token_id=processor.image_token_id,
+            scale_factor=2,
+        )
+    else:
+        raise ValueError(family)
     torch.manual_seed(0)
     transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(directory)
-    images = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    processor = transformers.LlavaProcessor(
-        image_processor=images, tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
-        num_additional_image_tokens=1, chat_template=TINY_VLM_TEMPLATE,
-    )  # fmt: skip
     processor.save_pretrained(directory)
     return directory
 

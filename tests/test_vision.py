@@ -28,7 +28,7 @@ def vlm_dir(tmp_path_factory):
     return save_tiny_vlm(tmp_path_factory.mktemp("vlm") / "llava")
 
 
-def colour_rows(directory, n: int, seed: int = 0, with_images: bool = True) -> list[dict]:
+def colour_rows(directory, n: int, seed: int = 0, with_images: bool = True, image_size: int = 32) -> list[dict]:
     """Squares of four colours (shades vary), the question what colour: chosen the right colour, rejected another;
     every colour is chosen as often as it is rejected, so the text alone says nothing. Images written to
     directory/img as PNG files named relative to the data file."""
@@ -38,7 +38,7 @@ def colour_rows(directory, n: int, seed: int = 0, with_images: bool = True) -> l
     for i in range(n):
         right, wrong = names[i % 4], names[(i + 1 + (i // 4) % 3) % 4]
         shade = tuple(min(255, max(0, c + rng.randint(-20, 20))) for c in COLOURS[right])
-        (directory / "img" / f"{i}.png").write_bytes(png(shade))
+        (directory / "img" / f"{i}.png").write_bytes(png(shade, image_size))
         content = QUESTION if with_images else QUESTION[1:]
         row = {
             "prompt": [{"role": "user", "content": content}],
@@ -47,6 +47,10 @@ def colour_rows(directory, n: int, seed: int = 0, with_images: bool = True) -> l
         }
         rows.append(row | ({"images": [f"img/{i}.png"]} if with_images else {}))
     return rows
+
+
+def image_at(directory, row: dict):
+    return transformers.image_utils.load_image(str(directory / row["images"][0]))
 
 
 def vlm_overrides(tmp_path, model_dir, data_file, *extra: str) -> list[str]:
@@ -66,43 +70,70 @@ def vlm_overrides(tmp_path, model_dir, data_file, *extra: str) -> list[str]:
     ]
 
 
-def test_each_image_is_encoded_once_per_pair_and_the_log_probs_equal_a_plain_forward(vlm_dir, tmp_path):
-    # The packed layout (the default) holds each prompt, its image tokens included, once per pair: the vision tower
-    # encodes each image once, where padded rows (TRL's layout) encode it for the chosen and the rejected row. Every
-    # sequence's summed log-prob and every trainable parameter's gradient equal a plain forward of that prompt, its
-    # image and the response alone, as transformers computes it with the processor's own inputs.
-    tokenizer = transformers.AutoTokenizer.from_pretrained(vlm_dir)
-    processor = transformers.AutoProcessor.from_pretrained(vlm_dir)
+# The path each family takes by default, as the probes decide on the placed model with an image in a prompt: LLaVA
+# and Idefics3 give image tokens plain positions and causal attention, so their pairs pack; Gemma 3 lets an image's
+# tokens see each other (token_type_ids), which the packed mask does not express yet, so its probe falls back to
+# padded rows, where transformers builds that mask itself.
+VISION_ZOO = {"llava": ("packed", 32), "gemma3": ("padded", 32), "idefics3": ("packed", 48)}
+
+
+@pytest.mark.parametrize("family", sorted(VISION_ZOO))
+def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family, tmp_path):
+    # Every sequence's summed log-prob and every trainable parameter's gradient, on the path the family takes by
+    # default and in padded rows, equal a plain forward of that prompt, its image and the response alone, as
+    # transformers computes it from the processor's own inputs. The packed layout holds each prompt, image tokens
+    # included, once per pair: the vision tower encodes each image once there, twice in padded rows (TRL's layout).
+    expected_path, image_size = VISION_ZOO[family]
+    model_dir = save_tiny_vlm(tmp_path / family, family)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    processor = transformers.AutoProcessor.from_pretrained(model_dir)
+    processor.tokenizer = tokenizer
     tokenizer.vision = Vision.of(processor)
-    data = write_jsonl(tmp_path / "pairs.jsonl", colour_rows(tmp_path, 4))
+    rows = colour_rows(tmp_path, 4, image_size=image_size)
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
     pairs = parse_rows(read_file_rows(data), "t", tokenizer)
-    for row, pair in zip(colour_rows(tmp_path, 4), pairs):  # the images read from the files the rows name
+    for row, pair in zip(rows, pairs):  # the images read from the files the rows name
         assert pair.images == ((tmp_path / row["images"][0]).read_bytes(),)
-    examples = tokenize_pairs(pairs, tokenizer, Tokenization(96, 64, sft=False)).take(range(4))
-    torch.manual_seed(0)
-    model = transformers.AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32)
-    encoded = []
-    vision_tower(model).register_forward_hook(lambda module, args, out: encoded.append(args[0].shape[0]))
-    results = {}
+    examples = tokenize_pairs(pairs, tokenizer, Tokenization(256, 192, sft=False)).take(range(4))
+    model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    encoded = []  # the images (Idefics3: tiles) each forward of the vision tower encodes
+
+    def count(module, args, kwargs):
+        encoded.append((args[0] if args else kwargs["pixel_values"]).shape[0])
+
+    vision_tower(model).register_forward_pre_hook(count, with_kwargs=True)
+    tiles = processor.image_processor(images=[image_at(tmp_path, rows[0])], return_tensors="pt")["pixel_values"]
+    tiles = tiles.shape[1] if tiles.dim() == 5 else 1  # one image's tiles (Idefics3: 4 and a global one)
+    topology, results = Topology.create("BasicTrainer"), {}
     for layout in ("packed", "padded"):
-        settings = configuration.load(vlm_overrides(tmp_path, vlm_dir, data, f"layout={layout}"))
-        scorer = Scorer.create(model, settings, tokenizer.pad_token_id, Topology.create("BasicTrainer"), False, None)
-        scorer.vision = tokenizer.vision
+        settings = configuration.load(vlm_overrides(tmp_path, model_dir, data, f"layout={layout}", "max_length=256"))
+        scorer = Scorer.create(model, settings, tokenizer.pad_token_id, topology, False, None, vision=tokenizer.vision)
         model.zero_grad()
         encoded.clear()
         logps = scorer(model, scorer.batch(examples), None)
         logps.sum().backward()
-        results[layout] = logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        assert sum(encoded) == (4 if layout == "packed" else 8), (layout, encoded)  # images through the tower
+        results[scorer.layout] = (
+            logps.detach(),
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        )
+        if layout == "packed":
+            assert scorer.layout == expected_path, scorer.fallbacks
+        times = {"packed": 1, "padded": 2}[scorer.layout]  # each image, per pair
+        assert encoded == [len(examples) * tiles * times], (scorer.layout, encoded)
     model.zero_grad()
     plain = []
     for response in ("chosen", "rejected"):
-        for row, pair in zip(colour_rows(tmp_path, 4), pairs):
-            image = transformers.image_utils.load_image(str(tmp_path / row["images"][0]))
-            prompt = processor(text=[pair.prompt], images=[image], add_special_tokens=False, return_tensors="pt")
+        for row, pair in zip(rows, pairs):
+            prompt = processor(
+                text=[pair.prompt], images=[image_at(tmp_path, row)], add_special_tokens=False, return_tensors="pt"
+            )
             answer = tokenizer(getattr(pair, response), add_special_tokens=False, return_tensors="pt").input_ids
-            ids = torch.cat([prompt.input_ids, answer], dim=1)
-            logits = model(input_ids=ids, pixel_values=prompt.pixel_values).logits[0, :-1].float()
+            inputs = {name: value for name, value in prompt.items() if name != "attention_mask"}
+            for name in ("input_ids", "token_type_ids", "mm_token_type_ids"):  # per token: the answer's are text
+                if name in inputs:
+                    inputs[name] = torch.cat([inputs[name], answer if name == "input_ids" else 0 * answer], dim=1)
+            ids = inputs["input_ids"]
+            logits = model(**inputs).logits[0, :-1].float()
             token_logps = logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
             plain.append(token_logps[prompt.input_ids.shape[1] - 1 :].sum())
     plain = torch.stack(plain)
