@@ -657,8 +657,11 @@ def image_files_digest(file: Path) -> str:
 
 def file_head(file: Path) -> bytes:
     """The start of a data file as stored, decompressed where it is gzip: enough to see its columns."""
-    with open_binary(file) as stream:
-        return stream.read(1 << 16)
+    try:
+        with open_binary(file) as stream:
+            return stream.read(1 << 16)
+    except (EOFError, gzip.BadGzipFile, zlib.error):  # a damaged file: read_file_rows says so, naming it
+        return b""
 
 
 def hub_source(data, label: str) -> Source:

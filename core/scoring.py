@@ -30,8 +30,8 @@ from core.layouts import (
 )
 from core.logprobs import IDENTITY, LogitMap, token_logps_from_hidden, token_logps_from_logits
 from modeling.models import reward_head
-from modeling.vision import Vision, pack_images, unpack_images
-from utils import first_line
+from modeling.vision import Vision, decode, pack_images, unpack_images
+from utils import UserError, first_line
 
 # Probe inputs: two examples with prompts of 3 and 1 tokens and responses of 1 to 3 tokens.
 PROBE_EXAMPLES = [
@@ -409,6 +409,44 @@ def probe_examples(vision: Vision | None) -> list[dict]:
     return [first, *PROBE_EXAMPLES[1:]]
 
 
+def vision_problem(model: torch.nn.Module, vision: Vision, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why this vision-language model cannot train on this trainer's inputs, or None when it can: the probe's image
+    prompt and both responses in padded rows, with the image inputs this trainer builds (pixel values from the image
+    processor, image tokens marked where the model reads marks), must give the log-probs of the model's own forward
+    of each sequence from its processor's inputs (a family whose processor marks tokens otherwise, PaliGemma's
+    prefix, differs)."""
+    name = type(model_class(model)).__name__
+    example = probe_examples(vision)[0]
+    image = decode(unpack_images(example["images"])[0])
+    padded = with_image_inputs(pad([example], 0), [example], vision).to(device)
+    try:
+        with torch.no_grad(), exact_float32():
+            ours = sequence_logps(model, padded, None, dtype, scored_head=False)
+            text = [vision.placeholder + " a"]  # the probe prompt's text, as probe_examples expands it
+            own = vision.processor(text=text, images=[image], add_special_tokens=False, return_tensors="pt")
+            theirs = []
+            for response in example["responses"]:
+                answer = torch.tensor([PROBE_EXAMPLES[0]["prompt"] + response])
+                inputs = {key: value for key, value in own.items() if key != "attention_mask"}
+                for key in ("input_ids", "token_type_ids", "mm_token_type_ids"):  # per token: the rest is text
+                    if key in inputs:
+                        inputs[key] = torch.cat([inputs[key], answer if key == "input_ids" else 0 * answer], dim=1)
+                inputs = {key: value.to(device) for key, value in inputs.items()}
+                logits = model(**inputs, use_cache=False).logits[0, :-1].float()
+                ids = inputs["input_ids"][0, 1:]
+                scored = logits.log_softmax(-1).gather(-1, ids[:, None])[-len(response) :, 0]
+                theirs.append(scored.sum())
+    except Exception as error:  # any failure means: not this model
+        return f"{name} failed with this trainer's image inputs ({type(error).__name__}: {first_line(error)})"
+    theirs = torch.stack(theirs)
+    if not torch.allclose(ours, theirs, rtol=probe_tolerance(dtype), atol=probe_tolerance(dtype)):
+        return (
+            f"{name} computes other log-probs from this trainer's image inputs than from its processor's (they differ "
+            f"by {(ours - theirs).abs().max():.2g})"
+        )
+    return None
+
+
 def packing_problem(
     model: torch.nn.Module, dtype: torch.dtype, device: torch.device, reward_eos=None, vision: Vision | None = None
 ) -> str | None:
@@ -506,6 +544,10 @@ class Scorer:
         scored_head = scored_head and reward_eos is None
         notes = []
         vision = vision.for_model(model) if vision is not None else None
+        problem = vision_problem(model, vision, probe_dtype, device) if vision is not None else None
+        problem = topology.broadcast(problem)
+        if problem:
+            raise UserError(f"{problem}: this model cannot train on pairs with images here (docs/vision.md)")
         problem = packing_problem(model, probe_dtype, device, reward_eos, vision) if layout == "packed" else None
         if problem:
             notes.append(f"layout: padded, not packed: {problem}")

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 import train
-from conftest import TINY_DIR, arithmetic_pairs, read_jsonl, tiny_run_overrides, write_jsonl
+from conftest import TINY_DIR, arithmetic_pairs, png, read_jsonl, save_tiny_vlm, tiny_run_overrides, write_jsonl
 from persistence import checkpoint
 
 GOOD = {"prompt": "Q: 1 + 1?\nA:", "chosen": " 2", "rejected": " 3"}
@@ -48,6 +48,16 @@ def write_corpus(d):
     write_jsonl(d / "kwargs-string.jsonl", [{**ask, "chat_template_kwargs": "enable_thinking=false"}])
     write_jsonl(d / "kwargs-reserved.jsonl", [{**ask, "chat_template_kwargs": {"add_generation_prompt": False}}])
     write_jsonl(d / "images.jsonl", [GOOD, {**GOOD, "images": ["cat.png"]}])
+    save_tiny_vlm(d / "vlm")  # a vision-language model, and image rows it cannot take
+    (d / "red.png").write_bytes(png((200, 0, 0)))
+    (d / "garbage-image.png").write_bytes(b"GIF89a, or so it says")
+    seen = {**GOOD, "prompt": "<image> Q: what colour?\nA:"}
+    write_jsonl(d / "vlm-missing.jsonl", [{**seen, "images": ["nowhere.png"]}])
+    write_jsonl(d / "vlm-garbage.jsonl", [{**seen, "images": ["garbage-image.png"]}])
+    write_jsonl(d / "vlm-two-images.jsonl", [{**seen, "images": ["red.png", "red.png"]}])
+    write_jsonl(d / "vlm-no-placeholder.jsonl", [{**GOOD, "image": "red.png"}])
+    write_jsonl(d / "vlm-image-not-a-path.jsonl", [{**seen, "images": [3]}])
+    write_jsonl(d / "vlm-pairs.jsonl", [{**seen, "images": ["red.png"]}] * 8)
     write_jsonl(d / "hh-no-assistant.jsonl", [{"chosen": "\n\nHuman: Hi\n\nBot: Hello", "rejected": "\n\nHuman: Hi"}])
     write_jsonl(d / "all-identical.jsonl", [{**GOOD, "rejected": GOOD["chosen"]}] * 3)
     (d / "no-data-files").mkdir()
@@ -101,7 +111,32 @@ ERRORS = [
     ("datasets={d}/missing-column.jsonl", "{d}/missing-column.jsonl:1: unrecognised columns ['chosen', 'prompt']"),
     ("datasets={d}/chat-ends-with-user.jsonl", "chat-ends-with-user.jsonl:1: the last message of chosen is not an"),
     ("datasets={d}/chat-of-strings.jsonl", "{d}/chat-of-strings.jsonl:1: a message is a str, expected"),
-    ("datasets={d}/images.jsonl", "{d}/images.jsonl:2: column 'images' holds images, and this trainer takes text only"),
+    ("datasets={d}/images.jsonl", "{d}/images.jsonl:2: column 'images' holds images, and this model takes text only"),
+    (
+        "model.name_or_path={d}/vlm datasets={d}/vlm-missing.jsonl",
+        "{d}/vlm-missing.jsonl:1: image '{d}/nowhere.png' cannot be read (No such file or directory)",
+    ),
+    (
+        "model.name_or_path={d}/vlm datasets={d}/vlm-garbage.jsonl",
+        "{d}/vlm-garbage.jsonl:1: {d}/garbage-image.png is not an image that can be decoded",
+    ),
+    (
+        "model.name_or_path={d}/vlm datasets={d}/vlm-two-images.jsonl",
+        "{d}/vlm-two-images.jsonl:1: the prompt has 1 image placeholder ('<image>') and the row 2 images",
+    ),
+    (
+        "model.name_or_path={d}/vlm datasets={d}/vlm-no-placeholder.jsonl",
+        "{d}/vlm-no-placeholder.jsonl:1: the prompt has 0 image placeholders ('<image>') and the row 1 image",
+    ),
+    (
+        "model.name_or_path={d}/vlm datasets={d}/vlm-image-not-a-path.jsonl",
+        "vlm-image-not-a-path.jsonl:1: an image is a int, expected a path, bytes or {{'bytes': ...}}",
+    ),
+    (
+        "model.name_or_path={d}/vlm datasets={d}/vlm-pairs.jsonl max_length=16 max_prompt_length=8",
+        "a prompt with images "
+        "is 35 tokens, its images' included, and max_length 16 / max_prompt_length 8 would cut it: raise them",
+    ),
     ("datasets={d}/tools-unrendered.jsonl", "{d}/tools-unrendered.jsonl:1: the row has tools, but the tokenizer's"),
     ("datasets={d}/tools-not-a-list.jsonl", "{d}/tools-not-a-list.jsonl:1: tools is a dict, expected a list of tool"),
     ("datasets={d}/tools-bad-json.jsonl", "{d}/tools-bad-json.jsonl:1: tools is a string but not JSON (Expecting"),
