@@ -44,8 +44,15 @@ One module per campaign:
   the first 48 HH harmless-base pairs that fit max_length 512, 8 pairs a step, the same optimizer settings, in
   float32 and in bfloat16 autocast: pairs/s, real tokens/s and peak RSS, alternating fresh processes, 2 rounds
   (--reward --smoke: one short round, as the test suite runs it).
+- vision.py: --vision [--rounds N]: vision-language DPO against TRL's DPOTrainer on a random ~150M LLaVA (CLIP
+  ViT-B/16's tower, frozen; a Llama of SmolLM2-135M's width and vocabulary with 10 layers), coloured-square pairs
+  with HH-like text lengths at max_length 512 x 4 pairs, float32: ours packed with the cached and with a live
+  reference, TRL padded with its live reference (1.16 precomputes none for images): pairs/s, peak RSS and the
+  images each vision tower encodes per pair, alternating fresh processes, 2 rounds (--vision --smoke: a tiny LLaVA,
+  one short round, as the test suite runs it).
 
 What they share: common.py (the HH workload and HH-like pairs, the machine's matmul rates, a worker in a fresh
 process from this tree's code or another version's) and step.py (one configuration's training steps timed in a fresh
-process: the worker of --levers, --compile, --lora, --window, --gpu and --versus). __main__.py reads the flags.
+process: the worker of --levers, --compile, --lora, --window, --gpu, --reward, --vision and --versus). __main__.py
+reads the flags.
 """

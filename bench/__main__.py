@@ -3,7 +3,7 @@
 import argparse
 
 import bench
-from bench import attention, data, fsdp, gpu, kernels, levers, profile, reward, scale, versus, window
+from bench import attention, data, fsdp, gpu, kernels, levers, profile, reward, scale, versus, vision, window
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,16 +29,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--versus", metavar="GIT_REF", help="the training step (or with --scale, the memory) against another version's"
     )
-    parser.add_argument("--rounds", type=int, help="--versus: rounds of the two versions alternating (default 2)")
+    parser.add_argument(
+        "--rounds", type=int, help="--versus, --vision: rounds of the configurations alternating (default 2)"
+    )
     parser.add_argument(
         "--profile", nargs="*", metavar="KEY=VALUE", help="where a training step's time goes (train.py overrides)"
     )
     parser.add_argument("--scale", action="store_true", help="each rank's memory at load, train, save, resume")
     parser.add_argument("--window", action="store_true", help="a sliding-window, soft-capped model: packed vs padded")
     parser.add_argument("--reward", action="store_true", help="reward modelling against TRL's RewardTrainer")
-    parser.add_argument("--smoke", action="store_true", help="--gpu, --data, --scale or --reward at tiny sizes")
-    parser.add_argument("--warmup", type=int, default=2, help="--levers, --compile, --lora, --window: untimed steps")
-    parser.add_argument("--steps", type=int, default=6, help="--levers, --compile, --lora, --window: timed steps")
+    parser.add_argument("--vision", action="store_true", help="vision-language DPO against TRL's DPOTrainer")
+    parser.add_argument(
+        "--smoke", action="store_true", help="--gpu, --data, --scale, --reward or --vision at tiny sizes"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=2, help="--levers, --compile, --lora, --window, --reward, --vision: untimed steps"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=6, help="--levers, --compile, --lora, --window, --reward, --vision: timed steps"
+    )
     return parser
 
 
@@ -64,6 +73,8 @@ def run(args: argparse.Namespace) -> None:
         return window.bench_window(args.warmup, args.steps)
     if args.reward:
         return reward.bench_reward(args.warmup, args.steps, args.smoke)
+    if args.vision:
+        return vision.bench_vision(args.warmup, args.steps, args.smoke, args.rounds or 2)
     if args.versus:
         return versus.bench_versus(args.versus, args.warmup, args.steps, args.rounds or 2)
     if args.profile is not None:
@@ -76,8 +87,8 @@ def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.rounds is not None and (not args.versus or args.rounds < 1):
-        parser.error(f"--rounds {args.rounds}: a number of rounds of at least 1, and only with --versus")
+    if args.rounds is not None and (not (args.versus or args.vision) or args.rounds < 1):
+        parser.error(f"--rounds {args.rounds}: a number of rounds of at least 1, and only with --versus or --vision")
     run(args)
 
 

@@ -1,6 +1,7 @@
 """What the campaigns share: the HH workload (its file, the overrides of a run on it, HH-like synthetic pairs), the
-tokenizer and model they read, the machine's measured matmul rates, peak memory as the results report it, and a
-worker run in a fresh process, from this tree's code or another version's (code_at)."""
+tokenizer and model they read, the machine's measured matmul rates, peak memory as the results report it, images
+counted through vision towers, and a worker run in a fresh process, from this tree's code or another version's
+(code_at)."""
 
 import contextlib
 import json
@@ -95,6 +96,31 @@ def peak_memory_gib(cuda: bool) -> float:
     if cuda:
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+
+
+@contextlib.contextmanager
+def images_encoded(*models: torch.nn.Module | None):
+    """[images each model's vision tower encodes while the block runs]: a forward hook counts the images of each call
+    (its pixel batch's rows); 0 for None or a text model, and a tower shared with an earlier model (LoRA's reference
+    is the policy's base) counts in that one's."""
+    from modeling.vision import vision_tower
+
+    counts, hooks, seen = [0] * len(models), [], set()
+    for index, model in enumerate(models):
+        tower = vision_tower(model) if model is not None else None
+        if tower is None or id(tower) in seen:
+            continue
+        seen.add(id(tower))
+
+        def count(module, args, output, index=index):
+            counts[index] += args[0].shape[0]
+
+        hooks.append(tower.register_forward_hook(count))
+    try:
+        yield counts
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def worker_subprocess(worker: Callable, result_file: str, root: Path = REPO_ROOT, **kwargs) -> dict:

@@ -1,5 +1,6 @@
 """One configuration's training steps, timed in a fresh process (whose peak memory is then its own): the worker
-behind --levers, --compile, --lora, --window, --gpu's layouts and --versus (where another version runs its own)."""
+behind --levers, --compile, --lora, --window, --gpu's layouts, --reward's and --vision's own side, and --versus
+(where another version runs its own)."""
 
 import contextlib
 import json
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import HH_FILE, peak_memory_gib, worker_subprocess
+from bench.common import HH_FILE, images_encoded, peak_memory_gib, worker_subprocess
 
 
 def bench_trainer(overrides: list[str], data_file: str = str(HH_FILE), n_rows: int | None = 48):
@@ -86,16 +87,19 @@ def lever_worker(
 ) -> None:
     """One configuration in this fresh process: build the trainer (bench_trainer), time `steps` training steps after
     `warmup`, and write pairs/s, tokens/s (real: prompt once; computed: padding included), MFU, peak memory, what
-    precision was chosen and the first step's seconds. compile_blocks: torch.compile each transformer block
-    (dynamic shapes) before the first step."""
+    precision was chosen, the first step's seconds, and the images the policy's and a live reference's vision towers
+    encode per pair in the steps (0 for a text model; the reference cache's pass before training is setup).
+    compile_blocks: torch.compile each transformer block (dynamic shapes) before the first step."""
     from modeling.placement import find_blocks
 
     trainer, setup_seconds = bench_trainer(overrides, data_file, n_rows)
     if compile_blocks:
         for block in find_blocks(trainer.policy, trainer.config.model.block_name):
             block.compile(dynamic=True)
-    with sampled_rss() as step_rss:  # the largest RSS seen while training steps run
+    # the largest RSS seen while training steps run, and the images encoded in them
+    with sampled_rss() as step_rss, images_encoded(trainer.policy, trainer.reference_model) as encoded:
         rates, first_step = timed_steps(trainer, warmup, steps)
+    pairs = sum(len(indices) for indices in trainer.data.schedule[: warmup + steps])
     result = {
         "pairs_per_second": rates["perf/pairs_per_second"],
         "real_tokens_per_second": rates["perf/real_tokens_per_second"],
@@ -108,6 +112,7 @@ def lever_worker(
         "fallbacks": list(trainer.scorer.fallbacks),
         "setup_seconds": setup_seconds,
         "first_step_seconds": first_step,
+        "images_per_pair": {"policy": encoded[0] / pairs, "reference": encoded[1] / pairs},
     }
     Path(result_file).write_text(json.dumps(result))
 

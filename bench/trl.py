@@ -1,5 +1,6 @@
 """TRL's DPOTrainer in a worker of the GPU campaign (--gpu): the same model, data and precision recipe as ours, its
-reference log-probs precomputed as our cache does, timed per step, its rates reported as ours are."""
+reference log-probs precomputed as our cache does, timed per step, its rates reported as ours are; the vision
+campaign (--vision, vision.py) trains it the same way."""
 
 import json
 import tempfile
@@ -30,10 +31,21 @@ class StepTimer(transformers.TrainerCallback):
 
 
 def train_timed(
-    model, tokenizer, rows: list[dict], cuda: bool, pairs: int, max_length: int, checkpointing: bool, max_steps: int
+    model,
+    processing_class,
+    rows: list[dict],
+    cuda: bool,
+    pairs: int,
+    max_length: int,
+    checkpointing: bool,
+    max_steps: int,
+    live_reference=None,
 ) -> list[float]:
     """Each step's seconds of DPOTrainer training `model` on `rows`, `pairs` per step (float32 weights, bfloat16
-    autocast on a GPU; float32 on a CPU), nothing saved or reported."""
+    autocast on a GPU; float32 on a CPU), nothing saved or reported. processing_class: the tokenizer, or a
+    vision-language model's processor (rows with an `images` column). live_reference: a reference model that scores
+    each step's batch (TRL 1.16 refuses to precompute reference log-probs for images); None: they are precomputed
+    before training, as our cache does."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -48,7 +60,7 @@ def train_timed(
             max_steps=max_steps,
             bf16=cuda,
             use_cpu=not cuda,
-            precompute_ref_log_probs=True,
+            precompute_ref_log_probs=live_reference is None,
             gradient_checkpointing=checkpointing,
             report_to=[],
             save_strategy="no",
@@ -58,9 +70,10 @@ def train_timed(
         )
         trainer = DPOTrainer(
             model=model,
+            ref_model=live_reference,
             args=args,
             train_dataset=Dataset.from_list(rows),
-            processing_class=tokenizer,
+            processing_class=processing_class,
             callbacks=[timer],
         )
         trainer.train()

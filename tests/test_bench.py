@@ -1,5 +1,6 @@
-"""The bench package (`python -m bench`): the GPU campaign (--gpu), the scale campaign (--scale) and reward
-modelling against TRL (--reward) in their smoke modes, so that they cannot rot between the sessions that run them;
+"""The bench package (`python -m bench`): the GPU campaign (--gpu), the scale campaign (--scale), reward modelling
+against TRL (--reward) and vision-language DPO against TRL (--vision) in their smoke modes, so that they cannot rot
+between the sessions that run them;
 its command line; and the workers of --versus and --scale --versus found in another version's code, whether it is
 laid out in packages or flat."""
 
@@ -14,6 +15,7 @@ from bench.common import worker_subprocess
 from bench.reward import PRECISIONS
 from bench.scale_ranks import module_name
 from bench.step import lever_worker
+from bench.vision import CONFIGURATIONS
 from conftest import REPO_ROOT
 
 
@@ -53,7 +55,7 @@ def test_rounds_is_refused_without_versus_or_below_one(capsys):
             main(flags)
         assert exit.value.code == 2, flags
         stderr = capsys.readouterr().err
-        assert stderr.splitlines()[-1].endswith("at least 1, and only with --versus"), stderr
+        assert stderr.splitlines()[-1].endswith("at least 1, and only with --versus or --vision"), stderr
 
 
 @pytest.mark.slow
@@ -68,6 +70,30 @@ def test_reward_smoke_times_both_trainers_in_both_precisions():
     for name, (pairs_per_second, tokens_per_second, peak, _) in rows.items():
         assert float(pairs_per_second) > 0 and float(tokens_per_second) > 0 and float(peak) > 0.3, name
     assert [line.split(":")[0] for line in result.stdout.splitlines()[-2:]] == list(PRECISIONS)
+
+
+@pytest.mark.slow  # three fresh processes, each loading torch, transformers and a model: ~35 s
+def test_vision_smoke_encodes_each_image_once_per_pair_where_trl_encodes_it_twice():
+    # --vision at its smallest: our packed layout holds each pair's prompt and image once, so the policy's vision
+    # tower encodes 1 image per pair (and a live reference 1 more); TRL's collator repeats the image for the chosen
+    # and the rejected row, in its policy and in its live reference (it precomputes none for images).
+    result = run_bench("--vision", "--smoke", timeout=900, OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    rows = {line[:42].strip(): line[42:].split() for line in lines if line.startswith(("ours", "TRL"))}
+    rows = {name: row for name, row in rows.items() if name in CONFIGURATIONS}  # the ratio lines aside
+    images = {name: " ".join(row[3:]) for name, row in rows.items()}
+    assert images == {
+        "ours (packed, cached reference)": "1 + 0",
+        "ours (packed, live reference)": "1 + 1",
+        "TRL DPOTrainer (padded, live reference)": "2 + 2",
+    }, result.stdout
+    for name, (pairs_per_second, peak, unit, *_) in rows.items():
+        assert float(pairs_per_second) > 0 and float(peak) > 0.1 and unit == "GiB", name
+    assert lines[1].startswith("model: random LLaVA of ") and "M parameters: vision CLIP ViT-like {" in lines[1]
+    ratios = [line.split(": ") for line in lines[-2:]]
+    assert [name for name, _ in ratios] == list(CONFIGURATIONS)[:2], lines[-2:]
+    assert all(ratio.endswith("x TRL DPOTrainer's pairs/s") and float(ratio[:-26]) > 0 for _, ratio in ratios)
 
 
 @pytest.mark.slow
