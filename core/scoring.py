@@ -439,7 +439,10 @@ def vision_problem(model: torch.nn.Module, vision: Vision, dtype: torch.dtype, d
     except Exception as error:  # any failure means: not this model
         return f"{name} failed with this trainer's image inputs ({type(error).__name__}: {first_line(error)})"
     theirs = torch.stack(theirs)
-    if not torch.allclose(ours, theirs, rtol=probe_tolerance(dtype), atol=probe_tolerance(dtype)):
+    # the same inputs through the same model: in float32 the two differ by summation order alone (a relative 1e-6
+    # of a sum), where a token marked otherwise moves a sum by 1e-3 even in a tiny random model
+    relative = 1e-6 if dtype == torch.float32 else 1e-2
+    if not torch.allclose(ours, theirs, rtol=relative, atol=probe_tolerance(dtype)):
         return (
             f"{name} computes other log-probs from this trainer's image inputs than from its processor's (they differ "
             f"by {(ours - theirs).abs().max():.2g})"
@@ -455,6 +458,12 @@ def packing_problem(
     against the padded layout, both examples in one row, with the model's windows and chunks cut to PROBE_SPAN (a
     reward model's rewards: reward_eos, compare); a vision-language model (vision) with an image in a prompt."""
     implementation = getattr(model.config, "_attn_implementation", None)
+    inner = getattr(model_class(model), "model", None)
+    if vision is not None and hasattr(inner, "get_rope_index"):  # a numeric probe of a tiny random model can miss it
+        return (
+            f"{type(model_class(model)).__name__} gives image tokens 3-D rotary positions (get_rope_index), which "
+            "packed rows do not build yet"
+        )
     if implementation not in ("sdpa", "eager"):
         return f"attention implementation {implementation!r} takes no 4-D mask (sdpa and eager do)"
     with probe_spans(model):

@@ -347,10 +347,20 @@ def save_tiny_vlm(directory: Path, family: str = "llava") -> Path:
     random weights from seed 0, saved with its processor (tokenizer, image processor, TINY_VLM_TEMPLATE with the
     family's placeholder) in `directory`. Idefics3 splits each image into tiles of 32 x 32 (a 48 x 48 image: 4 and
     a global one)."""
+    model, processor = tiny_vlm(family)
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return directory
+
+
+def tiny_vlm(family: str):
+    """(model, processor) of save_tiny_vlm's tiny `family`, in memory; also qwen2_vl, whose processor
+    AutoProcessor cannot load without torchvision (its video processor), so it is built here without one."""
     import transformers
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32)
     tower["patch_size"] = 8
@@ -401,12 +411,27 @@ def save_tiny_vlm(directory: Path, family: str = "llava") -> Path:
             image_token_id=processor.image_token_id,
             scale_factor=2,
         )
+    elif family == "qwen2_vl":
+        names = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+        tokenizer.add_special_tokens({"additional_special_tokens": names})
+        start, image, end, video = (tokenizer.convert_tokens_to_ids(name) for name in names)
+        text = text_config(transformers.Qwen2VLTextConfig, tokenizer)
+        text.rope_parameters = {**text.rope_parameters, "rope_type": "default", "mrope_section": [2, 3, 3]}
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=8)
+        config = transformers.Qwen2VLConfig(
+            text_config=text.to_dict(), vision_config=vision, image_token_id=image, video_token_id=video,
+            vision_start_token_id=start, vision_end_token_id=end,
+        )  # fmt: skip
+        processor = object.__new__(transformers.Qwen2VLProcessor)  # no video processor: torchvision is not here
+        processor.tokenizer, processor.image_token, processor.video_token = tokenizer, names[1], names[3]
+        processor.image_token_ids, processor.video_token_ids, processor.audio_token_ids = [image], [video], []
+        processor.image_processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=64 * 64, patch_size=8)
+        processor.chat_template = TINY_VLM_TEMPLATE.replace("<image>", "".join(names[:3]))
     else:
         raise ValueError(family)
     torch.manual_seed(0)
-    transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(directory)
-    processor.save_pretrained(directory)
-    return directory
+    return transformers.AutoModelForImageTextToText.from_config(config), processor
 
 
 def png(colour: tuple[int, int, int], size: int = 32) -> bytes:

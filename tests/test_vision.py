@@ -12,7 +12,7 @@ import transformers
 
 import config as configuration
 import train
-from conftest import png, records, save_tiny_vlm, write_jsonl
+from conftest import png, records, save_tiny_vlm, tiny_vlm, write_jsonl
 from core.scoring import Scorer
 from modeling.distributed import Topology
 from modeling.vision import Vision, pack_images, vision_tower
@@ -74,7 +74,7 @@ def vlm_overrides(tmp_path, model_dir, data_file, *extra: str) -> list[str]:
 # and Idefics3 give image tokens plain positions and causal attention, so their pairs pack; Gemma 3 lets an image's
 # tokens see each other (token_type_ids), which the packed mask does not express yet, so its probe falls back to
 # padded rows, where transformers builds that mask itself.
-VISION_ZOO = {"llava": ("packed", 32), "gemma3": ("padded", 32), "idefics3": ("packed", 48)}
+VISION_ZOO = {"llava": ("packed", 32), "gemma3": ("padded", 32), "idefics3": ("packed", 48), "qwen2_vl": ("padded", 32)}
 
 
 @pytest.mark.parametrize("family", sorted(VISION_ZOO))
@@ -84,10 +84,8 @@ def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family,
     # transformers computes it from the processor's own inputs. The packed layout holds each prompt, image tokens
     # included, once per pair: the vision tower encodes each image once there, twice in padded rows (TRL's layout).
     expected_path, image_size = VISION_ZOO[family]
-    model_dir = save_tiny_vlm(tmp_path / family, family)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    processor = transformers.AutoProcessor.from_pretrained(model_dir)
-    processor.tokenizer = tokenizer
+    model, processor = tiny_vlm(family)
+    tokenizer = processor.tokenizer
     tokenizer.vision = Vision.of(processor)
     rows = colour_rows(tmp_path, 4, image_size=image_size)
     data = write_jsonl(tmp_path / "pairs.jsonl", rows)
@@ -95,7 +93,6 @@ def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family,
     for row, pair in zip(rows, pairs):  # the images read from the files the rows name
         assert pair.images == ((tmp_path / row["images"][0]).read_bytes(),)
     examples = tokenize_pairs(pairs, tokenizer, Tokenization(256, 192, sft=False)).take(range(4))
-    model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     encoded = []  # the images (Idefics3: tiles) each forward of the vision tower encodes
 
     def count(module, args, kwargs):
@@ -103,10 +100,12 @@ def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family,
 
     vision_tower(model).register_forward_pre_hook(count, with_kwargs=True)
     tiles = processor.image_processor(images=[image_at(tmp_path, rows[0])], return_tensors="pt")["pixel_values"]
-    tiles = tiles.shape[1] if tiles.dim() == 5 else 1  # one image's tiles (Idefics3: 4 and a global one)
+    # what the tower takes for one image: an image (LLaVA, Gemma 3), its tiles (Idefics3: 4 and a global one), or
+    # its patches (Qwen2-VL: 16, flattened)
+    tiles = tiles.shape[0] * (tiles.shape[1] if tiles.dim() == 5 else 1)
     topology, results = Topology.create("BasicTrainer"), {}
     for layout in ("packed", "padded"):
-        settings = configuration.load(vlm_overrides(tmp_path, model_dir, data, f"layout={layout}", "max_length=256"))
+        settings = configuration.load(vlm_overrides(tmp_path, tmp_path, data, f"layout={layout}", "max_length=256"))
         scorer = Scorer.create(model, settings, tokenizer.pad_token_id, topology, False, None, vision=tokenizer.vision)
         model.zero_grad()
         encoded.clear()
