@@ -656,9 +656,13 @@ def image_files_digest(file: Path) -> str:
 
 
 def file_head(file: Path) -> bytes:
-    """The start of a data file as stored, decompressed where it is gzip: enough to see its columns."""
-    with open_binary(file) as stream:
-        return stream.read(1 << 16)
+    """The start of a data file as stored, decompressed where it is gzip: enough to see its columns. A truncated or
+    corrupt gzip file gives none: reading its rows says so in one line (read_file_rows)."""
+    try:
+        with open_binary(file) as stream:
+            return stream.read(1 << 16)
+    except (EOFError, gzip.BadGzipFile, zlib.error):
+        return b""
 
 
 def hub_source(data, label: str) -> Source:

@@ -15,6 +15,12 @@ from typing import Any
 import torch
 
 IMAGE_COLUMNS = ("images", "image")  # TRL's vision columns: a list of images, or one
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # beside a model with an image processor
+
+
+def has_processor(directory: Path) -> bool:
+    """Whether a model directory holds an image processor's config beside the tokenizer (a vision-language model's)."""
+    return any((Path(directory) / name).exists() for name in PROCESSOR_FILES)
 
 
 def image_bytes(value: Any, base: Path | None) -> bytes:
@@ -132,8 +138,9 @@ VISION_TOWERS = ("vision_tower", "visual", "vision_model")  # what transformers'
 
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
     """A vision-language model's image encoder (LLaVA's vision_tower, Qwen-VL's visual, Idefics' vision_model), or
-    None for a text model."""
-    inner = getattr(model, "model", model)
+    None for a text model; a LoRA policy's, of its base model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's wrapper
+    inner = getattr(base, "model", base)
     return next((getattr(inner, name) for name in VISION_TOWERS if hasattr(inner, name)), None)
 
 
