@@ -18,7 +18,7 @@ from core.objective import build_objective
 from core.optim import build_optimizer, build_scheduler
 from core.router_loss import find_routers
 from core.scoring import Scorer, model_class
-from core.step import BatchLoss, Data, mismatched
+from core.step import BatchLoss, Data, check_kto_prompts, mismatched
 from modeling import weights
 from modeling.adapters import (
     AdaptersDisabled,
@@ -30,7 +30,7 @@ from modeling.adapters import (
 )
 from modeling.distributed import TRAINERS, Topology, mesh_shape
 from modeling.models import InitialWeights, load_tokenizer, prepare_model, transformers_config
-from modeling.placement import find_blocks, parallelize
+from modeling.placement import language_blocks, parallelize
 from modeling.precision import (
     Precision,
     auto_compute_dtype,
@@ -98,6 +98,15 @@ def load_data(
             "prompts and responses, which takes at least 2 examples"
         )
     evals = evals.select(range(min(len(evals), config.n_eval_examples or len(evals))))
+    if objective.needs_kl_estimate:
+        for examples in (train, evals):
+            check_kto_prompts(examples, config.max_prompt_length)
+    if config.rounds.n and train.with_images:
+        raise UserError(
+            f"rounds.n={config.rounds.n} samples completions of the training prompts and scores them with "
+            "rounds.reward, which reads their text alone; the prompts have images: train on the pairs themselves "
+            "(rounds.n=0)"
+        )
     schedule = batch_schedule(len(train), config.batch_size, config.seed, config.n_epochs, config.n_examples)
     if report:
         print(data_report(train, evals, tokenizer, config.max_length, config.max_prompt_length))
@@ -154,7 +163,7 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
 
     # rounds (rounds.py) fill a reference cache for each round's pairs, not the datasets'
     cached = objective.needs_reference and config.reference_cache and not config.rounds.n
-    flops = ModelFlops.of(policy, find_blocks(policy, config.model.block_name))
+    flops = ModelFlops.of(policy, language_blocks(policy, config.model.block_name))
     weights_dtype = next(policy.parameters()).dtype
     policy = place(policy, config, topology, precision.policy_compute, initial, is_policy=True)
     initial_weights = reference_cache.weights_digest(policy, topology) if cached else None

@@ -29,6 +29,7 @@ from modeling.distributed import (
 )
 from modeling.models import prepare_model
 from modeling.precision import parse_dtype
+from modeling.vision import has_processor
 from persistence import checkpoint, storage
 from utils import UserError, get_local_dir
 
@@ -82,8 +83,8 @@ def write(checkpoint_dir: Path, directory: Path, legacy: bool, topology: Topolog
 
 
 def describe(checkpoint_dir: Path, tmp_dir: Path, out_dir: Path) -> None:
-    """The model's config, generation config and tokenizer beside the weights (rank 0), then the directory renamed
-    into place."""
+    """The model's config, generation config and tokenizer (or processor) beside the weights (rank 0), then the
+    directory renamed into place."""
     source = (
         checkpoint_dir if (checkpoint_dir / "config.json").exists() else run_config(checkpoint_dir).model.name_or_path
     )
@@ -92,7 +93,8 @@ def describe(checkpoint_dir: Path, tmp_dir: Path, out_dir: Path) -> None:
         transformers.GenerationConfig.from_pretrained(source).save_pretrained(tmp_dir)
     except OSError:  # a model that does not generate has none
         pass
-    transformers.AutoTokenizer.from_pretrained(source).save_pretrained(tmp_dir)
+    reader = transformers.AutoProcessor if has_processor(Path(source)) else transformers.AutoTokenizer
+    reader.from_pretrained(source).save_pretrained(tmp_dir)  # a processor holds the tokenizer too
     storage.sync(tmp_dir)
     storage.publish(tmp_dir, out_dir, "config.json")
 

@@ -656,11 +656,12 @@ def image_files_digest(file: Path) -> str:
 
 
 def file_head(file: Path) -> bytes:
-    """The start of a data file as stored, decompressed where it is gzip: enough to see its columns."""
+    """The start of a data file as stored, decompressed where it is gzip: enough to see its columns. A truncated or
+    corrupt gzip file gives none: reading its rows says so in one line (read_file_rows)."""
     try:
         with open_binary(file) as stream:
             return stream.read(1 << 16)
-    except (EOFError, gzip.BadGzipFile, zlib.error):  # a damaged file: read_file_rows says so, naming it
+    except (EOFError, gzip.BadGzipFile, zlib.error):
         return b""
 
 

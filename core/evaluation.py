@@ -7,8 +7,10 @@ import torch
 import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from core.layouts import left_padded_prompts
+from core.layouts import left_padded_prompts, to_device
 from modeling.distributed import Topology
+from modeling.placement import root_gathered
+from modeling.vision import unpack_images
 from utils import metric_mean
 
 
@@ -49,29 +51,40 @@ class Evaluator:
 
     @torch.no_grad()
     def generate(self, model: torch.nn.Module, examples: list[dict]) -> list[str]:
-        """Sampled continuations of the examples' prompts (as generation.* says), without the prompt text."""
+        """Sampled continuations of the examples' prompts (as generation.* says), without the prompt text; a
+        vision-language model sees each prompt's images."""
         g = self.config.generation
         settings = dict(do_sample=g.do_sample, temperature=g.temperature, top_p=g.top_p)
+        vision = getattr(self.tokenizer, "vision", None)  # modeling.models.load_tokenizer's
+        if vision is not None:
+            images = [image for example in examples for image in unpack_images(example.get("images", b""))]
+            settings |= vision.pixel_inputs(images)
         completions = self.complete(model, [ex["prompt"] for ex in examples], **settings)
         return self.tokenizer.batch_decode(completions, skip_special_tokens=True)
 
     @torch.no_grad()
     def complete(self, model: torch.nn.Module, prompts: list[list[int]], **settings) -> list[list[int]]:
         """The generated ids of each prompt, up to generation.max_new_tokens, ending with its EOS where it stopped;
-        settings: model.generate's (do_sample, temperature, top_p, logits_processor). Every rank calls it with as
-        many prompts (synced_gpus: ranks done early join the sharded forward passes of the others)."""
+        settings: model.generate's (do_sample, temperature, top_p, logits_processor; a vision-language model's image
+        inputs, of the prompts' images in order). Every rank calls it with as many prompts (synced_gpus: ranks done
+        early join the sharded forward passes of the others)."""
         pad_token_id, eos_token_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         prompt_ids, attention_mask = left_padded_prompts([{"prompt": p} for p in prompts], pad_token_id)
+        vision = getattr(self.tokenizer, "vision", None)
+        if vision is not None:  # the prompts' image tokens marked where the model reads marks (Qwen-VL, Gemma 3)
+            settings |= vision.for_model(model).marks(prompt_ids)
         device = self.topology.device
-        output = model.generate(
-            prompt_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            max_new_tokens=self.config.generation.max_new_tokens,
-            pad_token_id=pad_token_id,
-            eos_token_id=eos_token_id,
-            synced_gpus=self.topology.world_size > 1,
-            **settings,
-        )
+        settings = {name: to_device(v, device) if torch.is_tensor(v) else v for name, v in settings.items()}
+        with root_gathered(model):
+            output = model.generate(
+                prompt_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                max_new_tokens=self.config.generation.max_new_tokens,
+                pad_token_id=pad_token_id,
+                eos_token_id=eos_token_id,
+                synced_gpus=self.topology.world_size > 1,
+                **settings,
+            )
         completions = []
         for row in output[:, prompt_ids.shape[1] :].tolist():
             end = row.index(eos_token_id) + 1 if eos_token_id in row else len(row)

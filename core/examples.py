@@ -174,16 +174,27 @@ def example_keys(
     return keys
 
 
+def image_arrays(images: list[bytes]) -> tuple[list[np.ndarray] | None, np.ndarray, np.ndarray]:
+    """(image_parts, image_offsets, image_lengths) of Examples holding each example's packed images (b"": none) in
+    one part."""
+    lengths = np.fromiter(map(len, images), np.int64, len(images))
+    parts = [np.frombuffer(b"".join(images), np.uint8)] if lengths.any() else None
+    return parts, np.cumsum(lengths) - lengths, lengths
+
+
 def from_ids(
     prompts: list[list[int]],
     responses: list[list[list[int]]],
     groups: np.ndarray,
     max_length: int,
     max_prompt_length: int,
+    images: list[bytes] | None = None,
 ) -> Examples:
     """Examples of prompts and responses given as token ids (KTO's mismatched examples; a round's generated pairs,
     rounds.py), truncated by the tokenization's rule with the prompt's end kept (nearest the responses) and keyed
-    like every example (example_keys). groups: [n] each prompt's group (persistence.tokenized.text_group)."""
+    like every example (example_keys). groups: [n] each prompt's group (persistence.tokenized.text_group); images:
+    each prompt's packed images (b"": none), which a prompt keeps: the caller makes sure such prompts are not cut
+    (step.check_kto_prompts)."""
     width = 1 + (len(responses[0]) if responses else 2)  # no examples: of a pair's width
     full = np.array([[len(prompt), *map(len, rs)] for prompt, rs in zip(prompts, responses)], np.int32)
     full = full.reshape(len(prompts), width)
@@ -195,6 +206,10 @@ def from_ids(
             flat += response[:n]
     tokens = np.array(flat, dtype=np.int32)
     offsets = np.cumsum(kept.sum(axis=1), dtype=np.int64) - kept.sum(axis=1)
-    keys = example_keys(tokens, offsets, kept)
+    images = images or [b""] * len(prompts)
+    keys = example_keys(tokens, offsets, kept, images)
     labels, margins = np.full(len(prompts), -1, np.int8), np.zeros(len(prompts), np.float32)
-    return Examples([tokens], np.zeros(len(prompts), np.int32), offsets, kept, full, keys, groups, labels, margins)
+    return Examples(
+        [tokens], np.zeros(len(prompts), np.int32), offsets, kept, full, keys, groups, labels, margins,
+        *image_arrays(images),
+    )  # fmt: skip

@@ -17,6 +17,7 @@ from core.losses import PairStats
 from core.router_loss import RouterCounts, Routers, token_weights
 from core.scoring import Scorer
 from modeling.distributed import Topology
+from utils import UserError
 
 
 @dataclass
@@ -215,10 +216,25 @@ class BatchLoss:
 
 
 def mismatched(examples: list[dict], max_length: int, max_prompt_length: int) -> list[dict]:
-    """KTO's KL examples (Ethayarajh et al. 2024): each example's prompt with the next one's responses (the last
-    with the first's), truncated and keyed as `from_ids` does, so that the reference cache holds them as it holds
-    pairs."""
+    """KTO's KL examples (Ethayarajh et al. 2024): each example's prompt, with its images, and the next one's
+    responses (the last with the first's), truncated and keyed as `from_ids` does, so that the reference cache holds
+    them as it holds pairs."""
     responses = [examples[(index + 1) % len(examples)]["responses"] for index in range(len(examples))]
     groups = np.zeros(len(examples), np.int64)
-    made = from_ids([example["prompt"] for example in examples], responses, groups, max_length, max_prompt_length)
+    prompts, images = [example["prompt"] for example in examples], [example.get("images", b"") for example in examples]
+    made = from_ids(prompts, responses, groups, max_length, max_prompt_length, images)
     return made.take(range(len(made)))
+
+
+def check_kto_prompts(examples: Examples, max_prompt_length: int) -> None:
+    """One line where a prompt with images could be cut in a mismatched example (mismatched): with another example's
+    longer completion it may exceed max_length, and a cut prompt is cut to max_prompt_length, which would drop
+    image tokens."""
+    long = np.flatnonzero((examples.image_lengths > 0) & (examples.lengths[:, 0] > max_prompt_length))
+    if len(long):
+        tokens = int(examples.lengths[long, 0].max())
+        raise UserError(
+            f"loss=kto pairs each prompt with another example's completion for its KL estimate, which cuts a prompt "
+            f"to max_prompt_length={max_prompt_length} where the two exceed max_length; a prompt with images is "
+            f"{tokens} tokens, its images' included, and must stay whole: raise max_prompt_length to {tokens}"
+        )

@@ -61,14 +61,14 @@ def quantization_config(settings: LoraSettings):
 
 
 def apply_lora(model: nn.Module, settings: LoraSettings, seed: int = 0) -> nn.Module:
-    """The model with LoRA adapters on target_modules (default: all linear layers but the head), initialised from
-    `seed` (init_adapters); only the adapters train, and a reward model's scalar head, whole (peft's trainable copy
-    of it: modules_to_save)."""
+    """The model with LoRA adapters on target_modules (default_targets: all linear layers but the head; a
+    vision-language model's language model's), initialised from `seed` (init_adapters); only the adapters train, and
+    a reward model's scalar head, whole (peft's trainable copy of it: modules_to_save)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if settings.quantize:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    targets = list(settings.target_modules) if settings.target_modules is not None else "all-linear"
+    targets = list(settings.target_modules) if settings.target_modules is not None else default_targets(model)
     config = LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
@@ -82,6 +82,19 @@ def apply_lora(model: nn.Module, settings: LoraSettings, seed: int = 0) -> nn.Mo
         raise UserError(f"lora.target_modules={settings.target_modules}: {str(error).splitlines()[0]}") from None
     init_adapters(model, seed)
     return model
+
+
+def default_targets(model: nn.Module) -> str:
+    """The modules LoRA adapts where lora.target_modules is null: peft's "all-linear" (every linear layer but the
+    head); a vision-language model's language model's linear layers only, as a pattern peft matches against the full
+    module names. Its vision tower and projector are left as loaded: `all-linear` would adapt the tower too, which
+    model.freeze_vision keeps frozen in full fine-tuning; lora.target_modules may still name their modules."""
+    if not weights.is_vision_language(model.config):
+        return "all-linear"
+    decoder = model.get_decoder()
+    prefix = next(name for name, module in model.named_modules() if module is decoder)
+    linear = {name.rsplit(".", 1)[-1] for name, module in decoder.named_modules() if isinstance(module, nn.Linear)}
+    return rf"{re.escape(prefix)}\..*\.({'|'.join(sorted(linear))})"
 
 
 def init_adapters(model: nn.Module, seed: int) -> None:

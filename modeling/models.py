@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from modeling import weights
 from modeling.adapters import base_model_name
-from modeling.vision import Vision
+from modeling.vision import Vision, has_processor
 from persistence import storage
 from persistence.checkpoint import read_file
 from utils import UserError, first_line
@@ -165,7 +165,7 @@ def load_vision(model_config: DictConfig, cache_dir: Path, tokenizer) -> Vision 
     """A vision-language model's processor (modeling.vision.Vision), its tokenizer the run's, or None for a model
     without an image processor beside it (a text model)."""
     directory = resolve_model_dir(model_config.name_or_path, cache_dir)
-    if not any((Path(directory) / name).exists() for name in ("processor_config.json", "preprocessor_config.json")):
+    if not has_processor(directory):
         return None
     processor = transformers.AutoProcessor.from_pretrained(
         directory, cache_dir=str(cache_dir), trust_remote_code=model_config.trust_remote_code

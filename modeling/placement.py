@@ -2,18 +2,21 @@
 (torchtitan's arrangement). The transformer blocks are the unit of everything here: tensor parallelism splits their
 projections by the model's own plan, activation checkpointing recomputes them, FSDP shards them."""
 
+import contextlib
 import functools
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from modeling import weights
 from modeling.distributed import Topology
+from modeling.vision import vision_tower
 from utils import UserError
 
 
@@ -36,6 +39,15 @@ def find_blocks(model: torch.nn.Module, block_name: str | None) -> list[torch.nn
     return blocks
 
 
+def language_blocks(model: torch.nn.Module, block_name: str | None) -> list[torch.nn.Module]:
+    """find_blocks' blocks but a vision-language model's vision tower's: the layers that every text token passes
+    through, which the FLOP and memory counts scale with (the tower's see image patches)."""
+    tower = vision_tower(model)
+    inside = {id(module) for module in tower.modules()} if tower is not None else set()
+    blocks = find_blocks(model, block_name)
+    return [block for block in blocks if id(block) not in inside] or blocks  # or model.block_name names the tower's
+
+
 def checkpoint_blocks(model: torch.nn.Module, block_name: str | None) -> None:
     """Recompute each block's activations in the backward pass (non-reentrant checkpointing). The block's forward
     is wrapped in place, so parameter names and state dicts are unchanged."""
@@ -49,14 +61,17 @@ TENSOR_PARALLEL_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel
 def tensor_parallel_plan(
     model: torch.nn.Module, tp_size: int, world_size: int, trainer: str
 ) -> dict[str, ParallelStyle]:
-    """A `parallelize_module` plan for the base model, from the column/row split that transformers declares
-    for the architecture (`config.base_model_tp_plan`: Megatron-LM's split of attention and MLP projections,
-    Shoeybi et al. 2019). Embeddings, norms and the LM head stay whole on every rank."""
+    """A `parallelize_module` plan for the base model (a vision-language model's language model), from the
+    column/row split that transformers declares for the architecture (`config.base_model_tp_plan`: Megatron-LM's split
+    of attention and MLP projections, Shoeybi et al. 2019). Embeddings, norms and the LM head stay whole on every
+    rank."""
     name = type(model).__name__
-    plan = getattr(model.config, "base_model_tp_plan", None)
+    config = model.config.get_text_config()  # a vision-language model's: its language model's
+    plan = getattr(config, "base_model_tp_plan", None)
     if not plan:
+        where = "its config" if config is model.config else "its language model's config (text_config)"
         raise UserError(
-            f"{name} has no tensor-parallel plan (its config has no base_model_tp_plan); use trainer=FSDPTrainer"
+            f"{name} has no tensor-parallel plan ({where} has no base_model_tp_plan); use trainer=FSDPTrainer"
         )
     unsupported = sorted(set(plan.values()) - set(TENSOR_PARALLEL_STYLES))
     if unsupported:
@@ -65,7 +80,7 @@ def tensor_parallel_plan(
             f"{', '.join(TENSOR_PARALLEL_STYLES)}; use trainer=FSDPTrainer"
         )
     for key in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(model.config, key, None)
+        heads = getattr(config, key, None)
         if heads is not None and heads % tp_size:
             over = f"the world size {tp_size}" if tp_size == world_size else f"tensor_parallel_size={tp_size}"
             raise UserError(
@@ -75,10 +90,12 @@ def tensor_parallel_plan(
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, trainer: str) -> nn.Module:
-    """Split the base model's attention and MLP projections over the tp ranks (the model's own tp plan);
-    each split weight goes to the device as its shard, never whole."""
+    """Split the base model's attention and MLP projections over the tp ranks (the model's own tp plan); a
+    vision-language model's language model's, by its text config's plan, the vision tower and projector whole on
+    every rank as the embeddings are. Each split weight goes to the device as its shard, never whole."""
     plan = tensor_parallel_plan(model, tp_mesh.size(), dist.get_world_size(), trainer)
-    parallelize_module(model.base_model, tp_mesh, plan)
+    target = model.get_decoder() if weights.is_vision_language(model.config) else model.base_model
+    parallelize_module(target, tp_mesh, plan)
     return model
 
 
@@ -89,16 +106,46 @@ def apply_fsdp(
     compute_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
 ):
-    """Shard each transformer block, then the root, over the dp ranks (FSDP2's `fully_shard`). Parameters are
+    """Shard each transformer block (a vision-language model's vision tower's layers too: _no_split_modules names
+    them), then the root, over the dp ranks (FSDP2's `fully_shard`); a frozen tower's units hold no gradient, and
+    the root mixes frozen and trained parameters, which FSDP2 reduces only where they train. Parameters are
     gathered in compute_dtype (None: the weights' dtype); gradients are reduce-scattered in reduce_dtype (None: the
     compute dtype) and accumulated into the sharded float32 gradients; buffers, e.g. Llama's rotary frequencies,
     keep their dtype."""
     mixed_precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype or compute_dtype)
+    if vision_tower(model) is not None:
+        # LLaVA's forward returns its image features (image_hidden_states) as views of the projector's output, one
+        # per image, and FSDP2 warns at each forward that an in-place op on a view of the root's output would skip
+        # its hook: nothing reads that output, let alone changes it in place.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
     for block in find_blocks(model, block_name):
         fully_shard(block, mesh=dp_mesh, mp_policy=mixed_precision)
     # The root (embeddings, final norm, head) reshards after each forward too, unlike FSDP2's default: evals,
     # sampling and the reference run forwards without a backward, which would leave it gathered.
     return fully_shard(model, mesh=dp_mesh, mp_policy=mixed_precision, reshard_after_forward=True)
+
+
+@contextlib.contextmanager
+def root_gathered(model: nn.Module):
+    """The FSDP root's own parameters (embeddings, head, final norm; a vision-language model's projector and its
+    tower's outer norms) gathered for the context, and sharded again after it; nothing for an unsharded model.
+    transformers' generate runs some of them outside the model's forward, where FSDP's hooks, which gather them, do
+    not fire: a vision-language model's image features before the first step, peft's input embeddings. The blocks
+    still gather themselves in their own forwards, one at a time."""
+    root = next((module for module in model.modules() if isinstance(module, FSDPModule)), None)
+    if root is None:
+        yield
+        return
+    # A root that has run no forward yet (a reference whose log-probs were cached) is set up as FSDP's root now:
+    # a block called first, outside it (the tower's, for the image features), would take itself for the root.
+    root._get_fsdp_state()._lazy_init()
+    root.set_reshard_after_forward(False, recurse=False)
+    root.unshard()
+    try:
+        yield
+    finally:
+        root.reshard()
+        root.set_reshard_after_forward(True, recurse=False)  # as apply_fsdp placed it
 
 
 def parallelize(

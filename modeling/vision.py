@@ -17,6 +17,12 @@ from typing import Any
 import torch
 
 IMAGE_COLUMNS = ("images", "image")  # TRL's vision columns: a list of images, or one
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # beside a model with an image processor
+
+
+def has_processor(directory: Path) -> bool:
+    """Whether a model directory holds an image processor's config beside the tokenizer (a vision-language model's)."""
+    return any((Path(directory) / name).exists() for name in PROCESSOR_FILES)
 
 
 def image_bytes(value: Any, base: Path | None) -> bytes:
@@ -141,12 +147,19 @@ class Vision:
     def image_inputs(self, input_ids: torch.Tensor, images: list[bytes]) -> dict[str, torch.Tensor]:
         """The model's image inputs for rows `input_ids` [R, T] holding `images` in order: pixel_values and what else
         its image processor gives, decoded now, for this batch only; and the inputs that mark image tokens."""
+        return self.marks(input_ids) | self.pixel_inputs(images)
+
+    def marks(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The inputs that mark image tokens (1) among text (0), for the model's type_inputs."""
         marks = (input_ids == self.image_token_id).long()
-        inputs = {name: marks for name in self.type_inputs}
+        return {name: marks for name in self.type_inputs}
+
+    def pixel_inputs(self, images: list[bytes]) -> dict[str, torch.Tensor]:
+        """pixel_values and what else the image processor gives for these images, in order (none: {})."""
         if not images:
-            return inputs
+            return {}
         outputs = self.processor.image_processor(images=[decode(data) for data in images], return_tensors="pt")
-        return inputs | {name: value for name, value in outputs.items() if isinstance(value, torch.Tensor)}
+        return {name: value for name, value in outputs.items() if isinstance(value, torch.Tensor)}
 
 
 VISION_TOWERS = ("vision_tower", "visual", "vision_model")  # what transformers' VLMs call their image encoder
@@ -154,8 +167,9 @@ VISION_TOWERS = ("vision_tower", "visual", "vision_model")  # what transformers'
 
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
     """A vision-language model's image encoder (LLaVA's vision_tower, Qwen-VL's visual, Idefics' vision_model), or
-    None for a text model."""
-    inner = getattr(model, "model", model)
+    None for a text model; a LoRA policy's, of its base model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's wrapper
+    inner = getattr(base, "model", base)
     return next((getattr(inner, name) for name in VISION_TOWERS if hasattr(inner, name)), None)
 
 

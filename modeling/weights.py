@@ -45,6 +45,8 @@ def model_class(reward: bool, config: transformers.PretrainedConfig | None = Non
     """transformers' auto class of the model a run trains: a causal LM, a vision-language model (a config with a
     vision tower that transformers maps to an image-text-to-text model), or a reward model (a sequence classifier
     with one output: the causal LM's body and a scalar head)."""
+    if reward and is_vision_language(config):
+        raise UserError(reward_refusal(config))
     if reward:
         return transformers.AutoModelForSequenceClassification
     return transformers.AutoModelForImageTextToText if is_vision_language(config) else transformers.AutoModelForCausalLM
@@ -54,6 +56,24 @@ def is_vision_language(config: transformers.PretrainedConfig | None) -> bool:
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     return hasattr(config, "vision_config") and config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+def reward_refusal(config: transformers.PretrainedConfig) -> str:
+    """Why a vision-language model is not trained as a reward model: most families (LLaVA among them) have no
+    sequence classifier in transformers, and the few that do (Gemma 3) would score images through a head and
+    pooling that no test here has checked against a plain forward."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    model_type = config.model_type
+    why = (
+        "its sequence classifier's scores of image prompts are not checked here"
+        if model_type in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+        else "transformers has no sequence classifier (AutoModelForSequenceClassification) for it"
+    )
+    return (
+        f"loss=reward: {model_type} is a vision-language model, and reward models here are text models ({why}); "
+        "train the reward model from a text model, or this one with a preference loss"
+    )
 
 
 def is_reward_model(model: nn.Module) -> bool:

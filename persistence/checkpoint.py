@@ -2,11 +2,12 @@
 read back by any number of ranks on any mesh (torch.distributed.checkpoint), so that no rank ever holds the whole model
 or optimizer state. A directory holds:
 
-  policy/           the trainable weights (a LoRA policy's: its adapters), every rank's shards as safetensors
+  policy/           the weights (a LoRA policy's: its adapters), every rank's shards as safetensors
   optimizer/        the optimizer's state, every rank's shards in DCP's format (.distcp files and their .metadata)
   reference/        with reference_sync_steps (TR-DPO): the moving reference's weights, every rank's shards
   scheduler.pt ...  each small part's state in the DPO reference's file format ({"step_idx", "state", "metrics"})
-  config.json, generation_config.json, tokenizer files: the model's, so that export.py needs nothing else
+  config.json, generation_config.json, tokenizer files (a vision-language model's processor files): the model's,
+                    so that export.py needs nothing else
   checkpoint.json   written last: the step, the eval metrics, whether it ends the run, the loop's own state
 The run's last one, LATEST, is also a from_pretrained directory (export). A directory is written whole under a
 temporary name, checked (every rank's shards there), synced to disk and renamed into place, so that a kill at any
@@ -45,8 +46,10 @@ STEP_DIR = re.compile(r"step-(\d+)")
 
 
 class ModelWeights:
-    """A checkpoint part: the model's trainable weights (a LoRA policy's: its adapters) and, when the whole model
-    trains, its persistent buffers; sharded as the model is. Collective: every rank writes and reads its own shards."""
+    """A checkpoint part: the model's weights and persistent buffers, or a LoRA policy's trainable ones (its
+    adapters); sharded as the model is. Collective: every rank writes and reads its own shards. A frozen part of a
+    model that is not LoRA's base (a vision-language model's vision tower, model.freeze_vision) is saved with the
+    rest: the final export is made from these shards, and must be the whole model."""
 
     collective = True
 
@@ -56,7 +59,7 @@ class ModelWeights:
     def state(self) -> dict[str, torch.Tensor]:
         """The part's tensors by name (DTensors where sharded; a tied weight under one of its names)."""
         persistent = set(self.model.state_dict(keep_vars=True))
-        adapters_only = any(not p.requires_grad for p in self.model.parameters())
+        adapters_only = is_adapted(self.model)
         return {
             name: tensor
             for name, tensor in weights.tensors(self.model).items()
@@ -224,14 +227,16 @@ def remove(directory: Path, topology: Topology) -> None:
 
 
 def describe_model(directory: Path, policy, tokenizer) -> None:
-    """The model's config (and generation config) and the tokenizer, as from_pretrained reads them (rank 0)."""
+    """The model's config (and generation config) and the tokenizer, as from_pretrained reads them (rank 0); a
+    vision-language model's processor (its tokenizer and image processor), as AutoProcessor reads it."""
     base = policy.get_base_model() if is_adapted(policy) else policy
     config = base.config
     config.architectures = [weights.class_name(base)]
     config.save_pretrained(directory)
     if base.can_generate():
         base.generation_config.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
+    vision = getattr(tokenizer, "vision", None)  # modeling.models.load_tokenizer's
+    (vision.processor if vision is not None else tokenizer).save_pretrained(directory)
 
 
 def export(directory: Path, policy, topology: Topology, shards: Path) -> None:

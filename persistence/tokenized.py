@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from core.examples import NO_IMAGES, PER_EXAMPLE, Examples, example_keys, truncated
+from core.examples import NO_IMAGES, PER_EXAMPLE, Examples, example_keys, image_arrays, truncated
 from modeling.vision import pack_images
 from persistence import storage
 from preference_datasets import (
@@ -179,11 +179,9 @@ def tokenize_chunk(pairs: list[PreferencePair], encode, eos_id: int, settings: T
     groups = np.fromiter((prompt_group(pair) for pair in pairs), np.int64, len(pairs))
     labels = np.array([getattr(pair, "label", -1) for pair in pairs], dtype=np.int8)
     margins = np.array([getattr(pair, "margin", 0.0) for pair in pairs], dtype=np.float32)
-    image_lengths = np.fromiter(map(len, images), np.int64, len(images))
-    image_parts = [np.frombuffer(b"".join(images), np.uint8)] if image_lengths.any() else None
     return Examples(
         [tokens], np.zeros(len(pairs), np.int32), offsets, kept, full, keys, groups, labels, margins,
-        image_parts, np.cumsum(image_lengths) - image_lengths, image_lengths,
+        *image_arrays(images),
     )  # fmt: skip
 
 

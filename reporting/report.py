@@ -14,7 +14,7 @@ from core.examples import Examples
 from core.layouts import batch_shape
 from core.optim import build_optimizer
 from modeling.distributed import TRAINERS
-from modeling.placement import find_blocks, tensor_parallel_plan
+from modeling.placement import language_blocks, tensor_parallel_plan
 from modeling.precision import Precision
 from modeling.weights import rank_file_bytes
 from utils import UserError
@@ -219,7 +219,7 @@ def device_memory(work: Workload, trainer: str, mesh: tuple[int, int], on_gpu: b
     weights_dtype = precision.policy_weights
     n_parameters = sum(p.numel() for p in policy.parameters())
     n_trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    blocks = find_blocks(policy, config.model.block_name)
+    blocks = language_blocks(policy, config.model.block_name)
     block, n_layers, hidden = blocks[0], len(blocks), model_config.hidden_size
 
     parallelism = TRAINERS[trainer]

@@ -62,7 +62,8 @@ class ModelFlops:
 
     @classmethod
     def of(cls, model: torch.nn.Module, blocks: list[torch.nn.Module]) -> "ModelFlops":
-        """From the model before placement (whole tensors) and its transformer blocks (placement.find_blocks)."""
+        """From the model before placement (whole tensors) and its language model's transformer blocks
+        (placement.language_blocks: a vision-language model's vision tower is not counted)."""
         config = model.config.get_text_config()  # a vision-language model's: its language model's
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads

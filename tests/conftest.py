@@ -1,5 +1,6 @@
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -341,21 +342,22 @@ TINY_VLM_TEMPLATE = (
 )
 
 
-def save_tiny_vlm(directory: Path, family: str = "llava") -> Path:
+def save_tiny_vlm(directory: Path, family: str = "llava", **text_overrides) -> Path:
     """A tiny vision-language model of `family` (llava, gemma3, idefics3) over the tiny tokenizer's ids and the
     family's image tokens: a 2-layer vision tower on 32 x 32 images in 8 x 8 patches and a 2-layer language model,
     random weights from seed 0, saved with its processor (tokenizer, image processor, TINY_VLM_TEMPLATE with the
     family's placeholder) in `directory`. Idefics3 splits each image into tiles of 32 x 32 (a 48 x 48 image: 4 and
     a global one)."""
-    model, processor = tiny_vlm(family)
+    model, processor = tiny_vlm(family, **text_overrides)
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
     return directory
 
 
-def tiny_vlm(family: str):
-    """(model, processor) of save_tiny_vlm's tiny `family`, in memory; also qwen2_vl, whose processor
-    AutoProcessor cannot load without torchvision (its video processor), so it is built here without one."""
+def tiny_vlm(family: str, **text_overrides):
+    """(model, processor) of save_tiny_vlm's tiny `family`, in memory, its language model's config changed by
+    text_overrides; also qwen2_vl, whose processor AutoProcessor cannot load without torchvision (its video
+    processor), so it is built here without one."""
     import transformers
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
@@ -367,7 +369,7 @@ def tiny_vlm(family: str):
 
     def text_config(cls, tokenizer, **extra):
         ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
-        return cls(**{**TINY_LM_SIZES, "vocab_size": len(tokenizer), **ids, **extra})
+        return cls(**{**TINY_LM_SIZES, "vocab_size": len(tokenizer), **ids, **extra, **text_overrides})
 
     if family == "llava":
         tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
@@ -443,6 +445,56 @@ def png(colour: tuple[int, int, int], size: int = 32) -> bytes:
     encoded = io.BytesIO()
     Image.new("RGB", (size, size), colour).save(encoded, format="PNG")
     return encoded.getvalue()
+
+
+COLOURS = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220), "yellow": (230, 220, 20)}
+QUESTION = [{"type": "image"}, {"type": "text", "text": "What colour is the square?"}]
+
+
+@pytest.fixture(scope="session")
+def vlm_dir(tmp_path_factory):
+    """A tiny LLaVA (save_tiny_vlm), saved once per test process."""
+    return save_tiny_vlm(tmp_path_factory.mktemp("vlm") / "llava")
+
+
+def colour_rows(directory, n: int, seed: int = 0, with_images: bool = True, image_size: int = 32) -> list[dict]:
+    """Squares of four colours (shades vary), the question what colour: chosen the right colour, rejected another;
+    every colour is chosen as often as it is rejected, so the text alone says nothing. Images written to
+    directory/img as PNG files named relative to the data file."""
+    rng, names = random.Random(seed), list(COLOURS)
+    (directory / "img").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        right, wrong = names[i % 4], names[(i + 1 + (i // 4) % 3) % 4]
+        shade = tuple(min(255, max(0, c + rng.randint(-20, 20))) for c in COLOURS[right])
+        (directory / "img" / f"{i}.png").write_bytes(png(shade, image_size))
+        content = QUESTION if with_images else QUESTION[1:]
+        row = {
+            "prompt": [{"role": "user", "content": content}],
+            "chosen": [{"role": "assistant", "content": f"It is {right}."}],
+            "rejected": [{"role": "assistant", "content": f"It is {wrong}."}],
+        }
+        rows.append(row | ({"images": [f"img/{i}.png"]} if with_images else {}))
+    return rows
+
+
+def vlm_overrides(tmp_path, model_dir, data_file, *extra: str) -> list[str]:
+    """A run of the tiny VLM at model_dir on data_file in tmp_path (steps of 8 pairs, prompts of 16 image tokens
+    and their text); extra Hydra overrides go last."""
+    return [
+        "model=blank_model",
+        f"model.name_or_path={model_dir}",
+        "model.fsdp_policy_mp=null",
+        f"datasets=[{data_file}]",
+        "wandb.enabled=false",
+        f"local_run_dir={tmp_path / 'run'}",
+        f"local_dirs=[{tmp_path}]",
+        "batch_size=8",
+        "eval_batch_size=8",
+        "max_length=96",
+        "max_prompt_length=64",
+        *extra,
+    ]
 
 
 # -------------------------------------------------------------------------------------------------------------

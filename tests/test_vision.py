@@ -3,7 +3,6 @@ equal to a plain forward of each (prompt + images + response) alone, learnt from
 learn), and bad image input stopped with one line."""
 
 import math
-import random
 import re
 
 import pytest
@@ -12,62 +11,16 @@ import transformers
 
 import config as configuration
 import train
-from conftest import png, records, save_tiny_vlm, tiny_vlm, write_jsonl
+from conftest import colour_rows, png, records, tiny_vlm, vlm_overrides, write_jsonl
 from core.scoring import Scorer
 from modeling.distributed import Topology
 from modeling.vision import Vision, pack_images, vision_tower
 from persistence.tokenized import Tokenization, tokenize_pairs
 from preference_datasets import parse_rows, read_file_rows
 
-COLOURS = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220), "yellow": (230, 220, 20)}
-QUESTION = [{"type": "image"}, {"type": "text", "text": "What colour is the square?"}]
-
-
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
-    return save_tiny_vlm(tmp_path_factory.mktemp("vlm") / "llava")
-
-
-def colour_rows(directory, n: int, seed: int = 0, with_images: bool = True, image_size: int = 32) -> list[dict]:
-    """Squares of four colours (shades vary), the question what colour: chosen the right colour, rejected another;
-    every colour is chosen as often as it is rejected, so the text alone says nothing. Images written to
-    directory/img as PNG files named relative to the data file."""
-    rng, names = random.Random(seed), list(COLOURS)
-    (directory / "img").mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i in range(n):
-        right, wrong = names[i % 4], names[(i + 1 + (i // 4) % 3) % 4]
-        shade = tuple(min(255, max(0, c + rng.randint(-20, 20))) for c in COLOURS[right])
-        (directory / "img" / f"{i}.png").write_bytes(png(shade, image_size))
-        content = QUESTION if with_images else QUESTION[1:]
-        row = {
-            "prompt": [{"role": "user", "content": content}],
-            "chosen": [{"role": "assistant", "content": f"It is {right}."}],
-            "rejected": [{"role": "assistant", "content": f"It is {wrong}."}],
-        }
-        rows.append(row | ({"images": [f"img/{i}.png"]} if with_images else {}))
-    return rows
-
 
 def image_at(directory, row: dict):
     return transformers.image_utils.load_image(str(directory / row["images"][0]))
-
-
-def vlm_overrides(tmp_path, model_dir, data_file, *extra: str) -> list[str]:
-    return [
-        "model=blank_model",
-        f"model.name_or_path={model_dir}",
-        "model.fsdp_policy_mp=null",
-        f"datasets=[{data_file}]",
-        "wandb.enabled=false",
-        f"local_run_dir={tmp_path / 'run'}",
-        f"local_dirs=[{tmp_path}]",
-        "batch_size=8",
-        "eval_batch_size=8",
-        "max_length=96",
-        "max_prompt_length=64",
-        *extra,
-    ]
 
 
 # The path each family takes by default, as the probes decide on the placed model with an image in a prompt: LLaVA
