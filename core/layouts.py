@@ -67,6 +67,8 @@ class ModelBatch:
     prompt_examples:  the example of each prompt the rows hold, in the order the model reads them (row by row):
                       whose images a vision-language model encodes, in that order (padded: every prompt twice)
     image_inputs:     a vision-language model's image inputs of those images (pixel_values, ...), or None
+    image_blocks:     [R, T] (packed) the image each token belongs to, numbered by row, -1 for text: where a model
+                      lets an image's tokens see each other (Gemma 3), or None
     """
 
     input_ids: torch.Tensor
@@ -84,6 +86,7 @@ class ModelBatch:
     last_positions: torch.Tensor
     prompt_examples: list[int] | None = None
     image_inputs: dict[str, torch.Tensor] | None = None
+    image_blocks: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "ModelBatch":
         moved = {name: to_device(v, device) if torch.is_tensor(v) else v for name, v in vars(self).items()}
@@ -99,6 +102,13 @@ class ModelBatch:
     def n_tokens(self) -> int:
         """Token positions the model computes, padding included."""
         return self.input_ids.numel()
+
+
+def image_runs(is_image: torch.Tensor) -> torch.Tensor:
+    """[R, T] the number of each run of image tokens in its row (0, 1, ...), -1 for other tokens: an image's tokens
+    are contiguous, and two images are always parted by text (their start and end markers)."""
+    starts = is_image & ~torch.nn.functional.pad(is_image, (1, 0))[:, :-1]
+    return torch.where(is_image, starts.long().cumsum(dim=1) - 1, -1)
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -258,17 +268,22 @@ def packed_mask_mod(
     branch_ids: torch.Tensor,
     position_ids: torch.Tensor,
     span: AttentionSpan = FULL_ATTENTION,
+    image_blocks: torch.Tensor | None = None,
 ):
     """FlexAttention's mask_mod(batch, head, query, key) -> whether query may attend to key, for packed rows:
     the same segment, causal, and a response sees the prompt and its own branch, never another response; within
-    the layer type's span of positions. A padding query attends to itself only: a query with no key gives NaN in
-    SDPA, which would reach the gradients."""
+    the layer type's span of positions; and, given image_blocks, every token of an image sees every other token of
+    that image, later ones too, within the span (Gemma 3's bidirectional images, as transformers composes them). A
+    padding query attends to itself only: a query with no key gives NaN in SDPA, which would reach the gradients."""
 
     def mask_mod(b, h, q, k):
         real = segment_ids[b, q] >= 0
         same_segment = segment_ids[b, q] == segment_ids[b, k]
         visible_branch = (branch_ids[b, k] == 0) | (branch_ids[b, q] == branch_ids[b, k])
-        visible = real & same_segment & visible_branch & (k <= q)
+        earlier = k <= q
+        if image_blocks is not None:  # or of the same image; a window still bounds it, as transformers composes it
+            earlier = earlier | ((image_blocks[b, q] >= 0) & (image_blocks[b, q] == image_blocks[b, k]))
+        visible = real & same_segment & visible_branch & earlier
         if span.window is not None:
             visible = visible & (position_ids[b, q] - position_ids[b, k] < span.window)
         if span.chunk is not None:
@@ -286,4 +301,5 @@ def dense_mask(batch: ModelBatch, span: AttentionSpan = FULL_ATTENTION) -> torch
     b = torch.arange(rows, device=device)[:, None, None]
     q = torch.arange(length, device=device)[None, :, None]
     k = torch.arange(length, device=device)[None, None, :]
-    return packed_mask_mod(batch.segment_ids, batch.branch_ids, batch.position_ids, span)(b, None, q, k)[:, None]
+    mask_mod = packed_mask_mod(batch.segment_ids, batch.branch_ids, batch.position_ids, span, batch.image_blocks)
+    return mask_mod(b, None, q, k)[:, None]

@@ -22,6 +22,7 @@ from core.layouts import (
     AttentionSpan,
     ModelBatch,
     dense_mask,
+    image_runs,
     make_batch,
     pack,
     packed_mask_mod,
@@ -73,7 +74,7 @@ def block_mask(batch: ModelBatch, span: AttentionSpan = FULL_ATTENTION):
 
     rows, length = batch.input_ids.shape
     device = batch.input_ids.device
-    mask_mod = packed_mask_mod(batch.segment_ids, batch.branch_ids, batch.position_ids, span)
+    mask_mod = packed_mask_mod(batch.segment_ids, batch.branch_ids, batch.position_ids, span, batch.image_blocks)
     return create_block_mask(mask_mod, rows, None, length, length, device=device, _compile=True)
 
 
@@ -92,7 +93,7 @@ def attention_spans(model: torch.nn.Module) -> dict[str, AttentionSpan] | str:
     """Each layer type's span from the model's config, or why the packed layout has no mask for one of them. A
     config without `layer_types` has one type for every layer: windowed where it sets a sliding window (Mistral,
     Mixtral, Starcoder2, Phi-3), as transformers then masks every layer."""
-    config, name = model.config, type(model_class(model)).__name__
+    config, name = model.config.get_text_config(), type(model_class(model)).__name__  # a VLM's: its language model's
     layer_types = getattr(config, "layer_types", None)
     if not layer_types:
         window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
@@ -114,8 +115,8 @@ def describe_spans(spans: dict[str, AttentionSpan]) -> str:
 def probe_spans(model: torch.nn.Module):
     """The model's sliding window and attention chunks set to PROBE_SPAN for the forwards inside this block: every
     layer type's mask (ours, and transformers' own in the padded layout) reads them from the config at each
-    forward."""
-    config = model.config
+    forward (a vision-language model's language model reads its own, text_config's)."""
+    config = model.config.get_text_config()
     saved = {
         key: getattr(config, key) for key in ("sliding_window", "attention_chunk_size") if getattr(config, key, None)
     }
@@ -148,7 +149,7 @@ def head_output_maps(model: torch.nn.Module) -> dict[str, tuple[object, float | 
     """The HEAD_OUTPUT_MAPS this model applies: attribute -> (the object it is read from, its value)."""
     found = {}
     for attribute, (owner, identity) in HEAD_OUTPUT_MAPS.items():
-        holder = model_class(model).config if owner == "config" else model_class(model)
+        holder = model_class(model).config.get_text_config() if owner == "config" else model_class(model)
         value = getattr(holder, attribute, identity)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value != identity:
             found[attribute] = (holder, value)
@@ -504,6 +505,8 @@ def with_image_inputs(batch: ModelBatch, examples: list[dict], vision: Vision | 
     if vision is not None:
         images = [image for i in batch.prompt_examples for image in unpack_images(examples[i].get("images", b""))]
         batch.image_inputs = vision.image_inputs(batch.input_ids, images)
+        if vision.bidirectional_images and batch.segment_ids is not None:  # packed rows: the mask says it
+            batch.image_blocks = image_runs(batch.input_ids == vision.image_token_id)
     return batch
 
 

@@ -100,6 +100,7 @@ class Vision:
     image_token_id: int
     placeholder: str
     type_inputs: tuple[str, ...] = ()  # the model's inputs that mark image tokens (Vision.for_model)
+    bidirectional_images: bool = False  # an image's tokens see each other (Vision.for_model)
 
     @classmethod
     def of(cls, processor) -> "Vision | None":
@@ -124,7 +125,11 @@ class Vision:
             (getattr(config, key) for key in ("image_token_id", "image_token_index") if hasattr(config, key)),
             self.image_token_id,
         )
-        return dataclasses.replace(self, type_inputs=names, image_token_id=image_token_id)
+        # token_type_ids is how Gemma 3 (and 3n) learn which tokens are an image's, to let them see each other
+        bidirectional = "token_type_ids" in names
+        return dataclasses.replace(
+            self, type_inputs=names, image_token_id=image_token_id, bidirectional_images=bidirectional
+        )
 
     def check_placeholders(self, prompt: str, n_images: int) -> None:
         """ValueError when the prompt's image placeholders and the row's images differ in number."""

@@ -394,7 +394,13 @@ def tiny_vlm(family: str, **text_overrides):
         )  # fmt: skip
         ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in tokens.items()}
         config = transformers.Gemma3Config(
-            text_config=text_config(transformers.Gemma3TextConfig, tokenizer, sliding_window=4),
+            # a window that cuts a prompt, and a full layer after it: an image's own attention reaches the answer
+            text_config=text_config(
+                transformers.Gemma3TextConfig,
+                tokenizer,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+            ),  # fmt: skip
             vision_config=transformers.SiglipVisionConfig(**tower),
             mm_tokens_per_image=4,
             boi_token_index=ids["boi_token"],

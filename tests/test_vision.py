@@ -24,10 +24,10 @@ def image_at(directory, row: dict):
 
 
 # The path each family takes by default, as the probes decide on the placed model with an image in a prompt: LLaVA
-# and Idefics3 give image tokens plain positions and causal attention, so their pairs pack; Gemma 3 lets an image's
-# tokens see each other (token_type_ids), which the packed mask does not express yet, so its probe falls back to
-# padded rows, where transformers builds that mask itself.
-VISION_ZOO = {"llava": ("packed", 32), "gemma3": ("padded", 32), "idefics3": ("packed", 48), "qwen2_vl": ("padded", 32)}
+# and Idefics3 give image tokens plain positions and causal attention, and Gemma 3 lets an image's tokens see each
+# other (token_type_ids), which the packed mask expresses (image_blocks): their pairs pack; Qwen2-VL gives image
+# tokens 3-D rotary positions, which packed rows do not build, so it takes padded rows, where transformers does.
+VISION_ZOO = {"llava": ("packed", 32), "gemma3": ("packed", 32), "idefics3": ("packed", 48), "qwen2_vl": ("padded", 32)}
 
 
 @pytest.mark.parametrize("family", sorted(VISION_ZOO))
@@ -99,6 +99,24 @@ def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family,
         for name, grad in trainable.items():
             error = (grads[name] - grad).norm() / grad.norm().clamp_min(floor)
             assert error < 1e-4, f"{layout} {name}: relative gradient error {error:.2g}"
+
+
+def test_the_packed_mask_lets_an_images_tokens_see_each_other_and_nothing_else_changes():
+    # Written out token by token: a prompt [t, i, i, t, i, i, t] (two images of two tokens) and one response [r, r]
+    # in a packed row. With image blocks, a token of an image also sees the later tokens of the same image, never
+    # those of the other image, and nothing else changes; without them the mask is the causal one.
+    from core.layouts import dense_mask, image_runs, pack
+
+    image = 9
+    example = {"prompt": [1, image, image, 2, image, image, 3], "responses": [[4, 5]]}
+    batch = pack([example], 0)
+    causal = dense_mask(batch)[0, 0]
+    batch.image_blocks = image_runs(batch.input_ids == image)
+    assert batch.image_blocks[0].tolist() == [-1, 0, 0, -1, 1, 1, -1, -1, -1]
+    bidirectional = dense_mask(batch)[0, 0]
+    added = {(q, k) for q in range(9) for k in range(9) if bidirectional[q, k] and not causal[q, k]}
+    assert added == {(1, 2), (4, 5)}
+    assert not (causal & ~bidirectional).any()
 
 
 def test_a_changed_image_changes_the_example_key(vlm_dir):
