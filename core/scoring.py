@@ -459,12 +459,6 @@ def packing_problem(
     against the padded layout, both examples in one row, with the model's windows and chunks cut to PROBE_SPAN (a
     reward model's rewards: reward_eos, compare); a vision-language model (vision) with an image in a prompt."""
     implementation = getattr(model.config, "_attn_implementation", None)
-    inner = getattr(model_class(model), "model", None)
-    if vision is not None and hasattr(inner, "get_rope_index"):  # a numeric probe of a tiny random model can miss it
-        return (
-            f"{type(model_class(model)).__name__} gives image tokens 3-D rotary positions (get_rope_index), which "
-            "packed rows do not build yet"
-        )
     if implementation not in ("sdpa", "eager"):
         return f"attention implementation {implementation!r} takes no 4-D mask (sdpa and eager do)"
     with probe_spans(model):
@@ -507,7 +501,34 @@ def with_image_inputs(batch: ModelBatch, examples: list[dict], vision: Vision | 
         batch.image_inputs = vision.image_inputs(batch.input_ids, images)
         if vision.bidirectional_images and batch.segment_ids is not None:  # packed rows: the mask says it
             batch.image_blocks = image_runs(batch.input_ids == vision.image_token_id)
+        if vision.rope_index is not None and batch.segment_ids is not None:
+            batch.image_inputs["position_ids"] = packed_rope_positions(batch, examples, vision)
     return batch
+
+
+def packed_rope_positions(batch: ModelBatch, examples: list[dict], vision: Vision) -> torch.Tensor:
+    """[3, R, T] 3-D rotary positions of packed rows (Qwen-VL): each sequence's own, as the model gives them to
+    prompt + response alone, laid out where the row holds it: the shared prompt's once (a causal prefix, they are
+    the same in every sequence), then each response's, which continue from the prompt's. The 1-D positions of the
+    batch stay for its mask's windows."""
+    grids = batch.image_inputs.get("image_grid_thw")
+    per_image = iter(grids.split(1) if grids is not None else ())
+    positions = torch.zeros((3, *batch.input_ids.shape), dtype=torch.long)
+    starts = (batch.segment_ids != torch.nn.functional.pad(batch.segment_ids, (1, 0), value=-2)[:, :-1]).nonzero()
+    for row, start in starts.tolist():
+        index = int(batch.segment_ids[row, start])
+        if index < 0:
+            continue
+        example = examples[index]
+        images = len(unpack_images(example.get("images", b"")))
+        grid = torch.cat([next(per_image) for _ in range(images)]) if images else None
+        prompt, offset = example["prompt"], start + len(example["prompt"])
+        for response in example["responses"]:
+            sequence = vision.sequence_positions(prompt + response, grid)
+            positions[:, row, start : start + len(prompt)] = sequence[:, : len(prompt)]
+            positions[:, row, offset : offset + len(response)] = sequence[:, len(prompt) :]
+            offset += len(response)
+    return positions
 
 
 @dataclass

@@ -101,6 +101,7 @@ class Vision:
     placeholder: str
     type_inputs: tuple[str, ...] = ()  # the model's inputs that mark image tokens (Vision.for_model)
     bidirectional_images: bool = False  # an image's tokens see each other (Vision.for_model)
+    rope_index: Any = None  # the model's 3-D rotary positions of a sequence (Qwen-VL's get_rope_index), or None
 
     @classmethod
     def of(cls, processor) -> "Vision | None":
@@ -127,9 +128,21 @@ class Vision:
         )
         # token_type_ids is how Gemma 3 (and 3n) learn which tokens are an image's, to let them see each other
         bidirectional = "token_type_ids" in names
+        rope_index = getattr(getattr(inner, "model", None), "get_rope_index", None)
         return dataclasses.replace(
-            self, type_inputs=names, image_token_id=image_token_id, bidirectional_images=bidirectional
+            self, type_inputs=names, image_token_id=image_token_id, bidirectional_images=bidirectional,
+            rope_index=rope_index,
+        )  # fmt: skip
+
+    def sequence_positions(self, ids: list[int], grids: torch.Tensor | None) -> torch.Tensor:
+        """[3, L] the model's 3-D rotary positions of one sequence (rope_index), its images' grids (image_grid_thw
+        rows, in order) given."""
+        input_ids = torch.tensor([ids])
+        marks = (input_ids == self.image_token_id).long()
+        positions, _ = self.rope_index(
+            input_ids, mm_token_type_ids=marks, image_grid_thw=grids, attention_mask=torch.ones_like(input_ids)
         )
+        return positions[:, 0]
 
     def check_placeholders(self, prompt: str, n_images: int) -> None:
         """ValueError when the prompt's image placeholders and the row's images differ in number."""
