@@ -356,12 +356,15 @@ def save_tiny_vlm(directory: Path, family: str = "llava", **text_overrides) -> P
 
 def tiny_vlm(family: str, **text_overrides):
     """(model, processor) of save_tiny_vlm's tiny `family`, in memory, its language model's config changed by
-    text_overrides; also qwen2_vl, whose processor AutoProcessor cannot load without torchvision (its video
-    processor), so it is built here without one."""
+    text_overrides; also qwen2_vl and llava_onevision, whose processors AutoProcessor cannot load without torchvision
+    (their video processors), so they are built here without one."""
     import transformers
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
+    )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32)
@@ -436,6 +439,25 @@ def tiny_vlm(family: str, **text_overrides):
         processor.image_token_ids, processor.video_token_ids, processor.audio_token_ids = [image], [video], []
         processor.image_processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=64 * 64, patch_size=8)
         processor.chat_template = TINY_VLM_TEMPLATE.replace("<image>", "".join(names[:3]))
+    elif family == "llava_onevision":  # anyres: an image in tiles of a grid it fits (48 x 48: 4 and a base one)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<image>", "<video>"]})
+        image, video = tokenizer.convert_tokens_to_ids("<image>"), tokenizer.convert_tokens_to_ids("<video>")
+        grid = [[32, 32], [32, 64], [64, 32], [64, 64]]
+        config = transformers.LlavaOnevisionConfig(
+            vision_config=transformers.SiglipVisionConfig(**tower),
+            text_config=text_config(transformers.Qwen2Config, tokenizer),
+            image_token_id=image, video_token_id=video, vision_feature_select_strategy="full",
+            vision_feature_layer=-1, image_grid_pinpoints=grid,
+        )  # fmt: skip
+        processor = object.__new__(transformers.LlavaOnevisionProcessor)  # no video processor, as for qwen2_vl
+        processor.tokenizer, processor.image_token, processor.video_token = tokenizer, "<image>", "<video>"
+        processor.image_token_ids, processor.video_token_ids, processor.audio_token_ids = [image], [video], []
+        processor.num_image_tokens, processor.vision_feature_select_strategy = 16, "full"
+        processor.vision_aspect_ratio, processor.chat_template = "anyres_max_9", TINY_VLM_TEMPLATE
+        processor.image_processor = LlavaOnevisionImageProcessorPil(
+            size={"height": 32, "width": 32}, crop_size={"height": 32, "width": 32}, image_grid_pinpoints=grid
+        )
     else:
         raise ValueError(family)
     torch.manual_seed(0)

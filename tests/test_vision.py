@@ -26,8 +26,15 @@ def image_at(directory, row: dict):
 # The path each family takes by default, as the probes decide on the placed model with an image in a prompt: LLaVA
 # and Idefics3 give image tokens plain positions and causal attention, and Gemma 3 lets an image's tokens see each
 # other (token_type_ids), which the packed mask expresses (image_blocks); Qwen2-VL gives image tokens 3-D rotary
-# positions, which packed rows take from its own get_rope_index per sequence: all four pack.
-VISION_ZOO = {"llava": ("packed", 32), "gemma3": ("packed", 32), "idefics3": ("packed", 48), "qwen2_vl": ("packed", 32)}
+# positions, which packed rows take from its own get_rope_index per sequence; LLaVA-OneVision encodes an image in tiles
+# of the grid it fits (anyres): all of them pack.
+VISION_ZOO = {
+    "llava": ("packed", 32),
+    "gemma3": ("packed", 32),
+    "idefics3": ("packed", 48),
+    "qwen2_vl": ("packed", 32),
+    "llava_onevision": ("packed", 48),
+}
 
 
 @pytest.mark.parametrize("family", sorted(VISION_ZOO))
