@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from modeling import weights
 from modeling.adapters import base_model_name
-from modeling.vision import Vision, has_processor
+from modeling.vision import Vision
 from persistence import storage
 from persistence.checkpoint import read_file
 from utils import UserError, first_line
@@ -162,14 +162,14 @@ def load_tokenizer(model_config: DictConfig, cache_dir: Path):
 
 
 def load_vision(model_config: DictConfig, cache_dir: Path, tokenizer) -> Vision | None:
-    """A vision-language model's processor (modeling.vision.Vision), its tokenizer the run's, or None for a model
-    without an image processor beside it (a text model)."""
+    """A vision-language model's processor (modeling.vision.Vision), its tokenizer the run's, or None for a text
+    model (its config has no vision tower) or a processor without images. Found as the model's config is: in its
+    directory, or on the Hub (a Hub id has no local files to look for)."""
     directory = resolve_model_dir(model_config.name_or_path, cache_dir)
-    if not has_processor(directory):
+    common = {"cache_dir": str(cache_dir), "trust_remote_code": model_config.trust_remote_code}
+    if not weights.is_vision_language(transformers.AutoConfig.from_pretrained(directory, **common)):
         return None
-    processor = transformers.AutoProcessor.from_pretrained(
-        directory, cache_dir=str(cache_dir), trust_remote_code=model_config.trust_remote_code
-    )
+    processor = transformers.AutoProcessor.from_pretrained(directory, **common)
     if getattr(processor, "tokenizer", None) is not None:
         processor.tokenizer = tokenizer  # one tokenizer: its pad token as the run set it
     return Vision.of(processor)

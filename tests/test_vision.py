@@ -187,3 +187,30 @@ def test_image_rows_for_a_text_model_stop_with_one_line(make_config, tmp_path):
 
     with pytest.raises(UserError, match=r"pairs.jsonl:1: column 'images' holds images, and this model takes text only"):
         train.run(make_config(f"datasets=[{data}]"))
+
+
+def test_a_hub_models_processor_is_found_as_its_config_is(vlm_dir, tmp_path, monkeypatch):
+    # A Hub id has no local directory to look for a processor's files in: the config says whether the model sees
+    # images, and the processor comes from where the config came from (here the Hub is played by a local copy).
+    from omegaconf import OmegaConf
+
+    from modeling import models
+    from utils import REPO_ROOT
+
+    hub = {
+        "org/tiny-llava": str(vlm_dir),
+        "org/tiny-llama": str(REPO_ROOT / "assets" / "tiny-llama"),
+    }
+    monkeypatch.setattr(models, "resolve_model_dir", lambda name, cache_dir: name)
+    for auto in (transformers.AutoConfig, transformers.AutoProcessor, transformers.AutoTokenizer):
+        original = auto.from_pretrained.__func__
+        monkeypatch.setattr(
+            auto,
+            "from_pretrained",
+            classmethod(lambda cls, name, *a, _o=original, **k: _o(cls, hub.get(name, name), *a, **k)),
+        )
+    found = {}
+    for name in hub:
+        settings = OmegaConf.create({"name_or_path": name, "tokenizer_name_or_path": None, "trust_remote_code": False})
+        found[name] = models.load_tokenizer(settings, tmp_path).vision
+    assert found["org/tiny-llava"].placeholder == "<image>" and found["org/tiny-llama"] is None
