@@ -356,8 +356,8 @@ def save_tiny_vlm(directory: Path, family: str = "llava", **text_overrides) -> P
 
 def tiny_vlm(family: str, **text_overrides):
     """(model, processor) of save_tiny_vlm's tiny `family`, in memory, its language model's config changed by
-    text_overrides; also qwen2_vl and llava_onevision, whose processors AutoProcessor cannot load without torchvision
-    (their video processors), so they are built here without one."""
+    text_overrides; also qwen2_vl, qwen2_5_vl and llava_onevision, whose processors AutoProcessor cannot load without
+    torchvision (their video processors), so they are built here without one."""
     import transformers
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
@@ -422,19 +422,27 @@ def tiny_vlm(family: str, **text_overrides):
             image_token_id=processor.image_token_id,
             scale_factor=2,
         )
-    elif family == "qwen2_vl":
+    elif family in ("qwen2_vl", "qwen2_5_vl"):
         names = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
         tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
         tokenizer.add_special_tokens({"additional_special_tokens": names})
         start, image, end, video = (tokenizer.convert_tokens_to_ids(name) for name in names)
-        text = text_config(transformers.Qwen2VLTextConfig, tokenizer)
+        qwen25 = family == "qwen2_5_vl"
+        text_class = transformers.Qwen2_5_VLTextConfig if qwen25 else transformers.Qwen2VLTextConfig
+        text = text_config(text_class, tokenizer)
         text.rope_parameters = {**text.rope_parameters, "rope_type": "default", "mrope_section": [2, 3, 3]}
-        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=8)
-        config = transformers.Qwen2VLConfig(
+        if qwen25:  # windowed attention in the tower but in its full-attention blocks, a gated MLP of its own width
+            vision = dict(hidden_size=32, out_hidden_size=64, intermediate_size=64, window_size=16)
+            vision |= dict(fullatt_block_indexes=[1])
+        else:
+            vision = dict(embed_dim=32, hidden_size=64, mlp_ratio=2)
+        vision |= dict(depth=2, num_heads=4, patch_size=8)
+        config = (transformers.Qwen2_5_VLConfig if qwen25 else transformers.Qwen2VLConfig)(
             text_config=text.to_dict(), vision_config=vision, image_token_id=image, video_token_id=video,
             vision_start_token_id=start, vision_end_token_id=end,
         )  # fmt: skip
-        processor = object.__new__(transformers.Qwen2VLProcessor)  # no video processor: torchvision is not here
+        processor_class = transformers.Qwen2_5_VLProcessor if qwen25 else transformers.Qwen2VLProcessor
+        processor = object.__new__(processor_class)  # no video processor: torchvision is not here
         processor.tokenizer, processor.image_token, processor.video_token = tokenizer, names[1], names[3]
         processor.image_token_ids, processor.video_token_ids, processor.audio_token_ids = [image], [video], []
         processor.image_processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=64 * 64, patch_size=8)

@@ -33,6 +33,7 @@ VISION_ZOO = {
     "gemma3": ("packed", 32),
     "idefics3": ("packed", 48),
     "qwen2_vl": ("packed", 32),
+    "qwen2_5_vl": ("packed", 32),
     "llava_onevision": ("packed", 48),
 }
 
