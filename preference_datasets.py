@@ -435,7 +435,7 @@ def with_images(row: dict, pairs: list, vision) -> list:
                     "it): it would train on the text without them; use a vision-language model, or drop the column"
                 )
         return pairs
-    images = row_images(row, None)
+    images = row_images(row)
     for pair in pairs:
         vision.check_placeholders(pair.prompt, len(images))
     return [dataclasses.replace(pair, images=images) for pair in pairs] if images else pairs
@@ -639,7 +639,9 @@ def files_source(label: str, files: list[Path]) -> Source:
 
 def image_files_digest(file: Path) -> str:
     """A digest of the image files a data file's rows name by path (none: ""): a changed image changes what its
-    examples are, as a changed row does."""
+    examples are, as a changed row does. Each file by its size and modification time, as make judges a file, not by
+    its bytes: this runs at every start, and reading every image of a large set (RLAIF-V's 80k) each time would cost
+    more than the cache saves. Examples' keys, which the reference cache reads, digest the bytes themselves."""
     from modeling.vision import IMAGE_COLUMNS
 
     if not file.name.endswith((".jsonl", ".jsonl.gz", ".json")) or b'"image' not in file_head(file):
@@ -650,7 +652,8 @@ def image_files_digest(file: Path) -> str:
         for cell in (cell for value in cells for cell in (value if isinstance(value, list) else [value])):
             path = cell.get("path") if isinstance(cell, dict) and not cell.get("bytes") else cell
             if isinstance(path, str) and Path(path).is_file():
-                digest.update(f"{path}:{file_digest(Path(path))}".encode())
+                stat = Path(path).stat()
+                digest.update(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
                 paths += 1
     return f" images {digest.hexdigest()}" if paths else ""
 

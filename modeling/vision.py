@@ -25,21 +25,21 @@ def has_processor(directory: Path) -> bool:
     return any((Path(directory) / name).exists() for name in PROCESSOR_FILES)
 
 
-def image_bytes(value: Any, base: Path | None) -> bytes:
-    """The encoded file of one image cell: a path (relative to the data file's directory `base`), bytes, or a
-    `datasets` Image feature ({"bytes": ..., "path": ...}). ValueError, saying which, for anything unreadable."""
+def image_bytes(value: Any) -> bytes:
+    """The encoded file of one image cell: a path (made absolute where the data file was read:
+    preference_datasets.with_image_paths), bytes, or a `datasets` Image feature ({"bytes": ..., "path": ...}, or the
+    PIL image a Hub dataset decodes it to). ValueError, saying which, for anything unreadable."""
     if isinstance(value, dict):
         value = value.get("bytes") or value.get("path")
-    if hasattr(value, "save") and hasattr(value, "mode"):  # a PIL image (a decoded `datasets` Image feature)
+    if hasattr(value, "save") and hasattr(value, "mode"):  # a PIL image: decoded already, so no check to make
         encoded = io.BytesIO()
         value.save(encoded, format="PNG")
-        value = encoded.getvalue()
+        return encoded.getvalue()
     if isinstance(value, (bytes, bytearray)):
         data = bytes(value)
     elif isinstance(value, str):
-        path = Path(value) if base is None or Path(value).is_absolute() else base / value
         try:
-            data = path.read_bytes()
+            data = Path(value).read_bytes()
         except OSError as error:
             raise ValueError(f"image {value!r} cannot be read ({error.strerror or error})") from None
     else:
@@ -48,7 +48,7 @@ def image_bytes(value: Any, base: Path | None) -> bytes:
     return data
 
 
-def row_images(row: dict, base: Path | None) -> tuple[bytes, ...]:
+def row_images(row: dict) -> tuple[bytes, ...]:
     """The encoded images of a row's `images` (a list) or `image` column, in order; () without either."""
     cells = []
     for column in IMAGE_COLUMNS:
@@ -56,7 +56,7 @@ def row_images(row: dict, base: Path | None) -> tuple[bytes, ...]:
         if value is None or value == [] or value == "":
             continue
         cells += value if isinstance(value, list) else [value]
-    return tuple(image_bytes(cell, base) for cell in cells)
+    return tuple(image_bytes(cell) for cell in cells)
 
 
 def decode(data: bytes, what: str = "an image"):

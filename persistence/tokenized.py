@@ -132,12 +132,12 @@ def text_group(text: str) -> int:
     return int.from_bytes(digest, "little", signed=True)
 
 
-def prompt_group(pair: PreferencePair | LabelledCompletion) -> int:
-    """A 64-bit digest of a prompt: its text, and its images where it has any (one question asked of many images is
-    as many prompts)."""
-    if not pair.images:
-        return text_group(pair.prompt)
-    digest = hashlib.blake2b(pair.prompt.encode("utf-8", "surrogatepass") + pack_images(pair.images), digest_size=8)
+def prompt_group(prompt: str, images: bytes) -> int:
+    """A 64-bit digest of a prompt: its text, and its packed images where it has any (one question asked of many
+    images is as many prompts)."""
+    if not images:
+        return text_group(prompt)
+    digest = hashlib.blake2b(prompt.encode("utf-8", "surrogatepass") + images, digest_size=8)
     return int.from_bytes(digest.digest(), "little", signed=True)
 
 
@@ -176,7 +176,9 @@ def tokenize_chunk(pairs: list[PreferencePair], encode, eos_id: int, settings: T
             f"{settings.max_length} / max_prompt_length {settings.max_prompt_length} would cut it: raise them"
         )
     keys = example_keys(tokens, offsets, kept, images)
-    groups = np.fromiter((prompt_group(pair) for pair in pairs), np.int64, len(pairs))
+    groups = np.fromiter(
+        (prompt_group(pair.prompt, packed) for pair, packed in zip(pairs, images)), np.int64, len(pairs)
+    )
     labels = np.array([getattr(pair, "label", -1) for pair in pairs], dtype=np.int8)
     margins = np.array([getattr(pair, "margin", 0.0) for pair in pairs], dtype=np.float32)
     return Examples(

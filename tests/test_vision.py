@@ -215,3 +215,23 @@ def test_a_hub_models_processor_is_found_as_its_config_is(vlm_dir, tmp_path, mon
         settings = OmegaConf.create({"name_or_path": name, "tokenizer_name_or_path": None, "trust_remote_code": False})
         found[name] = models.load_tokenizer(settings, tmp_path).vision
     assert found["org/tiny-llava"].placeholder == "<image>" and found["org/tiny-llama"] is None
+
+
+def test_a_changed_image_file_rebuilds_the_tokenized_cache(vlm_dir, tmp_path, capsys):
+    # The data file is the same; one image it names changes: the cached examples are not reused, and the example
+    # holds the new image (its key with it). Untouched, the cache is read back.
+    from persistence.tokenized import load_examples
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(vlm_dir)
+    tokenizer.vision = Vision.of(transformers.AutoProcessor.from_pretrained(vlm_dir))
+    data = write_jsonl(tmp_path / "data" / "pairs.jsonl", colour_rows(tmp_path / "data", 8))
+    settings = Tokenization(96, 64, sft=False)
+    load = lambda: load_examples([str(data)], tokenizer, settings, 0, 0, tmp_path / "cache")["train"]  # noqa: E731
+    before = load()
+    assert "tokenized earlier" not in capsys.readouterr().out
+    load()
+    assert "tokenized earlier" in capsys.readouterr().out
+    (tmp_path / "data" / "img" / "0.png").write_bytes(png((0, 0, 0), 40))
+    after = load()
+    assert "tokenized earlier" not in capsys.readouterr().out
+    assert after.take([0])[0]["images"] == pack_images((png((0, 0, 0), 40),)) and after.keys[0] != before.keys[0]
