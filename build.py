@@ -270,15 +270,17 @@ def place(
     is_policy: bool = False,
 ) -> torch.nn.Module:
     """The model placed on the run's topology; compute: the dtype it computes in (None: its weights'). An empty model
-    (prepare_model) then gets memory for its shards, and each rank reads them from `initial`'s files."""
+    (prepare_model) then gets memory for its shards (on the host with fsdp_cpu_offload), and each rank reads them from
+    `initial`'s files."""
     checkpointing = is_policy and config.activation_checkpointing
     reduce_dtype = parse_dtype(config.model.fsdp_reduce_dtype, "model.fsdp_reduce_dtype")
     kept = weights.real_tensors(model) if initial is not None else {}  # buffers, LoRA adapters: placed, then put back
-    model = parallelize(model, topology, compute, config.model.block_name, checkpointing, reduce_dtype)
+    offload = config.fsdp_cpu_offload
+    model = parallelize(model, topology, compute, config.model.block_name, checkpointing, reduce_dtype, offload)
     if initial is not None:
         with topology.main_first():
             directory = initial.fetch()
-        weights.materialize(model, topology.device, kept)
+        weights.materialize(model, topology.device, kept, host_parameters=offload)
         initial.read_into(model, set(kept), directory)
     return model
 

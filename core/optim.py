@@ -4,6 +4,7 @@ import inspect
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
@@ -60,20 +61,30 @@ def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torc
 
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     """Scale gradients down to a total L2 norm of at most max_norm; return the norm before clipping, a float32
-    scalar on the gradients' device (computed without waiting for the device, as torch's clipping does).
+    scalar on the run's device (computed without waiting for the device, as torch's clipping does).
 
     Gradients may be plain tensors, FSDP's sharded DTensors, or tensor parallelism's mix of both (on a 2-D mesh
     as well), which torch.nn.utils.clip_grad_norm_ refuses: each group of gradients with one layout gets one norm,
-    reduced over the ranks that hold its shards."""
+    the squares of each rank's part summed over the mesh dimensions that shard it (a dimension that replicates it,
+    a row-parallel bias's, adds nothing). That sum runs on the mesh's device: FSDP's offloaded gradients
+    (fsdp_cpu_offload) are on the host, where NCCL reaches nothing, which is why the norm is not DTensor's own (its
+    reduction runs on the tensors' device). The scale is applied where each gradient is: on the host, offloaded."""
     grads = [p.grad for p in parameters if p.grad is not None]
     groups = defaultdict(list)
     for grad in grads:
         groups[(grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None].append(grad)
     squares = []
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group)
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
-    total = torch.stack(squares).sum().sqrt()
+    for layout, group in groups.items():
+        local = [grad.to_local() if layout else grad for grad in group]
+        square = torch.nn.utils.get_total_norm(local).float() ** 2
+        if layout:
+            mesh, placements = layout
+            square = square.to(mesh.device_type)
+            for dim, placement in enumerate(placements):
+                if placement.is_shard():
+                    dist.all_reduce(square, group=mesh.get_group(dim))
+        squares.append(square)
+    total = torch.stack([square.to(squares[0].device) for square in squares]).sum().sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)  # torch's rule, so clipping matches clip_grad_norm_
     local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]  # views of each rank's part
     torch._foreach_mul_(local, scale.to(local[0].device))

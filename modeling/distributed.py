@@ -349,7 +349,9 @@ def spawned_worker(local_rank: int, nproc: int, port: int, run: Callable, config
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     os.environ.update(rank_environment(local_rank, nproc, port))
-    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+    # CPU ranks, and the host optimizer steps of offloaded ones (fsdp_cpu_offload), which run on all ranks at once
+    host_compute = not torch.cuda.is_available() or config.fsdp_cpu_offload
+    if host_compute and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))  # oversubscribed cores slow every rank
     run_rank(run, config, timeout_secs)
 

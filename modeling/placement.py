@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from modeling import weights
@@ -105,24 +105,32 @@ def apply_fsdp(
     block_name: str | None,
     compute_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
+    offload: bool = False,
 ):
     """Shard each transformer block (a vision-language model's vision tower's layers too: _no_split_modules names
     them), then the root, over the dp ranks (FSDP2's `fully_shard`); a frozen tower's units hold no gradient, and
     the root mixes frozen and trained parameters, which FSDP2 reduces only where they train. Parameters are
     gathered in compute_dtype (None: the weights' dtype); gradients are reduce-scattered in reduce_dtype (None: the
     compute dtype) and accumulated into the sharded float32 gradients; buffers, e.g. Llama's rotary frequencies,
-    keep their dtype."""
+    keep their dtype.
+
+    offload (fsdp_cpu_offload): the sharded parameters, their gradients and so the optimizer's state live in pinned
+    host memory (FSDP2's CPUOffloadPolicy): each unit's shards are copied to the GPU for its all-gather, its
+    reduce-scattered gradients back to the host, and the optimizer steps there. Pinned, so that the copies overlap
+    the computation; the parameters must be materialized on the host (weights.materialize, host_parameters)."""
     mixed_precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype or compute_dtype)
+    placement = dict(mesh=dp_mesh, mp_policy=mixed_precision)
+    placement["offload_policy"] = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
     if vision_tower(model) is not None:
         # LLaVA's forward returns its image features (image_hidden_states) as views of the projector's output, one
         # per image, and FSDP2 warns at each forward that an in-place op on a view of the root's output would skip
         # its hook: nothing reads that output, let alone changes it in place.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
     for block in find_blocks(model, block_name):
-        fully_shard(block, mesh=dp_mesh, mp_policy=mixed_precision)
+        fully_shard(block, **placement)
     # The root (embeddings, final norm, head) reshards after each forward too, unlike FSDP2's default: evals,
     # sampling and the reference run forwards without a backward, which would leave it gathered.
-    return fully_shard(model, mesh=dp_mesh, mp_policy=mixed_precision, reshard_after_forward=True)
+    return fully_shard(model, **placement, reshard_after_forward=True)
 
 
 @contextlib.contextmanager
@@ -155,10 +163,12 @@ def parallelize(
     block_name: str | None,
     activation_checkpointing: bool,
     reduce_dtype: torch.dtype | None = None,
+    offload: bool = False,
 ) -> nn.Module:
     """The model placed on this topology: tensor parallel first (FSDP then shards the tp shards), activation
-    checkpointing per block, then FSDP, or else moved whole to the device. A model still on the meta device (built
-    empty, weights.py) is placed as it is: only then does each rank allocate its shards (weights.materialize).
+    checkpointing per block, then FSDP (offload: its shards kept on the host, apply_fsdp), or else moved whole to the
+    device. A model still on the meta device (built empty, weights.py) is placed as it is: only then does each rank
+    allocate its shards (weights.materialize).
 
     With gradient accumulation FSDP reduce-scatters after every micro-batch (FSDP2's default, kept): skipping the
     reduction until the last micro-batch would hold every block's whole unsharded gradient on every rank meanwhile
@@ -168,5 +178,5 @@ def parallelize(
     if activation_checkpointing:
         checkpoint_blocks(model, block_name)
     if topology.fsdp:
-        return apply_fsdp(model, topology.mesh["dp"], block_name, compute_dtype, reduce_dtype)
+        return apply_fsdp(model, topology.mesh["dp"], block_name, compute_dtype, reduce_dtype, offload)
     return model if weights.is_empty(model) else model.to(topology.device)

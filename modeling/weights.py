@@ -115,11 +115,19 @@ def real_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in tensors(model).items() if not t.is_meta}
 
 
-def materialize(model: nn.Module, device: torch.device, values: dict[str, torch.Tensor]) -> None:
+def materialize(
+    model: nn.Module, device: torch.device, values: dict[str, torch.Tensor], host_parameters: bool = False
+) -> None:
     """Give a placed empty model memory on `device`, each rank for its own shards, and put back `values`
-    (real_tensors before placement); the rest is uninitialised until read from files."""
+    (real_tensors before placement); the rest is uninitialised until read from files. host_parameters: the
+    parameters' shards go to host memory instead (FSDP's CPU offload, which copies them to `device` itself), the
+    buffers (rotary frequencies: computed beside the activations, which FSDP does not move) to `device`."""
     tied = [names for names in parameter_names(model).values() if len(names) > 1]
-    model.to_empty(device=device)
+    model.to_empty(device=torch.device("cpu") if host_parameters else device)
+    if host_parameters:
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, buffer.to(device))  # a registered buffer's name: it stays one, as it was
     for first, *others in tied:  # to_empty gives each module its own new parameter, where one was shared
         parameter = model.get_parameter(first)
         for name in others:

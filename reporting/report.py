@@ -2,6 +2,7 @@
 of peak memory per process that `dry_run=true` prints (build.dry_run)."""
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,21 +125,25 @@ def host_memory() -> float | None:
 @dataclass
 class MemoryPlan:
     """One rank's memory, in bytes, at each moment that can peak: its device's while training (the host's, on a CPU),
-    and its host's beyond the framework while the weights are read and while a checkpoint is written."""
+    and its host's beyond the framework while the weights are read and while a checkpoint is written; with
+    fsdp_cpu_offload, the host also holds a GPU rank's training state (host_training)."""
 
     header: str
     training: dict[str, float]
     load: dict[str, float]
     save: dict[str, float]
     on_gpu: bool
+    host_training: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def device_peak(self) -> float:
         return sum(self.training.values())
 
     def host_peak(self) -> float:
-        """A GPU rank's host holds what it reads or writes at the time; a CPU rank's holds its training state too."""
+        """A GPU rank's host holds what it reads or writes at the time, and its offloaded training state; a CPU
+        rank's holds its training state too."""
         transient = max(sum(self.load.values()), sum(self.save.values()))
-        return transient if self.on_gpu else self.device_peak() + transient
+        resident = sum(self.host_training.values()) if self.on_gpu else self.device_peak()
+        return resident + transient
 
     def fit_problem(self, hardware: Hardware) -> str | None:
         """Why this does not fit one of `hardware`'s ranks, or None: a lower bound (the framework is not counted)."""
@@ -156,8 +161,10 @@ class MemoryPlan:
         """The plan as the dry run prints it: each moment's total and parts, per rank."""
         device = "GPU" if self.on_gpu else "host (the CPU's memory)"
         lines = [f"memory per rank on {hardware.describe()} ({self.header}):"]
+        offloaded = [("host while training: the offloaded state", self.host_training)] if self.host_training else []
         for title, parts in (
             (f"{device} while training", self.training),
+            *offloaded,
             ("host while reading the weights", self.load),
             ("host while saving a checkpoint", self.save),
         ):
@@ -179,22 +186,28 @@ class Workload:
     live_reference: bool
 
 
-def memory_plan(work: Workload, trainer: str, mesh: tuple[int, int], on_gpu: bool) -> MemoryPlan:
+def memory_plan(
+    work: Workload, trainer: str, mesh: tuple[int, int], on_gpu: bool, offload: bool | None = None
+) -> MemoryPlan:
     """One rank's memory on a (data-parallel, tensor-parallel) mesh, from the policy's shapes (meta_policy) and the
     run's largest micro-batch. Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
     Transformer Models"): 34 x hidden bytes per token and layer in 16-bit compute, without the attention scores
     (scaled dot-product attention does not keep them); activation checkpointing keeps each layer's input and one
     layer's activations. The weights are read sharded (weights.py) and written by every rank (checkpoint.py). Not
-    counted: the framework itself (CUDA context, Python and torch: ~0.5-3 GiB)."""
+    counted: the framework itself (CUDA context, Python and torch: ~0.5-3 GiB). offload: FSDP's state on the host
+    (offloaded); None: as the config says (fsdp_cpu_offload)."""
     training = device_memory(work, trainer, mesh, on_gpu)
     config, policy, precision = work.config, work.policy, work.precision
     dp, tp = mesh
     fsdp = TRAINERS[trainer].fsdp
+    offload = fsdp and (config.fsdp_cpu_offload if offload is None else offload)
+    training, host_training = offloaded(training, work, mesh) if offload else (training, {})
     element = torch.finfo(precision.policy_weights).bits // 8
     largest = max(p.numel() for p in policy.parameters()) * element
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad) * element / (dp * tp if fsdp else tp)
-    # DCP serialises each safetensors file of a rank in memory, after staging a GPU's tensors on the host
-    rank_file = min(rank_file_bytes(trainable), trainable) * (2 if on_gpu else 1)
+    # DCP serialises each safetensors file of a rank in memory, after staging a GPU's tensors on the host (offloaded
+    # ones are there already)
+    rank_file = min(rank_file_bytes(trainable), trainable) * (2 if on_gpu and not offload else 1)
     load = {"a weight's shard, read at a time": largest / (dp if fsdp else 1)}
     save = {"a checkpoint file, serialised": rank_file, "the export: one whole weight at a time": largest}
     n_parameters = sum(p.numel() for p in policy.parameters())
@@ -204,8 +217,47 @@ def memory_plan(work: Workload, trainer: str, mesh: tuple[int, int], on_gpu: boo
         f"{count(n_parameters)} parameters, {count(n_trainable)} trainable; {precision.policy_weights} "
         f"weights, {compute} compute; {trainer} dp {dp} x tp {tp}; {config.layout} layout"
         + (", activation checkpointing" if config.activation_checkpointing else "")
+        + (", CPU offload" if offload else "")
     )
-    return MemoryPlan(header, training, load, save, on_gpu)
+    return MemoryPlan(header, training, load, save, on_gpu, host_training)
+
+
+def offloaded(training: dict[str, float], work: Workload, mesh: tuple[int, int]) -> tuple[dict, dict]:
+    """(the device's parts, the host's) of an offloaded FSDP rank's training memory (fsdp_cpu_offload): the shards of
+    the weights, gradients and optimizer state are on the host, where the optimizer steps; the device keeps the
+    gathered blocks, the activations, masks and logits, and the shards of the two blocks on their way between host
+    and device (gathered from, reduced to). FSDP pins the weights' and gradients' shards, one allocation each, and
+    torch's pinned-memory allocator rounds each up to a power of two bytes (to reuse its blocks)."""
+    config, policy, precision = work.config, work.policy, work.precision
+    optimizer = (f"{config.optimizer} state", "optimizer step intermediates")
+    host_parts = ("policy weights", "gradients", *optimizer, "reference weights")
+    device = {name: value for name, value in training.items() if name not in host_parts}
+    dp, tp = mesh
+    element = torch.finfo(precision.policy_weights).bits // 8
+    block = language_blocks(policy, config.model.block_name)[0]
+    device["two blocks' shards, host <-> device"] = 2 * sum(p.numel() for p in block.parameters()) * element / dp / tp
+    parameters = list(policy.parameters())
+    trainable = [p for p in parameters if p.requires_grad]
+    reference_element = torch.finfo(precision.reference_weights).bits // 8
+    reference = pinned_shards(parameters, dp, tp, reference_element) if work.live_reference else 0
+    host = {
+        "policy weights (pinned)": pinned_shards(parameters, dp, tp, element),
+        "gradients (pinned)": pinned_shards(trainable, dp, tp, element),
+        **{name: training[name] for name in optimizer},
+        "reference weights (pinned)": reference,
+    }
+    return device, host
+
+
+def pinned_shards(parameters: list, dp: int, tp: int, element: int) -> int:
+    """Bytes of a rank's pinned shards of `parameters`: FSDP pads each tensor's first dimension to a multiple of dp
+    (of the tensor-parallel shard, with tp), and the pinned allocator rounds each to the next power of two."""
+    total = 0
+    for parameter in parameters:
+        rows = parameter.shape[0] if parameter.dim() else 1
+        shard = math.ceil(math.ceil(rows / dp) * (parameter.numel() // max(rows, 1)) * element / tp)
+        total += 1 << (shard - 1).bit_length() if shard else 0
+    return total
 
 
 def count(n: int) -> str:
@@ -284,8 +336,26 @@ def fit_verdict(work: Workload, hardware: Hardware, mesh: tuple[int, int]) -> tu
     problem = current.fit_problem(hardware)
     if problem is None:
         return current, None
-    found = smallest_mesh(work.config, hardware, work.policy, plan)
+    found = smallest_mesh(work.config, hardware, work.policy, plan) + offload_instead(work, hardware, mesh)
     return current, f"this run does not fit {hardware.describe()}: {problem} ({current.header}); {found}"
+
+
+def offload_instead(work: Workload, hardware: Hardware, mesh: tuple[int, int]) -> str:
+    """Where an FSDP run on GPUs does not fit but would with fsdp_cpu_offload=true, on the same GPUs and a host
+    memory that is known: a clause that says so, with its memory; else ""."""
+    config = work.config
+    if config.fsdp_cpu_offload or config.lora.enabled or not TRAINERS[config.trainer].fsdp:
+        return ""
+    if hardware.gpu_bytes is None or hardware.host_bytes is None:
+        return ""
+    candidate = memory_plan(work, config.trainer, mesh, on_gpu=True, offload=True)
+    if candidate.fit_problem(hardware) is not None:
+        return ""
+    node = candidate.host_peak() * hardware.ranks_per_node
+    return (
+        f"; or on these GPUs with fsdp_cpu_offload=true ({candidate.device_peak() / GIB:.1f} GiB a GPU, "
+        f"{node / GIB:.1f} GiB of host memory a node)"
+    )
 
 
 MAX_NODES = 256
