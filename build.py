@@ -184,6 +184,8 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     # After sharding and before any forward pass: FSDP then hands the optimizer the shards each rank owns.
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     optimizer = build_optimizer(config.optimizer, trainable, config.lr, OmegaConf.to_container(config.optimizer_kwargs))
+    if config.fsdp_cpu_offload:
+        print(offload_line(policy, config.optimizer))
     scheduler = build_scheduler(optimizer, config.warmup_steps)
     max_lengths = (config.max_length, config.max_prompt_length)
     batch_loss = BatchLoss(
@@ -194,6 +196,18 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
         config, topology, tokenizer, objective, precision, data, policy, scorer, reference, reference_model,
         optimizer, scheduler, batch_loss, evaluator, flops, peak,
     )  # fmt: skip
+
+
+def offload_line(policy: torch.nn.Module, optimizer: str) -> str:
+    """Where fsdp_cpu_offload put this rank's shards of the policy's parameters (their gradients and the optimizer's
+    state follow them), counted on the placed model."""
+    shards = [parameter.to_local() for parameter in policy.parameters()]
+    host = [shard for shard in shards if shard.device.type == "cpu"]
+    pinned = sum(shard.numel() * shard.element_size() for shard in host if shard.is_pinned())
+    return (
+        f"fsdp_cpu_offload: {len(host)} of {len(shards)} parameter shards in host memory ({pinned / GIB:.2f} GiB "
+        f"pinned), with their gradients and {optimizer} state; the optimizer steps on the host"
+    )
 
 
 def run_precision(config: DictConfig, topology: Topology, cache_dir: Path, autocast: bool) -> Precision:
@@ -275,7 +289,7 @@ def place(
     checkpointing = is_policy and config.activation_checkpointing
     reduce_dtype = parse_dtype(config.model.fsdp_reduce_dtype, "model.fsdp_reduce_dtype")
     kept = weights.real_tensors(model) if initial is not None else {}  # buffers, LoRA adapters: placed, then put back
-    offload = config.fsdp_cpu_offload
+    offload = config.get("fsdp_cpu_offload", False)  # export.py places by a run's config.yaml, older ones lack it
     model = parallelize(model, topology, compute, config.model.block_name, checkpointing, reduce_dtype, offload)
     if initial is not None:
         with topology.main_first():

@@ -81,7 +81,7 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
             mesh, placements = layout
             square = square.to(mesh.device_type)
             for dim, placement in enumerate(placements):
-                if placement.is_shard():
+                if not placement.is_replicate():  # Shard, or 2-D FSDP's _StridedShard (no Shard in torch 2.13)
                     dist.all_reduce(square, group=mesh.get_group(dim))
         squares.append(square)
     total = torch.stack([square.to(squares[0].device) for square in squares]).sum().sqrt()

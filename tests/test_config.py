@@ -410,3 +410,25 @@ def test_what_hydra_cannot_take_is_one_line_naming_it(args, message):
     with pytest.raises(UserError) as error:
         load(["model=tiny", *args])
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_cpu_offload_is_refused_where_it_has_nothing_to_offload(make_config, run_main, tmp_path, pairs_file):
+    import torch
+
+    from conftest import tiny_run_overrides
+
+    for trainer in ("BasicTrainer", "TensorParallelTrainer"):
+        with pytest.raises(UserError, match=f"^fsdp_cpu_offload=true offloads what FSDPTrainer shards to the host; "
+                                            f"{trainer} shards nothing: use trainer=FSDPTrainer$"):  # fmt: skip
+            make_config(f"trainer={trainer}", "fsdp_cpu_offload=true")
+    planned = ("dry_run=true", "trainer=FSDPTrainer", "plan.gpus_per_node=8", "plan.gpu_memory_gib=80")
+    with pytest.raises(UserError, match="^fsdp_cpu_offload=true with lora.enabled=true: LoRA trains small adapters"):
+        make_config(*planned, "fsdp_cpu_offload=true", "lora.enabled=true")
+    assert make_config(*planned, "fsdp_cpu_offload=true").fsdp_cpu_offload  # a plan for GPUs, from any machine
+    if torch.cuda.is_available():
+        return
+    result = run_main(*tiny_run_overrides(tmp_path, pairs_file), "trainer=FSDPTrainer", "fsdp_cpu_offload=true")
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        "error: fsdp_cpu_offload=true with no CUDA GPU here: there is nothing to offload to (CPU ranks keep their "
+        "parameters, gradients and optimizer state in host memory already); set fsdp_cpu_offload=false"
+    ]

@@ -4,6 +4,7 @@ compared with BasicTrainer on the same data; the topology's sharding helpers."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -135,6 +136,30 @@ def test_fsdp_and_tensor_parallel_on_a_2d_mesh_match_basic_trainer_and_reshard_o
         launch(tmp_path / name, pairs_file, trainer, f"resume_from={four / 'step-32'}")
         assert_same_metrics([r for r in expected if r["step"] > 32], read_jsonl(tmp_path / name / "metrics.jsonl"))
         assert_same_weights(basic_dir, tmp_path / name)
+
+
+@pytest.mark.cuda
+def test_cpu_offload_on_a_gpu_equals_fsdp_without_it_and_resumes_from_its_host_state(tmp_path, pairs_file, launch):
+    # FSDPTrainer on one GPU, its parameters, gradients and AdamW state in pinned host memory: gathered onto the GPU
+    # unit by unit, gradients clipped (max_grad_norm=1.5) and AdamW stepping on the host. Every logged number and the
+    # final weights equal the same run without offload; its step-16 checkpoint, written from host-resident DTensors,
+    # resumed offloaded and on the GPU alone, ends where it did.
+    common = ("trainer=FSDPTrainer", "gradient_accumulation_steps=2", "activation_checkpointing=true")
+    launch(tmp_path / "gpu", pairs_file, *common, nproc=1)
+    result = launch(tmp_path / "offloaded", pairs_file, *common, "fsdp_cpu_offload=true", nproc=1)
+    step_16 = tmp_path / "offloaded" / "step-16"
+    for name, offload in (("resumed offloaded", "true"), ("resumed on the GPU", "false")):
+        launch(tmp_path / name, pairs_file, *common, f"fsdp_cpu_offload={offload}", f"resume_from={step_16}", nproc=1)
+    placed = re.search(
+        r"fsdp_cpu_offload: (\d+) of (\d+) parameter shards in host memory \((\S+) GiB pinned\)", result.stdout
+    )
+    assert placed[1] == placed[2] and float(placed[3]) > 0, result.stdout[-2000:]
+    expected = read_jsonl(tmp_path / "gpu" / "metrics.jsonl")
+    assert_same_metrics(expected, read_jsonl(tmp_path / "offloaded" / "metrics.jsonl"))
+    assert_same_weights(tmp_path / "gpu", tmp_path / "offloaded")
+    for name in ("resumed offloaded", "resumed on the GPU"):
+        assert_same_metrics([r for r in expected if r["step"] > 16], read_jsonl(tmp_path / name / "metrics.jsonl"))
+        assert_same_weights(tmp_path / "gpu", tmp_path / name)
 
 
 def test_a_2d_mesh_resumes_a_basic_trainer_checkpoint(basic_run, tmp_path, launch):

@@ -265,3 +265,90 @@ def test_a_run_that_cannot_fit_this_machine_stops_before_reading_a_weight(tmp_pa
     error = result.stderr.strip().splitlines()
     assert len(error) == 1 and error[0].startswith("error: this run does not fit 1 machine x 1 CPU process"), error
     assert "the smallest mesh that fits: " in error[0] or "fits it" in error[0]
+
+
+def plan_parts(stdout: str) -> dict[str, float]:
+    """The dry run's memory parts, name -> GiB as printed (3 decimals)."""
+    found = re.findall(r"^    (\S.*?)\s+(\d+\.\d{3}) GiB$", stdout, flags=re.MULTILINE)
+    return {name: float(value) for name, value in found}
+
+
+def test_a_70b_run_fits_one_node_with_cpu_offload_and_names_16_gpus_without(tmp_path, run_main):
+    # Llama-3.1-70B (its config.json): hidden h, 80 layers, an MLP of 28672, 8 KV heads of 128, 128256 tokens, an
+    # untied head. Float32 weights, bfloat16 compute, AdamW (fused: no step intermediates), 8 ranks a node (dp 8).
+    h, layers, mlp, kv, vocab = 8192, 80, 28672, 8 * 128, 128256
+    block = 2 * h * h + 2 * h * kv + 3 * h * mlp + 2 * h  # q, o; k, v; gate, up, down; two norms
+    n = layers * block + 2 * vocab * h + h  # + embeddings, head, final norm
+    assert n == 70_553_706_496
+    # FSDP pins each weight's and gradient's float32 shard (a 1/8 of its rows), rounded up to a power of two bytes:
+    # q, o: 2^25 (exact); k, v: 2^22; gate, up, down 117440512 -> 2^27; a norm 2^12; embeddings, head 525336576 -> 2^29
+    pinned = layers * (2 * 2**25 + 2 * 2**22 + 3 * 2**27 + 2 * 2**12) + 2 * 2**29 + 2**12
+    adamw = 2 * n * 4 / 8  # two float32 states a weight, an 8th a rank
+
+    offloaded = planned_dry_run(run_main, "llama-3.1-70b", 1, f"local_dirs=[{tmp_path}]", "fsdp_cpu_offload=true")
+    assert offloaded.returncode == 0, offloaded.stderr[-2000:]
+    parts = plan_parts(offloaded.stdout)
+    positions = int(re.search(r"activations \((\d+) token positions\)", offloaded.stdout)[1])
+    # activation checkpointing: each layer's bfloat16 input kept, one layer's 34 h bytes a token recomputed
+    activations = positions * (2 * h * 2 * layers + 34 * h)
+    device = {
+        "gathered block (FSDP)": 2 * block * 2,  # this block and the next, gathered in bfloat16
+        f"activations ({positions} token positions)": activations,
+        "two blocks' shards, host <-> device": 2 * block * 4 / 8,
+    }
+    host = {"policy weights (pinned)": pinned, "gradients (pinned)": pinned, "AdamW state": adamw}
+    for name, value in {**device, **host}.items():
+        assert parts[name] == round(value / GIB, 3), name
+    assert "policy weights" not in parts and "gradients" not in parts  # none of the sharded state is on the GPUs
+    # the host's moments besides: saving, a checkpoint file of at most 512 MiB (on the host already: no staging copy)
+    # and the export's largest whole weight, the head's; reading, an 8th of it
+    save = 2**29 + vocab * h * 4
+    assert parts["a checkpoint file, serialised"] == 0.5 and parts["the export: one whole weight at a time"] == 3.914
+    assert parts["a weight's shard, read at a time"] == round(vocab * h * 4 / 8 / GIB, 3)
+    node = 8 * (sum(host.values()) + save)
+    fits = f"fits: {sum(device.values()) / GIB:.1f} GiB a GPU and {node / GIB:.1f} GiB of host memory a node"
+    assert fits in offloaded.stdout and round(node / GIB) == 1147  # of the node's 2048
+
+    # Without offload the GPUs hold it all (142.1 GiB each): the smallest mesh is 2 nodes, as before, or offload
+    plain = planned_dry_run(run_main, "llama-3.1-70b", 1, f"local_dirs=[{tmp_path}]")
+    assert plain.returncode == 2
+    line = plain.stderr.strip()
+    on_gpu = 4 * n * 4 / 8 + 2 * block * 2 + activations  # weights, gradients, AdamW's two states; block; activations
+    assert line.startswith(f"error: this run does not fit 1 node x 8 GPUs of 80 GiB, 2048 GiB of host memory a node: "
+                           f"a GPU needs {on_gpu / GIB:.1f} GiB of its 80 GiB")  # fmt: skip
+    assert "the smallest mesh that fits: 2 nodes x 8 GPUs of 80 GiB, trainer=FSDPTrainer tensor_parallel_size=1" in line
+    assert line.endswith(
+        f"; or on these GPUs with fsdp_cpu_offload=true ({sum(device.values()) / GIB:.1f} GiB a GPU, "
+        f"{node / GIB:.1f} GiB of host memory a node)"
+    )
+
+    # Offloaded onto a host too small for it: the node's ranks need more than it has; 2 nodes halve each rank's share
+    short = planned_dry_run(
+        run_main, "llama-3.1-70b", 1, f"local_dirs=[{tmp_path}]", "fsdp_cpu_offload=true", "plan.host_memory_gib=1024"
+    )
+    assert short.returncode == 2
+    assert f"a node's 8 ranks need {node / GIB:.1f} GiB of its 1024 GiB of host memory" in short.stderr
+    assert "the smallest mesh that fits: 2 nodes x 8 GPUs of 80 GiB" in short.stderr
+
+
+def test_offload_moves_the_sharded_state_to_the_host_and_keeps_the_rest_on_the_device(make_config, tiny_tokenizer):
+    # The tiny model on dp 2 with a live reference: the plan offloaded against the same plan on the GPUs.
+    config = make_config("trainer=FSDPTrainer", "nproc=2", "reference_cache=false")
+    precision = precision_of(config)
+    policy = build.meta_policy(config, precision, Path(config.local_dirs[0]))
+    examples = eight_examples(tiny_tokenizer, "q", "a", "b")
+    work = report.Workload(config, policy, examples, [list(range(8))], precision, True)
+    on_gpus = report.memory_plan(work, "FSDPTrainer", (2, 1), on_gpu=True)
+    offloaded = report.memory_plan(work, "FSDPTrainer", (2, 1), on_gpu=True, offload=True)
+    moved = ("policy weights", "gradients", "AdamW state", "optimizer step intermediates", "reference weights")
+    assert not on_gpus.host_training and "CPU offload" in offloaded.header
+    assert {k: v for k, v in on_gpus.training.items() if k not in moved} == {
+        k: v for k, v in offloaded.training.items() if k != "two blocks' shards, host <-> device"
+    }
+    # pinned shards take at least their bytes, and less than twice as many (a power of two above each)
+    for name in ("policy weights", "gradients", "reference weights"):
+        assert on_gpus.training[name] <= offloaded.host_training[f"{name} (pinned)"] < 2 * on_gpus.training[name]
+    assert offloaded.host_training["AdamW state"] == on_gpus.training["AdamW state"]
+    assert offloaded.host_peak() == sum(offloaded.host_training.values()) + max(
+        sum(offloaded.load.values()), sum(offloaded.save.values())
+    )
