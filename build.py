@@ -156,7 +156,9 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     if routers is not None:
         print(f"router loss: {routers.describe()} (aux_loss)")
     if config.resume_from is not None:  # fail now rather than after tokenizing and the reference pass
-        topology.run_on_main(lambda: checkpoint.preflight(Path(config.resume_from), policy, config.batch_size))
+        resume = Path(config.resume_from)
+        offload = config.fsdp_cpu_offload
+        topology.run_on_main(lambda: checkpoint.preflight(resume, policy, config.batch_size, offload))
     data = rank_data(config, topology, tokenizer, objective, cache_dir, pairs)
     print(f"{len(data.schedule)} steps of {config.batch_size} examples")
     check_fit(config, topology, policy, data, precision, live_reference_model(config, objective.needs_reference))
@@ -375,7 +377,7 @@ def dry_run(config: DictConfig, world_size: int) -> None:
     policy = meta_policy(config, precision, cache_dir, objective.reward_model)
     resume = checkpoint.newest(Path(config.local_run_dir)) if config.resume_from == "auto" else config.resume_from
     if resume is not None:  # the checks a run makes before anything else
-        checkpoint.preflight(Path(resume), policy, config.batch_size)
+        checkpoint.preflight(Path(resume), policy, config.batch_size, config.fsdp_cpu_offload)
         print(f"resume: {resume} fits this run")
     hardware = planned or Hardware.here(world_size)
     mesh = mesh_shape(config.trainer, world_size, config.tensor_parallel_size)

@@ -316,12 +316,19 @@ def load_small(checkpoint_dir: Path, parts: dict, topology: Topology, setting: s
         load_state(parts[name], state["state"], setting, checkpoint_dir / f"{name}.pt")
 
 
-def preflight(checkpoint_dir: Path, policy, batch_size: int) -> None:
+def preflight(checkpoint_dir: Path, policy, batch_size: int, offload: bool = False) -> None:
     """The checks of the files and the weights' names and shapes, made before the run spends time on anything else,
     from the files' headers (tensors are not read). policy: the model before placement (names and whole shapes are the
-    same after it)."""
+    same after it). offload: the run keeps FSDP's shards on the host (fsdp_cpu_offload), where the reference format's
+    broadcast from rank 0 (over NCCL, which reaches GPU tensors only) cannot put them."""
     if is_legacy(checkpoint_dir):
         setting = f"resume_from={checkpoint_dir}"
+        if offload:
+            raise UserError(
+                f"{setting} is in the DPO reference's format (whole policy.pt and optimizer.pt), broadcast from rank 0 "
+                "over the GPUs, which fsdp_cpu_offload=true's host shards cannot take: resume it once without "
+                "fsdp_cpu_offload, and go on with it from the sharded checkpoints that run writes"
+            )
         check_fit(checkpoint_dir, read_states(checkpoint_dir, setting, mmap=True), policy, batch_size, setting)
     else:
         check_sharded(checkpoint_dir, policy, None, batch_size)

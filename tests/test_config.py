@@ -5,6 +5,7 @@ import dataclasses
 import re
 import types
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -425,6 +426,14 @@ def test_cpu_offload_is_refused_where_it_has_nothing_to_offload(make_config, run
     with pytest.raises(UserError, match="^fsdp_cpu_offload=true with lora.enabled=true: LoRA trains small adapters"):
         make_config(*planned, "fsdp_cpu_offload=true", "lora.enabled=true")
     assert make_config(*planned, "fsdp_cpu_offload=true").fsdp_cpu_offload  # a plan for GPUs, from any machine
+    # the DPO reference's checkpoints are broadcast whole from rank 0 over the GPUs, where offloaded shards are not
+    legacy = Path(__file__).parent / "assets" / "checkpoint-419e2f5" / "step-16"
+    overrides = (*tiny_run_overrides(tmp_path, pairs_file), *planned, f"resume_from={legacy}")
+    result = run_main(*overrides, "fsdp_cpu_offload=true")
+    assert result.returncode == 2 and result.stderr.splitlines()[-1].startswith(
+        f"error: resume_from={legacy} is in the DPO reference's format (whole policy.pt and optimizer.pt), broadcast"
+    )
+    assert run_main(*overrides).returncode == 0  # without offload the plan takes it
     if torch.cuda.is_available():
         return
     result = run_main(*tiny_run_overrides(tmp_path, pairs_file), "trainer=FSDPTrainer", "fsdp_cpu_offload=true")
