@@ -277,7 +277,7 @@ class Config:
                 f"{self.trainer} does not shard them: leave it at float32, or use trainer=FSDPTrainer"
             )
         if self.fsdp_cpu_offload:
-            self.check_offload()
+            check_offload(self.trainer, self.plan.active, self.lora.enabled)
         if self.packed_attention == "block" and not torch.cuda.is_available():
             raise UserError(
                 "packed_attention=block needs a CUDA GPU: FlexAttention has no backward pass on CPU (torch 2.13), and "
@@ -311,26 +311,6 @@ class Config:
             raise UserError(
                 f"{self.trainer} runs on one process, but plan.* has {self.plan.world_size} GPUs; use "
                 "trainer=FSDPTrainer"
-            )
-
-    def check_offload(self) -> None:
-        """fsdp_cpu_offload=true moves what FSDP shards (parameters, gradients, optimizer state) from the GPUs to the
-        host: it takes FSDPTrainer, GPUs (or a dry run that plans for them) and a full fine-tune."""
-        if not TRAINERS[self.trainer].fsdp:
-            raise UserError(
-                f"fsdp_cpu_offload=true offloads what FSDPTrainer shards to the host; {self.trainer} shards nothing: "
-                "use trainer=FSDPTrainer"
-            )
-        if not torch.cuda.is_available() and not self.plan.active:
-            raise UserError(
-                "fsdp_cpu_offload=true with no CUDA GPU here: there is nothing to offload to (CPU ranks keep "
-                "their parameters, gradients and optimizer state in host memory already); set fsdp_cpu_offload=false"
-            )
-        if self.lora.enabled:
-            raise UserError(
-                "fsdp_cpu_offload=true with lora.enabled=true: LoRA trains small adapters beside a frozen base that "
-                "FSDP shards over the GPUs already; offload is for a full fine-tune's weights, gradients and "
-                "optimizer state: set fsdp_cpu_offload=false"
             )
 
     def check_rounds(self) -> None:
@@ -394,6 +374,27 @@ def check_loss(loss, sample_during_eval: bool) -> None:
         raise UserError(
             "sample_during_eval=true samples from the policy, but loss=reward trains a reward model, which scores "
             "text and generates none: set sample_during_eval=false"
+        )
+
+
+def check_offload(trainer: str, planned: bool, lora: bool) -> None:
+    """fsdp_cpu_offload=true moves what FSDP shards (parameters, gradients, optimizer state) from the GPUs to the
+    host: it takes FSDPTrainer, GPUs (or a dry run that plans for them: planned) and a full fine-tune."""
+    if not TRAINERS[trainer].fsdp:
+        raise UserError(
+            f"fsdp_cpu_offload=true offloads what FSDPTrainer shards to the host; {trainer} shards nothing: "
+            "use trainer=FSDPTrainer"
+        )
+    if not torch.cuda.is_available() and not planned:
+        raise UserError(
+            "fsdp_cpu_offload=true with no CUDA GPU here: there is nothing to offload to (CPU ranks keep "
+            "their parameters, gradients and optimizer state in host memory already); set fsdp_cpu_offload=false"
+        )
+    if lora:
+        raise UserError(
+            "fsdp_cpu_offload=true with lora.enabled=true: LoRA trains small adapters beside a frozen base that "
+            "FSDP shards over the GPUs already; offload is for a full fine-tune's weights, gradients and "
+            "optimizer state: set fsdp_cpu_offload=false"
         )
 
 
