@@ -61,7 +61,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torc
 
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     """Scale gradients down to a total L2 norm of at most max_norm; return the norm before clipping, a float32
-    scalar on the run's device (computed without waiting for the device, as torch's clipping does).
+    scalar on the run's device (computed without waiting for the device, as torch's clipping does, unless the
+    gradients are offloaded: the host then waits for the norm to scale them).
 
     Gradients may be plain tensors, FSDP's sharded DTensors, or tensor parallelism's mix of both (on a 2-D mesh
     as well), which torch.nn.utils.clip_grad_norm_ refuses: each group of gradients with one layout gets one norm,
