@@ -361,9 +361,10 @@ def prepare_model(
 ) -> tuple[torch.nn.Module, InitialWeights | None]:
     """The model on the meta device, holding no memory, and where its weights will come from once it is placed
     (InitialWeights); where the files cannot be read shard by shard (no safetensors; tensors named otherwise than the
-    model's, which from_pretrained converts while loading) one line says so, and every process will load the whole
-    model. A 4-bit base (QLoRA's `quantization`, CUDA, one process) is loaded whole now, with None. reward: a reward
-    model (weights.model_class), its head initialised from `seed` unless the files hold one."""
+    model's and than transformers' renaming rules name them, or merged or split while loading) one line says so, and
+    every process will load the whole model. A 4-bit base (QLoRA's `quantization`, CUDA, one process) is loaded whole
+    now, with None. reward: a reward model (weights.model_class), its head initialised from `seed` unless the files
+    hold one."""
     if quantization is not None and (model_config.random_init or model_config.archive is not None):
         raise UserError(
             "lora.quantize loads pretrained weights in 4 bits: model.random_init and model.archive cannot be quantized"

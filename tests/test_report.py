@@ -242,6 +242,15 @@ def test_the_planned_activations_are_a_lower_bound_of_what_a_forward_keeps(make_
         vision = planned["vision tower and projector activations"]
         assert kept["projector"] > 0 and (kept["tower"] > 0) == (not config.model.freeze_vision)
         assert 0.5 * (kept["tower"] + kept["projector"]) <= vision <= kept["tower"] + kept["projector"]
+    # padded rows hold a pair's prompt, and encode its images, once for each response
+    planned = []
+    for layout in ("packed", "padded"):
+        config = OmegaConf.merge(trained, {"layout": layout})
+        policy = build.meta_policy(config, parts.precision, Path(config.local_dirs[0]))
+        work = report.Workload(config, policy, parts.data.train_examples, parts.data.schedule, parts.precision, False)
+        planned.append(report.memory_plan(work, config.trainer, (1, 1), on_gpu=False).training)
+    packed, padded = (terms["vision tower and projector activations"] for terms in planned)
+    assert packed > 0 and padded == 2 * packed
 
 
 GIB = 2**30
