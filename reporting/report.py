@@ -294,9 +294,8 @@ def vision_activations(work: Workload, micro: int, compute_bytes: int) -> float:
     add. Not counted (a lower bound): the pixels the patch embedding keeps, a class token per image, normalisation and
     softmax statistics, a gated MLP's third input, an activation function's input inside the projector. A padded
     layout's rows repeat a prompt's images for each response, and so encode them once per response (docs/vision.md).
-    Measured against the tensors a forward keeps (tests/test_report.py), on tiny models in float32 on the CPU: 0.55 to
-    0.85 of them, trained or frozen, across the families of docs/vision.md (0.6 to 1.0 where the projector is
-    all)."""
+    Against what a forward keeps, on tiny models in float32 on the CPU: 0.55 (trained) and 0.60 (frozen) for LLaVA
+    (tests/test_report.py), 0.43 to 0.84 across the families of docs/vision.md."""
     policy, config, train = work.policy, work.config, work.train
     tower, projector = vision_tower(policy), vision_projector(policy)
     image_token = model_image_token(policy.config)
