@@ -1,6 +1,6 @@
 """The data report and memory estimate (report.py) and the dry run (build.dry_run): lengths and truncation counted
-by hand, the decoded example, and a dry run that loads no weights, writes no run and estimates memory from the
-model's shapes."""
+by hand, the decoded example, a dry run that loads no weights, writes no run and estimates memory from the model's
+shapes, and the estimate's activations against what a training forward keeps (a text model, a VLM's images)."""
 
 import re
 import subprocess
