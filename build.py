@@ -396,11 +396,13 @@ def dry_run(config: DictConfig, world_size: int) -> None:
 
 
 def meta_policy(config: DictConfig, precision: Precision, cache_dir: Path, reward: bool = False) -> torch.nn.Module:
-    """The policy (or reward model) as the run builds it (with its LoRA adapters), on the meta device: shapes, no
-    weights."""
+    """The policy (or reward model) as the run builds it (its vision tower frozen or not, its LoRA adapters), on the
+    meta device: shapes, no weights."""
     model_config = transformers_config(config.model, cache_dir, reward)
     with torch.device("meta"):
         model = weights.model_class(reward, model_config).from_config(model_config, dtype=precision.policy_weights)
+        if config.model.freeze_vision and vision_tower(model) is not None:  # as build() freezes it
+            freeze_vision_tower(model)
         if not config.lora.enabled:
             return model
         model = apply_lora(model, config.lora, config.seed)

@@ -102,6 +102,18 @@ class Examples:
     def with_images(self) -> bool:
         return bool(self.image_lengths.any())
 
+    def prompt_counts(self, token_id: int) -> np.ndarray:
+        """[n] how often token_id occurs in each example's kept prompt (a vision-language prompt's image tokens),
+        from the positions where it occurs: no copy of the ids beyond a boolean per id."""
+        counts = np.zeros(len(self), np.int64)
+        for index, tokens in enumerate(self.token_parts):
+            mine = np.flatnonzero(self.part == index)
+            hits = np.flatnonzero(tokens == token_id)
+            starts = self.offsets[mine]
+            ends = starts + self.lengths[mine, 0]
+            counts[mine] = np.searchsorted(hits, ends) - np.searchsorted(hits, starts)
+        return counts
+
     @property
     def n_tokens(self) -> int:
         """Token ids kept, over every example."""

@@ -195,6 +195,7 @@ class InitialWeights:
     seed: int
     sharded: bool  # False: from_pretrained, whole, on every process (the fallback)
     reward: bool = False  # a reward model (weights.model_class)
+    conversions: tuple = ()  # transformers' renaming rules for the model's class (loading_conversions)
 
     @property
     def archive(self) -> Path | None:
@@ -215,7 +216,7 @@ class InitialWeights:
         """Fill the placed, materialized model (weights.materialize) from `directory` (fetch()); `kept`: the tensors
         that held values before placement (buffers, LoRA adapters), which keep them unless the files have them."""
         if directory is not None:
-            names, problems = stored_names(model, weights.stored_shapes(directory), kept)
+            names, problems = stored_names(model, weights.stored_shapes(directory), kept, self.conversions)
             if problems:
                 raise UserError(f"{directory} does not fit {weights.class_name(model)} ({problems[0]})")
             own = weights.tensors(model)
@@ -256,19 +257,26 @@ def read_archive(model: torch.nn.Module, archive: Path, kept: set[str]) -> None:
 
 
 def stored_names(
-    model: torch.nn.Module, shapes: dict[str, torch.Size | None], kept: set[str], whole_state: bool = False
+    model: torch.nn.Module,
+    shapes: dict[str, torch.Size | None],
+    kept: set[str],
+    conversions: tuple = (),
+    whole_state: bool = False,
 ) -> tuple[dict[str, str], list[str]]:
     """(persistent model tensor name -> its name in the files, what does not fit). A tensor is found under its own
     name, its name in the base model of a LoRA policy, or that without the base model's prefix (GPT-2's Hub files say
-    h.0.attn, not transformer.h.0.attn). A parameter found nowhere does not fit, unless it is `kept` (it holds values:
-    LoRA's adapters); a buffer found nowhere keeps its computed value, as in from_pretrained. A tied weight is found
-    under either of its names. whole_state: the files are a whole state dict (model.archive), buffers included."""
+    h.0.attn, not transformer.h.0.attn), in the files as they are or as transformers renames them while loading
+    (`conversions`: loading_conversions; a name it renames into the model's wins, as in from_pretrained). A parameter
+    found nowhere does not fit, unless it is `kept` (it holds values: LoRA's adapters); a buffer found nowhere keeps
+    its computed value, as in from_pretrained. A tied weight is found under either of its names. whole_state: the
+    files are a whole state dict (model.archive), buffers included."""
     prefix = f"{getattr(model, 'base_model_prefix', '')}."
     own, parameters = weights.tensors(model), dict(model.named_parameters())
+    stored = {**{name: name for name in shapes}, **renamed_by_transformers(shapes, conversions)}
     names, problems = {}, []
     for name, tensor in model.state_dict(keep_vars=True).items():
         base = base_model_name(name)
-        found = next((n for n in (base, base.removeprefix(prefix)) if n in shapes), None)
+        found = next((stored[n] for n in (base, base.removeprefix(prefix)) if n in stored), None)
         if found is None:
             if name in own and name not in kept and (whole_state or name in parameters):
                 problems.append(f"{base} is missing")
@@ -277,6 +285,35 @@ def stored_names(
         else:
             names[name] = found
     return names, problems
+
+
+def loading_conversions(model: torch.nn.Module) -> tuple:
+    """transformers' own rules for the names a checkpoint of the model's class may hold, as from_pretrained applies
+    them (`conversion_mapping.get_model_conversion_mapping`: those of the class and of each sub-model, and the legacy
+    ones): e.g. a llava-hf checkpoint's language_model.model.layers.0..., vision_tower.vision_model... and
+    language_model.lm_head, which transformers 5's LlavaForConditionalGeneration names model.language_model.layers.0...,
+    model.vision_tower... and lm_head (and which its save_pretrained writes back). Read from the model as built, before
+    placement: FSDP2 renames a placed module's class, which the rules are looked up by."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    return tuple(get_model_conversion_mapping(model))
+
+
+def renamed_by_transformers(names, conversions: tuple) -> dict[str, str]:
+    """{the name from_pretrained gives a tensor of the files: its name there}, for each name that `conversions`
+    rename (transformers' rename_source_key: every renaming in turn, then at most one converter). A tensor that a
+    converter takes (merged with others or split, as fused experts) is left out: it is no one tensor of the model,
+    to be read in slices, and the model's tensor it makes stays missing (from_pretrained then loads the files)."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    renamings = [rule for rule in conversions if isinstance(rule, WeightRenaming)]
+    converters = [rule for rule in conversions if isinstance(rule, WeightConverter)]
+    renamed = {}
+    for name in names:
+        target, converter = rename_source_key(name, renamings, converters)
+        if converter is None and target != name:
+            renamed[target] = name
+    return renamed
 
 
 def transformers_config(
@@ -324,9 +361,10 @@ def prepare_model(
 ) -> tuple[torch.nn.Module, InitialWeights | None]:
     """The model on the meta device, holding no memory, and where its weights will come from once it is placed
     (InitialWeights); where the files cannot be read shard by shard (no safetensors; tensors named otherwise than the
-    model's, which from_pretrained converts while loading) one line says so, and every process will load the whole
-    model. A 4-bit base (QLoRA's `quantization`, CUDA, one process) is loaded whole now, with None. reward: a reward
-    model (weights.model_class), its head initialised from `seed` unless the files hold one."""
+    model's and than transformers' renaming rules name them, or merged or split while loading) one line says so, and
+    every process will load the whole model. A 4-bit base (QLoRA's `quantization`, CUDA, one process) is loaded whole
+    now, with None. reward: a reward model (weights.model_class), its head initialised from `seed` unless the files
+    hold one."""
     if quantization is not None and (model_config.random_init or model_config.archive is not None):
         raise UserError(
             "lora.quantize loads pretrained weights in 4 bits: model.random_init and model.archive cannot be quantized"
@@ -341,21 +379,21 @@ def prepare_model(
     archive = model_config.archive
     if archive is not None and not Path(archive).exists():
         raise UserError(f"model.archive: {archive} does not exist")
-    sharded = True
+    sharded, conversions = True, loading_conversions(model)
     if not model_config.random_init:  # a random initialisation holds the model's own tensors
         directory = weights_dir(model_config.name_or_path, cache_dir, download=False)
         if (directory / "generation_config.json").exists():  # as from_pretrained: eos and pad tokens for sampling
             model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
         shapes = listed_shapes(directory)
         kept = set(weights.real_tensors(model))  # the tensors the files need not hold (a new reward head)
-        problems = ["no safetensors files"] if shapes is None else stored_names(model, shapes, kept)[1]
+        problems = ["no safetensors files"] if shapes is None else stored_names(model, shapes, kept, conversions)[1]
         if problems:
             print(
                 f"{model_config.name_or_path}: {problems[0]} (its files, for {weights.class_name(model)}): every "
                 "process loads the whole model with from_pretrained, which converts them, and keeps its shards"
             )
             sharded = False
-    return model, InitialWeights(model_config, dtype, cache_dir, seed, sharded, reward)
+    return model, InitialWeights(model_config, dtype, cache_dir, seed, sharded, reward, conversions)
 
 
 def listed_shapes(directory: Path) -> dict[str, torch.Size | None] | None:

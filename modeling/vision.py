@@ -121,11 +121,9 @@ class Vision:
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         accepted = inspect.signature(inner.forward).parameters
         names = tuple(name for name in ("token_type_ids", "mm_token_type_ids") if name in accepted)
-        config = inner.config  # the id the model replaces with image features (a processor may name another)
-        image_token_id = next(
-            (getattr(config, key) for key in ("image_token_id", "image_token_index") if hasattr(config, key)),
-            self.image_token_id,
-        )
+        # the id the model replaces with image features (a processor may name another)
+        image_token_id = model_image_token(inner.config)
+        image_token_id = self.image_token_id if image_token_id is None else image_token_id
         # token_type_ids is how Gemma 3 (and 3n) learn which tokens are an image's, to let them see each other
         bidirectional = "token_type_ids" in names
         rope_index = getattr(getattr(inner, "model", None), "get_rope_index", None)
@@ -180,7 +178,16 @@ class Vision:
         return {name: value for name, value in outputs.items() if isinstance(value, torch.Tensor)}
 
 
+def model_image_token(config) -> int | None:
+    """The id a vision-language model's config gives its image tokens (image_token_id, or image_token_index), or
+    None."""
+    return next((getattr(config, key) for key in ("image_token_id", "image_token_index") if hasattr(config, key)), None)
+
+
 VISION_TOWERS = ("vision_tower", "visual", "vision_model")  # what transformers' VLMs call their image encoder
+# what they call the module that maps its features to the language model's embeddings: LLaVA's and Gemma 3's,
+# Idefics3's, and Qwen-VL's, inside its tower
+VISION_PROJECTORS = ("multi_modal_projector", "connector", "merger")
 
 
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -189,6 +196,14 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's wrapper
     inner = getattr(base, "model", base)
     return next((getattr(inner, name) for name in VISION_TOWERS if hasattr(inner, name)), None)
+
+
+def vision_projector(model: torch.nn.Module) -> torch.nn.Module | None:
+    """A vision-language model's projector (VISION_PROJECTORS: beside its image encoder, or, Qwen-VL's merger, inside
+    it), or None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    owners = (getattr(base, "model", base), vision_tower(model))
+    return next((getattr(owner, name) for owner in owners for name in VISION_PROJECTORS if hasattr(owner, name)), None)
 
 
 def freeze_vision_tower(model: torch.nn.Module) -> int:

@@ -15,8 +15,9 @@ from core.examples import Examples
 from core.layouts import batch_shape
 from core.optim import build_optimizer
 from modeling.distributed import TRAINERS
-from modeling.placement import language_blocks, tensor_parallel_plan
+from modeling.placement import find_blocks, language_blocks, tensor_parallel_plan
 from modeling.precision import Precision
+from modeling.vision import model_image_token, vision_projector, vision_tower
 from modeling.weights import rank_file_bytes
 from utils import UserError
 
@@ -320,9 +321,90 @@ def device_memory(work: Workload, trainer: str, mesh: tuple[int, int], on_gpu: b
         # autocast keeps a compute-dtype copy of each weight it casts, for the whole forward and backward pass
         "autocast weight copies": n_parameters * compute_bytes / tp if autocast_copies else 0,
         f"activations ({rows} token positions)": activations,
+        "vision tower and projector activations": vision_activations(work, micro, compute_bytes),
         "attention mask (packed, dense)": mask if dense_masks else 0,
         "full logits": logits,
     }
+
+
+def vision_activations(work: Workload, micro: int, compute_bytes: int) -> float:
+    """Bytes that a vision-language model's image encoder (tower) and projector keep for the backward pass, for the
+    micro-batch (of `micro` examples) whose prompts hold the most image tokens; 0 for a text model or text data. The
+    language model's activations count the image tokens among the prompts' token positions already.
+
+    What is kept depends on what trains. A frozen tower (model.freeze_vision, the default: no parameter of it needs a
+    gradient, nor do the pixels) keeps nothing: autograd records no graph where no input needs a gradient (measured:
+    not one tensor saved). Its forward's working memory (a layer's activations; every layer's hidden states where the
+    model reads an intermediate one) is freed before the language model runs, so it is not part of the training peak.
+    A trained tower keeps, at each position it encodes (the patches of each image or tile:
+    positions_per_image_token of them behind each image token) and in each layer up to the one whose output the model
+    reads (tower_layers_kept), the inputs of its norms, attention and MLP as Korthikanti et al. 2022 count them
+    without dropout masks: 8 x hidden + 2 x the MLP's width values (16 x hidden at a 4 x hidden MLP, their 34 bytes
+    at 16 bits less 2 of masks), in the compute dtype; with activation checkpointing of its layers, each layer's input
+    and one layer's activations. The projector, trained in both cases (Qwen-VL's merger is the tower's and is frozen
+    with it), keeps the input of each of its linear layers at each image token: with a frozen tower, all that images
+    add. Not counted (a lower bound): the pixels the patch embedding keeps, a class token per image, normalisation and
+    softmax statistics, a gated MLP's third input, an activation function's input inside the projector. A padded
+    layout's rows repeat a prompt's images for each response, and so encode them once per response (docs/vision.md).
+    Against what a forward keeps, on tiny models in float32 on the CPU: 0.55 (trained) and 0.60 (frozen) for LLaVA
+    (tests/test_report.py), 0.43 to 0.84 across the families of docs/vision.md."""
+    policy, config, train = work.policy, work.config, work.train
+    tower, projector = vision_tower(policy), vision_projector(policy)
+    image_token = model_image_token(policy.config)
+    if tower is None or image_token is None or not train.with_images:
+        return 0.0
+    counts = train.prompt_counts(image_token)
+    if config.layout == "padded":
+        counts = counts * (train.lengths.shape[1] - 1)
+    image_tokens = max(
+        int(counts[indices[start : start + micro]].sum())
+        for indices in work.schedule
+        for start in range(0, len(indices), micro)
+    )
+    vision = policy.config.vision_config
+    trained = any(p.requires_grad for p in tower.parameters())
+    kept = 0.0
+    if trained:
+        width = getattr(vision, "embed_dim", None) or vision.hidden_size  # Qwen2-VL's hidden_size is its merger's
+        mlp = getattr(vision, "intermediate_size", None) or width * getattr(vision, "mlp_ratio", 4)
+        per_layer = (8 * width + 2 * mlp) * compute_bytes
+        layers = tower_layers_kept(policy.config)
+        positions = image_tokens * positions_per_image_token(policy.config)
+        inside = {id(module) for module in tower.modules()}
+        blocks = find_blocks(policy, config.model.block_name)
+        checkpointed = config.activation_checkpointing and any(id(block) in inside for block in blocks)
+        kept += positions * (width * compute_bytes * layers + per_layer if checkpointed else per_layer * layers)
+    if projector is not None and (trained or any(p.requires_grad for p in projector.parameters())):
+        inputs = sum(m.in_features for m in projector.modules() if isinstance(m, torch.nn.Linear))
+        kept += image_tokens * inputs * compute_bytes
+    return kept
+
+
+def tower_layers_kept(config) -> int:
+    """The vision tower's layers whose activations a trained tower keeps: those up to the layer whose output the
+    model reads (`vision_feature_layer`, an index into the embeddings' output and each layer's, as LLaVA's -2 reads
+    the next-to-last layer's: the last layer's activations go with its unread output), else every layer."""
+    vision = config.vision_config
+    layers = getattr(vision, "num_hidden_layers", None) or vision.depth
+    read = getattr(config, "vision_feature_layer", None)
+    if read is None:
+        return layers
+    return max(index % (layers + 1) for index in (read if isinstance(read, (list, tuple)) else [read]))
+
+
+def positions_per_image_token(config) -> int:
+    """The tower's positions (patches) behind each image token of a prompt, by how the model joins them: Qwen-VL
+    merges spatial_merge_size^2 patches into a token, Idefics3 (SmolVLM) shuffles scale_factor^2 of them into one,
+    Gemma 3 pools an image's patches into mm_tokens_per_image tokens; LLaVA's families read one patch per token (an
+    image split into tiles has each tile's patches among its tokens)."""
+    vision = config.vision_config
+    if getattr(vision, "spatial_merge_size", None):
+        return vision.spatial_merge_size**2
+    if getattr(config, "scale_factor", None):
+        return config.scale_factor**2
+    if getattr(config, "mm_tokens_per_image", None):
+        return max(1, (vision.image_size // vision.patch_size) ** 2 // config.mm_tokens_per_image)
+    return 1
 
 
 def fit_verdict(work: Workload, hardware: Hardware, mesh: tuple[int, int]) -> tuple[MemoryPlan, str | None]:

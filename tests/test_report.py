@@ -1,9 +1,10 @@
 """The data report and memory estimate (report.py) and the dry run (build.dry_run): lengths and truncation counted
-by hand, the decoded example, and a dry run that loads no weights, writes no run and estimates memory from the
-model's shapes."""
+by hand, the decoded example, a dry run that loads no weights, writes no run and estimates memory from the model's
+shapes, and the estimate's activations against what a training forward keeps (a text model, a VLM's images)."""
 
 import re
 import subprocess
+import weakref
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,12 @@ import transformers
 from omegaconf import OmegaConf
 
 import build
+import config as configuration
 import train
-from conftest import TINY_DIR, tiny_run_overrides
+from conftest import TINY_DIR, colour_rows, tiny_run_overrides, vlm_overrides, write_jsonl
 from modeling.distributed import Topology
 from modeling.precision import decide_precision
+from modeling.vision import freeze_vision_tower, vision_projector, vision_tower
 from persistence.tokenized import Tokenization, tokenize_pairs
 from preference_datasets import PreferencePair
 from reporting import report
@@ -168,6 +171,86 @@ def test_memory_estimate_of_lora_counts_the_adapters(make_config, tiny_tokenizer
     plan = report.memory_plan(work, config.trainer, (1, 1), on_gpu=False)
     assert plan.training["gradients"] == trainable * 4
     assert f"{trainable / 1e6:.2f}M trainable" in plan.header
+
+
+def kept_for_backward(model: torch.nn.Module, forward) -> dict[str, int]:
+    """{part: bytes} of the tensors autograd still keeps for the backward pass once forward() has returned, by the part
+    of a vision-language model that saved them ("tower", "projector", or "rest"): each storage once, the parameters'
+    not (the plan counts them as weights)."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved, part = [], ["rest"]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()  # the saved tensor itself would keep a saved output alive through its own grad_fn
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved.append((weakref.ref(tensor), storage.data_ptr(), storage.nbytes(), part[0]))
+        return tensor
+
+    hooks = []
+    for name, module in (("tower", vision_tower(model)), ("projector", vision_projector(model))):
+        if module is not None:
+            hooks.append(module.register_forward_pre_hook(lambda *_, name=name: part.__setitem__(0, name)))
+            hooks.append(module.register_forward_hook(lambda *_: part.__setitem__(0, "rest")))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = forward()
+    for hook in hooks:
+        hook.remove()
+    alive = {pointer: (size, where) for ref, pointer, size, where in saved if ref() is not None}
+    del output
+    parts = ("tower", "projector", "rest")
+    return {name: sum(size for size, where in alive.values() if where == name) for name in parts}
+
+
+def activations_against_kept(config, parts) -> tuple[dict[str, float], dict[str, int]]:
+    """(the plan's training terms, kept_for_backward's bytes) for the run's one micro-batch, its forward as training
+    runs it."""
+    batch = parts.scorer.batch(parts.data.train_examples.take(parts.data.schedule[0]))
+    kept = kept_for_backward(parts.policy, lambda: parts.scorer(parts.policy, batch, parts.precision.policy_compute))
+    policy = build.meta_policy(config, parts.precision, Path(config.local_dirs[0]))
+    work = report.Workload(config, policy, parts.data.train_examples, parts.data.schedule, parts.precision, False)
+    planned = report.memory_plan(work, config.trainer, (1, 1), on_gpu=False).training
+    trainable = sum(p.numel() * p.element_size() for p in parts.policy.parameters() if p.requires_grad)
+    assert planned["gradients"] == trainable  # the dry run's policy trains what the run's does
+    activations = sum(
+        value
+        for name, value in planned.items()
+        if name.startswith(("activations", "vision", "attention mask", "full logits"))
+    )
+    assert 0.5 * sum(kept.values()) <= activations <= sum(kept.values())
+    return planned, kept
+
+
+def test_the_planned_activations_are_a_lower_bound_of_what_a_forward_keeps(make_config, vlm_dir, tmp_path):
+    # One micro-batch of 8 pairs (float32 on the CPU, no checkpointing): the plan's activation terms against the bytes
+    # autograd keeps for the backward pass once the forward has returned. The plan leaves out what it cannot know
+    # from shapes alone (normalisation statistics, a patch embedding's pixels): it is between half and all of what is
+    # kept, for the text model and for a VLM whose tower is trained or frozen. A frozen tower keeps nothing; the
+    # projector, trained, keeps its inputs.
+    text = make_config("n_examples=8")
+    planned, kept = activations_against_kept(text, build.build(text, Topology()))
+    assert planned["vision tower and projector activations"] == 0 and kept["tower"] == kept["projector"] == 0
+    data = write_jsonl(tmp_path / "pairs.jsonl", colour_rows(tmp_path, 16))
+    trained = configuration.load(
+        vlm_overrides(tmp_path, vlm_dir, data, "n_examples=8", "n_eval_examples=8", "model.freeze_vision=false")
+    )
+    parts = build.build(trained, Topology())
+    for config in (trained, OmegaConf.merge(trained, {"model": {"freeze_vision": True}})):
+        if config.model.freeze_vision:
+            freeze_vision_tower(parts.policy)  # as build() does: the same run, its tower frozen
+        planned, kept = activations_against_kept(config, parts)
+        vision = planned["vision tower and projector activations"]
+        assert kept["projector"] > 0 and (kept["tower"] > 0) == (not config.model.freeze_vision)
+        assert 0.5 * (kept["tower"] + kept["projector"]) <= vision <= kept["tower"] + kept["projector"]
+    # padded rows hold a pair's prompt, and encode its images, once for each response
+    planned = []
+    for layout in ("packed", "padded"):
+        config = OmegaConf.merge(trained, {"layout": layout})
+        policy = build.meta_policy(config, parts.precision, Path(config.local_dirs[0]))
+        work = report.Workload(config, policy, parts.data.train_examples, parts.data.schedule, parts.precision, False)
+        planned.append(report.memory_plan(work, config.trainer, (1, 1), on_gpu=False).training)
+    packed, padded = (terms["vision tower and projector activations"] for terms in planned)
+    assert packed > 0 and padded == 2 * packed
 
 
 GIB = 2**30

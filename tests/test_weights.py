@@ -14,14 +14,14 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from build import place
-from conftest import TINY_DIR
+from conftest import TINY_DIR, tiny_vlm
 from modeling import weights
 from modeling.adapters import LoraSettings, apply_lora
 from modeling.distributed import Topology, free_port, init_process_group, leave_process_group, rank_environment
 from modeling.models import load_model, prepare_model, stored_names
 
 
-def model_config(directory: Path, block_name: str = "LlamaDecoderLayer") -> dict:
+def model_config(directory: Path, block_name: str | None = "LlamaDecoderLayer") -> dict:
     return dict(
         name_or_path=str(directory),
         tokenizer_name_or_path=str(TINY_DIR),
@@ -39,7 +39,8 @@ def model_config(directory: Path, block_name: str = "LlamaDecoderLayer") -> dict
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
     """name -> (a from_pretrained directory, its block class): an untied Llama of 257 rows (uneven over 2 and 4
-    ranks); a tied one saved in bfloat16, read into float32; GPT-2 with its Hub files' names (no "transformer.")."""
+    ranks); a tied one saved in bfloat16, read into float32; GPT-2 with its Hub files' names (no "transformer.");
+    a tiny LLaVA with llava-hf's names, which transformers renames while loading (its blocks: _no_split_modules')."""
     root = tmp_path_factory.mktemp("models")
     base = transformers.AutoConfig.from_pretrained(TINY_DIR)
     base.vocab_size = 257
@@ -53,8 +54,27 @@ def model_dirs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
     transformers.AutoModelForCausalLM.from_config(gpt2).save_pretrained(root / "gpt2")
     files = root / "gpt2" / "model.safetensors"
     save_file({k.removeprefix("transformer."): v for k, v in load_file(files).items()}, files, {"format": "pt"})
+    llava, _ = tiny_vlm("llava")
+    llava.save_pretrained(root / "llava-hf")
+    hub_names = {hub_name(name): value.contiguous() for name, value in llava.state_dict().items()}
+    save_file(hub_names, root / "llava-hf" / "model.safetensors", {"format": "pt"})
     return {"llama": (root / "llama", "LlamaDecoderLayer"), "tied-bf16": (root / "tied-bf16", "LlamaDecoderLayer"),
-            "gpt2": (root / "gpt2", "GPT2Block")}  # fmt: skip
+            "gpt2": (root / "gpt2", "GPT2Block"), "llava-hf": (root / "llava-hf", None)}  # fmt: skip
+
+
+# llava-hf's checkpoints (transformers 4's names), by the prefix transformers 5 gives each part instead
+LLAVA_HF_PREFIXES = {
+    "model.language_model.": "language_model.model.",
+    "lm_head.": "language_model.lm_head.",
+    "model.vision_tower.": "vision_tower.vision_model.",
+    "model.multi_modal_projector.": "multi_modal_projector.",
+}
+
+
+def hub_name(name: str) -> str:
+    """A LlavaForConditionalGeneration tensor's name in llava-hf's files (llava-1.5-7b-hf's index, for one)."""
+    prefix = next(prefix for prefix in LLAVA_HF_PREFIXES if name.startswith(prefix))
+    return LLAVA_HF_PREFIXES[prefix] + name.removeprefix(prefix)
 
 
 def read_on(topology: Topology, directory: Path, block_name: str, cache_dir: Path) -> dict[str, torch.Tensor]:
@@ -101,7 +121,8 @@ def test_sharded_reading_gives_exactly_the_weights_from_pretrained_loads(model_d
         args = (world, free_port(), trainer, tp, dirs, tmp_path, tmp_path)
         torch.multiprocessing.spawn(mesh_rank, args=args, nprocs=world)
     for name, (directory, _) in dirs.items():
-        expected = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        model_class = weights.model_class(False, transformers.AutoConfig.from_pretrained(directory))
+        expected = model_class.from_pretrained(directory, dtype=torch.float32)
         expected = {**expected.state_dict(), **{f"buffer:{n}": b for n, b in expected.named_buffers()}}
         actual = torch.load(tmp_path / f"{name}.pt")
         assert actual.keys() == expected.keys(), name
@@ -130,6 +151,19 @@ def test_the_files_names_are_found_under_the_models_own(model_dirs):
     assert stored_names(lora, weights.stored_shapes(directory), set())[1][0].endswith(
         "lora_A.default.weight is missing"
     )
+
+
+def test_names_transformers_renames_while_loading_are_read_sharded(model_dirs, tmp_path, capsys):
+    # llava-hf's files name the language model language_model.model.* and the tower vision_tower.vision_model.*:
+    # transformers' own rules for LlavaForConditionalGeneration rename them while loading, and the sharded reader reads
+    # each under its file's name (the weights equal from_pretrained's on every mesh: the test above), with no fallback.
+    directory, _ = model_dirs["llava-hf"]
+    model, initial = prepare_model(OmegaConf.create(model_config(directory, None)), torch.float32, tmp_path, seed=0)
+    assert initial.sharded and "from_pretrained" not in capsys.readouterr().out
+    names, problems = stored_names(model, weights.stored_shapes(directory), set(), initial.conversions)
+    assert not problems and names == {name: hub_name(name) for name in model.state_dict()}
+    without_rules = stored_names(model, weights.stored_shapes(directory), set())[1]
+    assert without_rules[0] == "model.vision_tower.embeddings.class_embedding is missing"
 
 
 def test_files_that_cannot_be_read_sharded_fall_back_to_from_pretrained_with_one_line(model_dirs, tmp_path, capsys):
