@@ -181,6 +181,32 @@ def test_the_inputs_probe_refuses_paligemma_marked_as_gemma_3_marks_images():
     assert problem and problem.startswith("PaliGemmaForConditionalGeneration computes other log-probs"), problem
 
 
+def test_paligemma_scores_alike_in_train_and_eval_mode_and_causally_without_its_marks():
+    # transformers 5.24 makes PaliGemma's prefix bidirectional whenever token_type_ids are given, whatever the mode:
+    # the policy (train mode) and the reference (eval mode) score alike, in padded rows (the prefix marked) and packed
+    # ones (the prompts as blocks of the mask). Without the marks every token is causal, and the log-probs move.
+    from core.layouts import pack, pad
+    from core.scoring import attention_spans, probe_examples, sequence_logps, with_image_inputs
+
+    model, processor = tiny_vlm("paligemma")
+    vision = Vision.of(processor).for_model(model)
+    examples, spans = probe_examples(vision), attention_spans(model)
+    scores = {}
+    for layout in (pad, pack):
+        batch = with_image_inputs(layout(examples, 0), examples, vision)
+        for training in (True, False):
+            model.train(training)
+            with torch.no_grad():
+                scores[layout, training] = sequence_logps(model, batch, None, torch.float32, False, spans=spans)
+        assert torch.equal(scores[layout, True], scores[layout, False])
+    torch.testing.assert_close(scores[pack, False], scores[pad, False], rtol=1e-6, atol=1e-5)
+    unmarked = with_image_inputs(pad(examples, 0), examples, vision)
+    del unmarked.image_inputs["token_type_ids"]
+    with torch.no_grad():
+        causal = sequence_logps(model, unmarked, None, torch.float32, False)
+    assert (causal - scores[pad, False]).abs().max() > 1e-2
+
+
 def test_a_changed_image_changes_the_example_key(vlm_dir):
     tokenizer = transformers.AutoTokenizer.from_pretrained(vlm_dir)
     tokenizer.vision = Vision.of(transformers.AutoProcessor.from_pretrained(vlm_dir))
