@@ -306,7 +306,8 @@ def packed_mask_mod(
         if bidirectional_blocks is not None:
             block = bidirectional_blocks[b, q]
             same_block = (block >= 0) & (block == bidirectional_blocks[b, k])
-            seen = seen | same_block if blocks_within_span else seen
+            if blocks_within_span:
+                seen = seen | same_block
         if span.window is not None:
             seen = seen & (position_ids[b, q] - position_ids[b, k] < span.window)
         if span.chunk is not None:

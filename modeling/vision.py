@@ -109,8 +109,8 @@ class BidirectionalBlocks:
 #     the response, which stays causal), at any distance: PaliGemma 2's sliding layers lay the prefix over the
 #     window (create_sliding_window_causal_mask's block_sequence_ids). transformers 5.24 makes the prefix
 #     bidirectional whenever token_type_ids are given, in train and eval mode, with labels or without, and every
-#     token causal without them (transformers 4 did it only with labels, and without them let every token see every
-#     other, the response's too). PaliGemma trained with the prefix bidirectional and the suffix causal, so every
+#     token causal without them (transformers 4 did it only with labels, and without labels let every token see
+#     every other, the response's too). PaliGemma trained with the prefix bidirectional and the suffix causal, so every
 #     forward here gets that, the policy's (train mode) and the reference's (eval mode) alike: the prefix marked in
 #     padded rows (Vision.marks), each prompt a block of the packed mask.
 BIDIRECTIONAL_BLOCKS = {
