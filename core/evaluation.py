@@ -71,8 +71,8 @@ class Evaluator:
         pad_token_id, eos_token_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         prompt_ids, attention_mask = left_padded_prompts([{"prompt": p} for p in prompts], pad_token_id)
         vision = getattr(self.tokenizer, "vision", None)
-        if vision is not None:  # the prompts' image tokens marked where the model reads marks (Qwen-VL, Gemma 3)
-            settings |= vision.for_model(model).marks(prompt_ids)
+        if vision is not None:  # marked where the model reads marks: images (Qwen-VL, Gemma 3), prefix (PaliGemma)
+            settings |= vision.for_model(model).marks(prompt_ids, attention_mask.bool())
         device = self.topology.device
         settings = {name: to_device(v, device) if torch.is_tensor(v) else v for name, v in settings.items()}
         with root_gathered(model):

@@ -67,8 +67,10 @@ class ModelBatch:
     prompt_examples:  the example of each prompt the rows hold, in the order the model reads them (row by row):
                       whose images a vision-language model encodes, in that order (padded: every prompt twice)
     image_inputs:     a vision-language model's image inputs of those images (pixel_values, ...), or None
-    image_blocks:     [R, T] (packed) the image each token belongs to, numbered by row, -1 for text: where a model
-                      lets an image's tokens see each other (Gemma 3), or None
+    bidirectional_blocks: [R, T] (packed) the block each token belongs to, -1 for none: the tokens of a block see
+                      each other both ways, where a model's attention lets them (Gemma 3: each image's tokens,
+                      image_runs; PaliGemma: each prompt, prompt_blocks), or None
+    blocks_within_span: whether a layer's window or chunks bound the blocks too (packed_mask_mod)
     """
 
     input_ids: torch.Tensor
@@ -86,7 +88,8 @@ class ModelBatch:
     last_positions: torch.Tensor
     prompt_examples: list[int] | None = None
     image_inputs: dict[str, torch.Tensor] | None = None
-    image_blocks: torch.Tensor | None = None
+    bidirectional_blocks: torch.Tensor | None = None
+    blocks_within_span: bool = True
 
     def to(self, device: torch.device) -> "ModelBatch":
         moved = {name: to_device(v, device) if torch.is_tensor(v) else v for name, v in vars(self).items()}
@@ -109,6 +112,22 @@ def image_runs(is_image: torch.Tensor) -> torch.Tensor:
     are contiguous, and two images are always parted by text (their start and end markers)."""
     starts = is_image & ~torch.nn.functional.pad(is_image, (1, 0))[:, :-1]
     return torch.where(is_image, starts.long().cumsum(dim=1) - 1, -1)
+
+
+def prompt_blocks(batch: ModelBatch) -> torch.Tensor:
+    """[R, T] of packed rows: each prompt's tokens numbered by their example (its segment), -1 for the others."""
+    return torch.where((batch.branch_ids == 0) & (batch.segment_ids >= 0), batch.segment_ids, -1)
+
+
+def prompt_tokens(batch: ModelBatch) -> torch.Tensor:
+    """[R, T] bool: where the rows hold a prompt's tokens. Packed: each segment's branch 0; padded: row s holds
+    sequence s, its prompt before its first response token."""
+    if batch.segment_ids is not None:
+        return (batch.branch_ids == 0) & (batch.segment_ids >= 0)
+    rows, length = batch.input_ids.shape
+    device = batch.input_ids.device
+    prompt_lengths = batch.first_positions - torch.arange(rows, device=device) * length
+    return torch.arange(length, device=device)[None, :] < prompt_lengths[:, None]
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -268,27 +287,34 @@ def packed_mask_mod(
     branch_ids: torch.Tensor,
     position_ids: torch.Tensor,
     span: AttentionSpan = FULL_ATTENTION,
-    image_blocks: torch.Tensor | None = None,
+    bidirectional_blocks: torch.Tensor | None = None,
+    blocks_within_span: bool = True,
 ):
     """FlexAttention's mask_mod(batch, head, query, key) -> whether query may attend to key, for packed rows:
     the same segment, causal, and a response sees the prompt and its own branch, never another response; within
-    the layer type's span of positions; and, given image_blocks, every token of an image sees every other token of
-    that image, later ones too, within the span (Gemma 3's bidirectional images, as transformers composes them). A
-    padding query attends to itself only: a query with no key gives NaN in SDPA, which would reach the gradients."""
+    the layer type's span of positions; and, given bidirectional_blocks, every token of a block sees every other
+    token of that block, later ones too (Gemma 3's bidirectional images, PaliGemma's prefix): within the span
+    (blocks_within_span: Gemma 3's composition, window AND (causal OR block)) or beyond it (PaliGemma's, (window AND
+    causal) OR block), as transformers composes each family's. A padding query attends to itself only: a query with
+    no key gives NaN in SDPA, which would reach the gradients."""
 
     def mask_mod(b, h, q, k):
         real = segment_ids[b, q] >= 0
         same_segment = segment_ids[b, q] == segment_ids[b, k]
         visible_branch = (branch_ids[b, k] == 0) | (branch_ids[b, q] == branch_ids[b, k])
-        earlier = k <= q
-        if image_blocks is not None:  # or of the same image; a window still bounds it, as transformers composes it
-            earlier = earlier | ((image_blocks[b, q] >= 0) & (image_blocks[b, q] == image_blocks[b, k]))
-        visible = real & same_segment & visible_branch & earlier
+        seen = k <= q
+        if bidirectional_blocks is not None:
+            block = bidirectional_blocks[b, q]
+            same_block = (block >= 0) & (block == bidirectional_blocks[b, k])
+            if blocks_within_span:
+                seen = seen | same_block
         if span.window is not None:
-            visible = visible & (position_ids[b, q] - position_ids[b, k] < span.window)
+            seen = seen & (position_ids[b, q] - position_ids[b, k] < span.window)
         if span.chunk is not None:
-            visible = visible & (position_ids[b, q] // span.chunk == position_ids[b, k] // span.chunk)
-        return visible | (~real & (q == k))
+            seen = seen & (position_ids[b, q] // span.chunk == position_ids[b, k] // span.chunk)
+        if bidirectional_blocks is not None and not blocks_within_span:
+            seen = seen | same_block
+        return (real & same_segment & visible_branch & seen) | (~real & (q == k))
 
     return mask_mod
 
@@ -301,5 +327,8 @@ def dense_mask(batch: ModelBatch, span: AttentionSpan = FULL_ATTENTION) -> torch
     b = torch.arange(rows, device=device)[:, None, None]
     q = torch.arange(length, device=device)[None, :, None]
     k = torch.arange(length, device=device)[None, None, :]
-    mask_mod = packed_mask_mod(batch.segment_ids, batch.branch_ids, batch.position_ids, span, batch.image_blocks)
+    mask_mod = packed_mask_mod(
+        batch.segment_ids, batch.branch_ids, batch.position_ids, span, batch.bidirectional_blocks,
+        batch.blocks_within_span,
+    )  # fmt: skip
     return mask_mod(b, None, q, k)[:, None]

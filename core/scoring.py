@@ -27,11 +27,13 @@ from core.layouts import (
     pack,
     packed_mask_mod,
     pad,
+    prompt_blocks,
+    prompt_tokens,
     segment_lengths,
 )
 from core.logprobs import IDENTITY, LogitMap, token_logps_from_hidden, token_logps_from_logits
 from modeling.models import reward_head
-from modeling.vision import Vision, decode, pack_images, unpack_images
+from modeling.vision import MARK_INPUTS, Vision, decode, pack_images, unpack_images, vision_tower
 from utils import UserError, first_line
 
 # Probe inputs: two examples with prompts of 3 and 1 tokens and responses of 1 to 3 tokens.
@@ -74,7 +76,10 @@ def block_mask(batch: ModelBatch, span: AttentionSpan = FULL_ATTENTION):
 
     rows, length = batch.input_ids.shape
     device = batch.input_ids.device
-    mask_mod = packed_mask_mod(batch.segment_ids, batch.branch_ids, batch.position_ids, span, batch.image_blocks)
+    mask_mod = packed_mask_mod(
+        batch.segment_ids, batch.branch_ids, batch.position_ids, span, batch.bidirectional_blocks,
+        batch.blocks_within_span,
+    )  # fmt: skip
     return create_block_mask(mask_mod, rows, None, length, length, device=device, _compile=True)
 
 
@@ -219,7 +224,10 @@ def sequence_logps(
     with_sum_sq: also [S] sums of log sum_v p_v^2 over each sequence's scored tokens (WPO), no gradient, from the
     same logits: (logps, log_sum_sq)."""
     inputs, flex = model_inputs(batch, mask_dtype, attention, spans)
-    with forward_context(model, batch.input_ids.device, autocast_dtype, flex):
+    with (
+        forward_context(model, batch.input_ids.device, autocast_dtype, flex),
+        language_model_masks(model, inputs) as inputs,
+    ):
         if scored_head:
             rows, targets = batch.score_rows, batch.score_targets
             with head_returns_token_logps(model, rows, targets, with_sum_sq, logit_map) as extras:
@@ -304,6 +312,27 @@ def forward_context(model: torch.nn.Module, device: torch.device, autocast_dtype
         stack.enter_context(torch.autocast(device.type, dtype=autocast_dtype))
     stack.enter_context(attention_implementation(model, "flex_attention" if flex else None))
     return stack
+
+
+@contextlib.contextmanager
+def language_model_masks(model: torch.nn.Module, inputs: dict):
+    """The inputs to call the model with: for a vision-language model given masks by layer type (a dict), its
+    language model takes them itself, and the model one of them, which it passes on. PaliGemma builds its language
+    model's full and sliding masks from the one mask it is given (a dict there fails: Gemma 2's layers need both),
+    while every language model takes masks by layer type as they are (transformers' generate hands them over so)."""
+    mask = inputs["attention_mask"]
+    if not isinstance(mask, dict) or vision_tower(model) is None:
+        yield inputs
+        return
+
+    def hand_over(module, args, kwargs):
+        return args, kwargs | {"attention_mask": mask}
+
+    handle = model_class(model).get_decoder().register_forward_pre_hook(hand_over, with_kwargs=True)
+    try:
+        yield inputs | {"attention_mask": next(iter(mask.values()))}
+    finally:
+        handle.remove()
 
 
 def model_mask(mask, dtype: torch.dtype):
@@ -413,9 +442,9 @@ def probe_examples(vision: Vision | None) -> list[dict]:
 def vision_problem(model: torch.nn.Module, vision: Vision, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why this vision-language model cannot train on this trainer's inputs, or None when it can: the probe's image
     prompt and both responses in padded rows, with the image inputs this trainer builds (pixel values from the image
-    processor, image tokens marked where the model reads marks), must give the log-probs of the model's own forward
-    of each sequence from its processor's inputs (a family whose processor marks tokens otherwise, PaliGemma's
-    prefix, differs)."""
+    processor, the tokens marked where the model reads marks: Vision.marks), must give the log-probs of the model's
+    own forward of each sequence from its processor's inputs, the response marked as the processor marks a suffix
+    where it takes one (PaliGemma's, whose prefix sees itself both ways), as text otherwise."""
     name = type(model_class(model)).__name__
     example = probe_examples(vision)[0]
     image = decode(unpack_images(example["images"])[0])
@@ -425,13 +454,16 @@ def vision_problem(model: torch.nn.Module, vision: Vision, dtype: torch.dtype, d
             ours = sequence_logps(model, padded, None, dtype, scored_head=False)
             text = [vision.placeholder + " a"]  # the probe prompt's text, as probe_examples expands it
             own = vision.processor(text=text, images=[image], add_special_tokens=False, return_tensors="pt")
+            response_marks = suffix_marks(vision, text, image)
             theirs = []
             for response in example["responses"]:
-                answer = torch.tensor([PROBE_EXAMPLES[0]["prompt"] + response])
-                inputs = {key: value for key, value in own.items() if key != "attention_mask"}
-                for key in ("input_ids", "token_type_ids", "mm_token_type_ids"):  # per token: the rest is text
+                rest, answer = torch.tensor([PROBE_EXAMPLES[0]["prompt"]]), torch.tensor([response])
+                inputs = {key: value for key, value in own.items() if key not in ("attention_mask", "labels")}
+                inputs["input_ids"] = torch.cat([inputs["input_ids"], rest, answer], dim=1)
+                for key in MARK_INPUTS:  # per token: the rest of the prompt is its text
                     if key in inputs:
-                        inputs[key] = torch.cat([inputs[key], answer if key == "input_ids" else 0 * answer], dim=1)
+                        marks = [torch.zeros_like(rest), torch.full_like(answer, response_marks.get(key, 0))]
+                        inputs[key] = torch.cat([inputs[key], *marks], dim=1)
                 inputs = {key: value.to(device) for key, value in inputs.items()}
                 logits = model(**inputs, use_cache=False).logits[0, :-1].float()
                 ids = inputs["input_ids"][0, 1:]
@@ -449,6 +481,15 @@ def vision_problem(model: torch.nn.Module, vision: Vision, dtype: torch.dtype, d
             f"by {(ours - theirs).abs().max():.2g})"
         )
     return None
+
+
+def suffix_marks(vision: Vision, text: list[str], image) -> dict[str, int]:
+    """The mark the processor's per-token inputs give a response: a suffix's, where the processor takes one
+    (PaliGemma's token_type_ids: 1, its prefix 0); none for the others (a response is text, 0)."""
+    if "suffix" not in inspect.signature(vision.processor.__call__).parameters:
+        return {}
+    marked = vision.processor(text=text, images=[image], suffix=["a"], add_special_tokens=False, return_tensors="pt")
+    return {key: int(marked[key][0, -1]) for key in MARK_INPUTS if key in marked}
 
 
 def packing_problem(
@@ -498,12 +539,23 @@ def with_image_inputs(batch: ModelBatch, examples: list[dict], vision: Vision | 
     the rows hold them (ModelBatch.prompt_examples: in the packed layout each pair's images once)."""
     if vision is not None:
         images = [image for i in batch.prompt_examples for image in unpack_images(examples[i].get("images", b""))]
-        batch.image_inputs = vision.image_inputs(batch.input_ids, images)
-        if vision.bidirectional_images and batch.segment_ids is not None:  # packed rows: the mask says it
-            batch.image_blocks = image_runs(batch.input_ids == vision.image_token_id)
+        batch.image_inputs = vision.image_inputs(batch.input_ids, prompt_tokens(batch), images)
+        if batch.segment_ids is not None and vision.bidirectional is not None:  # packed rows: the mask says it
+            batch.bidirectional_blocks = bidirectional_blocks(batch, vision)
+            batch.blocks_within_span = vision.bidirectional.within_window
         if vision.rope_index is not None and batch.segment_ids is not None:
             batch.image_inputs["position_ids"] = packed_rope_positions(batch, examples, vision)
+        elif vision.first_position and batch.segment_ids is not None:  # the model's own positions; the mask's
+            batch.image_inputs["position_ids"] = batch.position_ids + vision.first_position  # windows keep theirs
     return batch
+
+
+def bidirectional_blocks(batch: ModelBatch, vision: Vision) -> torch.Tensor:
+    """The blocks of packed rows whose tokens the model lets see each other both ways (Vision.bidirectional): each
+    image's tokens (Gemma 3), or each prompt (PaliGemma's prefix)."""
+    if vision.bidirectional.tokens == "images":
+        return image_runs(batch.input_ids == vision.image_token_id)
+    return prompt_blocks(batch)
 
 
 def packed_rope_positions(batch: ModelBatch, examples: list[dict], vision: Vision) -> torch.Tensor:

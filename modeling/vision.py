@@ -18,6 +18,7 @@ import torch
 
 IMAGE_COLUMNS = ("images", "image")  # TRL's vision columns: a list of images, or one
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # beside a model with an image processor
+MARK_INPUTS = ("token_type_ids", "mm_token_type_ids")  # the per-token inputs that mark a VLM's tokens (Vision.marks)
 
 
 def has_processor(directory: Path) -> bool:
@@ -87,6 +88,41 @@ def unpack_images(packed: bytes | memoryview) -> list[bytes]:
     return images
 
 
+@dataclass(frozen=True)
+class BidirectionalBlocks:
+    """Which tokens a family's attention lets see each other both ways, over the causal mask, as transformers'
+    modeling code composes it.
+
+    tokens:        "images": each image's tokens; "prompt": the whole prompt, its images and its text
+    within_window: whether a sliding layer's window bounds a block too: window AND (causal OR block), or
+                   (window AND causal) OR block, where a block's tokens see each other at any distance
+    """
+
+    tokens: str
+    within_window: bool
+
+
+# Each family's BidirectionalBlocks, by its config's model_type; a family not listed is causal.
+#   Gemma 3: each image's tokens (its token_type_ids mark them, 1), within a sliding layer's window
+#     (create_masks_for_vision_model composes them so).
+#   PaliGemma: the prefix (image tokens, BOS, the prompt and "\n"; its token_type_ids are 0 there and 1 on the suffix,
+#     the response, which stays causal), at any distance: PaliGemma 2's sliding layers lay the prefix over the
+#     window (create_sliding_window_causal_mask's block_sequence_ids). transformers 5.24 makes the prefix
+#     bidirectional whenever token_type_ids are given, in train and eval mode, with labels or without, and every
+#     token causal without them (transformers 4 did it only with labels, and without labels let every token see
+#     every other, the response's too). PaliGemma trained with the prefix bidirectional and the suffix causal, so every
+#     forward here gets that, the policy's (train mode) and the reference's (eval mode) alike: the prefix marked in
+#     padded rows (Vision.marks), each prompt a block of the packed mask.
+BIDIRECTIONAL_BLOCKS = {
+    "gemma3": BidirectionalBlocks("images", within_window=True),
+    "paligemma": BidirectionalBlocks("prompt", within_window=False),
+}
+# The position a family's own forward gives a sequence's first token where it is not 0 (PaliGemma counts from 1):
+# packed rows give the model those, as rotary embeddings round differently at other absolute positions (in float32
+# a tiny PaliGemma's packed log-probs were 1.5e-5 off its own forward's from 0, 8e-6 from 1, as padded rows').
+FIRST_POSITIONS = {"paligemma": 1}
+
+
 @dataclass
 class Vision:
     """A vision-language model's processor, as the data and the batches use it.
@@ -99,8 +135,9 @@ class Vision:
     processor: Any
     image_token_id: int
     placeholder: str
-    type_inputs: tuple[str, ...] = ()  # the model's inputs that mark image tokens (Vision.for_model)
-    bidirectional_images: bool = False  # an image's tokens see each other (Vision.for_model)
+    type_inputs: tuple[str, ...] = ()  # the model's inputs that mark tokens (Vision.for_model)
+    bidirectional: BidirectionalBlocks | None = None  # the family's BIDIRECTIONAL_BLOCKS, or None: causal
+    first_position: int = 0  # the family's FIRST_POSITIONS
     rope_index: Any = None  # the model's 3-D rotary positions of a sequence (Qwen-VL's get_rope_index), or None
 
     @classmethod
@@ -115,21 +152,20 @@ class Vision:
         return cls(processor, tokenizer.convert_tokens_to_ids(processor.image_token), placeholder)
 
     def for_model(self, model: torch.nn.Module) -> "Vision":
-        """This Vision with the inputs the model reads to tell image tokens from text (Gemma 3's token_type_ids, which
-        let an image's tokens see each other; Qwen-VL's mm_token_type_ids, its 3-D positions), given by the image
-        token's positions as its processor gives them."""
+        """This Vision with what the model reads besides pixels: the inputs that mark tokens (Gemma 3's and
+        PaliGemma's token_type_ids, Qwen-VL's mm_token_type_ids), which tokens its attention lets see each other both
+        ways (its family's BIDIRECTIONAL_BLOCKS), and its positions (FIRST_POSITIONS; Qwen-VL's 3-D ones)."""
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         accepted = inspect.signature(inner.forward).parameters
-        names = tuple(name for name in ("token_type_ids", "mm_token_type_ids") if name in accepted)
+        names = tuple(name for name in MARK_INPUTS if name in accepted)
         # the id the model replaces with image features (a processor may name another)
         image_token_id = model_image_token(inner.config)
         image_token_id = self.image_token_id if image_token_id is None else image_token_id
-        # token_type_ids is how Gemma 3 (and 3n) learn which tokens are an image's, to let them see each other
-        bidirectional = "token_type_ids" in names
+        family = getattr(inner.config, "model_type", None)
         rope_index = getattr(getattr(inner, "model", None), "get_rope_index", None)
         return dataclasses.replace(
-            self, type_inputs=names, image_token_id=image_token_id, bidirectional_images=bidirectional,
-            rope_index=rope_index,
+            self, type_inputs=names, image_token_id=image_token_id, bidirectional=BIDIRECTIONAL_BLOCKS.get(family),
+            first_position=FIRST_POSITIONS.get(family, 0), rope_index=rope_index,
         )  # fmt: skip
 
     def sequence_positions(self, ids: list[int], grids: torch.Tensor | None) -> torch.Tensor:
@@ -160,14 +196,21 @@ class Vision:
         )
         return inputs["input_ids"][0].tolist()
 
-    def image_inputs(self, input_ids: torch.Tensor, images: list[bytes]) -> dict[str, torch.Tensor]:
+    def image_inputs(
+        self, input_ids: torch.Tensor, prompt_tokens: torch.Tensor, images: list[bytes]
+    ) -> dict[str, torch.Tensor]:
         """The model's image inputs for rows `input_ids` [R, T] holding `images` in order: pixel_values and what else
-        its image processor gives, decoded now, for this batch only; and the inputs that mark image tokens."""
-        return self.marks(input_ids) | self.pixel_inputs(images)
+        its image processor gives, decoded now, for this batch only; and the inputs that mark tokens (marks)."""
+        return self.marks(input_ids, prompt_tokens) | self.pixel_inputs(images)
 
-    def marks(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The inputs that mark image tokens (1) among text (0), for the model's type_inputs."""
-        marks = (input_ids == self.image_token_id).long()
+    def marks(self, input_ids: torch.Tensor, prompt_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's type_inputs for rows `input_ids` [R, T] whose prompts' tokens are `prompt_tokens` [R, T]
+        (bool), as its processor marks them: PaliGemma's token_type_ids 0 on the prefix (a prompt: images and text)
+        and 1 on the rest (the suffix: a response, and padding); the others' 1 on image tokens and 0 on text."""
+        if self.bidirectional is not None and self.bidirectional.tokens == "prompt":
+            marks = (~prompt_tokens).long()
+        else:
+            marks = (input_ids == self.image_token_id).long()
         return {name: marks for name in self.type_inputs}
 
     def pixel_inputs(self, images: list[bytes]) -> dict[str, torch.Tensor]:

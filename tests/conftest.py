@@ -343,11 +343,11 @@ TINY_VLM_TEMPLATE = (
 
 
 def save_tiny_vlm(directory: Path, family: str = "llava", **text_overrides) -> Path:
-    """A tiny vision-language model of `family` (llava, gemma3, idefics3) over the tiny tokenizer's ids and the
-    family's image tokens: a 2-layer vision tower on 32 x 32 images in 8 x 8 patches and a 2-layer language model,
-    random weights from seed 0, saved with its processor (tokenizer, image processor, TINY_VLM_TEMPLATE with the
-    family's placeholder) in `directory`. Idefics3 splits each image into tiles of 32 x 32 (a 48 x 48 image: 4 and
-    a global one)."""
+    """A tiny vision-language model of `family` (llava, gemma3, idefics3, paligemma) over the tiny tokenizer's ids
+    and the family's image tokens: a 2-layer vision tower on 32 x 32 images in 8 x 8 patches and a 2-layer language
+    model, random weights from seed 0, saved with its processor (tokenizer, image processor, TINY_VLM_TEMPLATE with
+    the family's placeholder) in `directory`. Idefics3 splits each image into tiles of 32 x 32 (a 48 x 48 image: 4
+    and a global one)."""
     model, processor = tiny_vlm(family, **text_overrides)
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
@@ -366,6 +366,7 @@ def tiny_vlm(family: str, **text_overrides):
         LlavaOnevisionImageProcessorPil,
     )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
     tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32)
     tower["patch_size"] = 8
@@ -409,6 +410,27 @@ def tiny_vlm(family: str, **text_overrides):
             boi_token_index=ids["boi_token"],
             eoi_token_index=ids["eoi_token"],
             image_token_index=ids["image_token"],
+        )
+    elif family == "paligemma":  # PaliGemma 2: a Gemma 2 language model whose prefix (image, BOS, prompt, "\n")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)  # sees itself both ways
+        tokenizer.add_special_tokens({"bos_token": "<bos>"})  # the processor opens the prompt's text with it
+        images = SiglipImageProcessorPil(size={"height": 32, "width": 32})
+        images.image_seq_length = 16  # (32 / 8)^2 patches, as PaliGemma's preprocessor config states it
+        processor = transformers.PaliGemmaProcessor(
+            image_processor=images, tokenizer=tokenizer, chat_template=TINY_VLM_TEMPLATE
+        )  # adds <image> and its 1152 location and segmentation tokens to the tokenizer
+        config = transformers.PaliGemmaConfig(
+            # as gemma3's: a window that cuts a prompt, and a full layer after it
+            text_config=text_config(
+                transformers.Gemma2Config,
+                tokenizer,
+                bos_token_id=tokenizer.bos_token_id,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+            ),  # fmt: skip
+            vision_config=transformers.SiglipVisionConfig(**tower),
+            image_token_index=processor.image_token_id,
+            projection_dim=TINY_LM_SIZES["hidden_size"],
         )
     elif family == "idefics3":
         tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)

@@ -2,6 +2,7 @@
 equal to a plain forward of each (prompt + images + response) alone, learnt from (a preference a text model cannot
 learn), and bad image input stopped with one line."""
 
+import dataclasses
 import math
 import re
 
@@ -24,10 +25,10 @@ def image_at(directory, row: dict):
 
 
 # The path each family takes by default, as the probes decide on the placed model with an image in a prompt: LLaVA
-# and Idefics3 give image tokens plain positions and causal attention, and Gemma 3 lets an image's tokens see each
-# other (token_type_ids), which the packed mask expresses (image_blocks); Qwen2-VL gives image tokens 3-D rotary
-# positions, which packed rows take from its own get_rope_index per sequence; LLaVA-OneVision encodes an image in tiles
-# of the grid it fits (anyres): all of them pack.
+# and Idefics3 give image tokens plain positions and causal attention; Gemma 3 lets an image's tokens see each other
+# and PaliGemma its whole prefix (image, BOS, prompt), which the packed mask expresses (bidirectional_blocks);
+# Qwen2-VL gives image tokens 3-D rotary positions, which packed rows take from its own get_rope_index per sequence;
+# LLaVA-OneVision encodes an image in tiles of the grid it fits (anyres): all of them pack.
 VISION_ZOO = {
     "llava": ("packed", 32),
     "gemma3": ("packed", 32),
@@ -35,6 +36,7 @@ VISION_ZOO = {
     "qwen2_vl": ("packed", 32),
     "qwen2_5_vl": ("packed", 32),
     "llava_onevision": ("packed", 48),
+    "paligemma": ("packed", 32),
 }
 
 
@@ -42,8 +44,9 @@ VISION_ZOO = {
 def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family, tmp_path):
     # Every sequence's summed log-prob and every trainable parameter's gradient, on the path the family takes by
     # default and in padded rows, equal a plain forward of that prompt, its image and the response alone, as
-    # transformers computes it from the processor's own inputs. The packed layout holds each prompt, image tokens
-    # included, once per pair: the vision tower encodes each image once there, twice in padded rows (TRL's layout).
+    # transformers computes it from the processor's own inputs (PaliGemma's given the response as its suffix, which
+    # marks the prefix). The packed layout holds each prompt, image tokens included, once per pair: the vision tower
+    # encodes each image once there, twice in padded rows (TRL's layout).
     expected_path, image_size = VISION_ZOO[family]
     model, processor = tiny_vlm(family)
     tokenizer = processor.tokenizer
@@ -84,18 +87,29 @@ def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family,
     plain = []
     for response in ("chosen", "rejected"):
         for row, pair in zip(rows, pairs):
-            prompt = processor(
-                text=[pair.prompt], images=[image_at(tmp_path, row)], add_special_tokens=False, return_tensors="pt"
-            )
+            text, images = [pair.prompt], [image_at(tmp_path, row)]
+            prompt = processor(text=text, images=images, add_special_tokens=False, return_tensors="pt")
             answer = tokenizer(getattr(pair, response), add_special_tokens=False, return_tensors="pt").input_ids
-            inputs = {name: value for name, value in prompt.items() if name != "attention_mask"}
-            for name in ("input_ids", "token_type_ids", "mm_token_type_ids"):  # per token: the answer's are text
-                if name in inputs:
-                    inputs[name] = torch.cat([inputs[name], answer if name == "input_ids" else 0 * answer], dim=1)
+            if family == "paligemma":  # the suffix: the answer and the EOS the processor ends it with (causal: no
+                # earlier token sees it), marked 1 where the prefix is 0
+                own = processor(
+                    text=text, images=images, suffix=[getattr(pair, response)], add_special_tokens=False,
+                    return_tensors="pt",
+                )  # fmt: skip
+                inputs = {name: own[name] for name in ("input_ids", "token_type_ids", "pixel_values")}
+                prefix, suffix = prompt.input_ids[0].tolist(), answer[0].tolist() + [tokenizer.eos_token_id]
+                assert inputs["input_ids"][0].tolist() == prefix + suffix
+                assert inputs["token_type_ids"][0].tolist() == [0] * len(prefix) + [1] * len(suffix)
+            else:
+                inputs = {name: value for name, value in prompt.items() if name != "attention_mask"}
+                for name in ("input_ids", "token_type_ids", "mm_token_type_ids"):  # per token: the answer's are text
+                    if name in inputs:
+                        inputs[name] = torch.cat([inputs[name], answer if name == "input_ids" else 0 * answer], dim=1)
             ids = inputs["input_ids"]
             logits = model(**inputs).logits[0, :-1].float()
             token_logps = logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
-            plain.append(token_logps[prompt.input_ids.shape[1] - 1 :].sum())
+            start = prompt.input_ids.shape[1] - 1
+            plain.append(token_logps[start : start + answer.shape[1]].sum())
     plain = torch.stack(plain)
     plain.sum().backward()
     trainable = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -119,12 +133,78 @@ def test_the_packed_mask_lets_an_images_tokens_see_each_other_and_nothing_else_c
     example = {"prompt": [1, image, image, 2, image, image, 3], "responses": [[4, 5]]}
     batch = pack([example], 0)
     causal = dense_mask(batch)[0, 0]
-    batch.image_blocks = image_runs(batch.input_ids == image)
-    assert batch.image_blocks[0].tolist() == [-1, 0, 0, -1, 1, 1, -1, -1, -1]
+    batch.bidirectional_blocks = image_runs(batch.input_ids == image)
+    assert batch.bidirectional_blocks[0].tolist() == [-1, 0, 0, -1, 1, 1, -1, -1, -1]
     bidirectional = dense_mask(batch)[0, 0]
     added = {(q, k) for q in range(9) for k in range(9) if bidirectional[q, k] and not causal[q, k]}
     assert added == {(1, 2), (4, 5)}
     assert not (causal & ~bidirectional).any()
+
+
+def test_the_packed_mask_lets_a_prompt_see_all_of_itself_and_its_responses_stay_causal():
+    # PaliGemma's prefix written out token by token: a prompt [t, i, i, t] and responses [r, r] and [r] in a packed
+    # row, the prompt one block. Every prompt token sees every other, later ones too, and nothing else changes: a
+    # response sees its prompt and itself causally, never the other response. In a sliding layer (window 2) the
+    # prompt still sees all of itself, as PaliGemma 2 composes it (blocks beyond the window), and the responses are
+    # windowed as without the block; Gemma 3's composition (blocks within the window) would hide the prompt's first
+    # tokens from its last ones.
+    from core.layouts import AttentionSpan, dense_mask, pack, prompt_blocks
+
+    batch = pack([{"prompt": [1, 9, 9, 2], "responses": [[4, 5], [6]]}], 0)
+    window = AttentionSpan(window=2)
+    causal, causal_windowed = dense_mask(batch)[0, 0], dense_mask(batch, window)[0, 0]
+    batch.bidirectional_blocks, batch.blocks_within_span = prompt_blocks(batch), False
+    assert batch.bidirectional_blocks[0].tolist() == [0, 0, 0, 0, -1, -1, -1]
+    prefix = dense_mask(batch)[0, 0]
+    added = {(q, k) for q in range(7) for k in range(7) if prefix[q, k] and not causal[q, k]}
+    assert added == {(q, k) for q in range(4) for k in range(4) if k > q}
+    assert not (causal & ~prefix).any()
+    windowed = dense_mask(batch, window)[0, 0]
+    assert windowed[:4, :4].all() and torch.equal(windowed[4:], causal_windowed[4:])
+    batch.blocks_within_span = True
+    bounded = dense_mask(batch, window)[0, 0]
+    assert {(q, k) for q in range(4) for k in range(4) if not bounded[q, k]} == {(2, 0), (3, 0), (3, 1)}
+
+
+def test_the_inputs_probe_refuses_paligemma_marked_as_gemma_3_marks_images():
+    # PaliGemma's token_type_ids say which tokens are its prefix (0) and which its suffix (1). Marked as Gemma 3 marks
+    # images (1 on image tokens, 0 on text and the response), the model attends otherwise than from its processor's
+    # inputs, and the inputs probe refuses it; marked as its processor marks them, the probe passes.
+    from core.scoring import vision_problem
+    from modeling.vision import BIDIRECTIONAL_BLOCKS
+
+    model, processor = tiny_vlm("paligemma")
+    own = Vision.of(processor).for_model(model)
+    assert vision_problem(model, own, torch.float32, torch.device("cpu")) is None
+    as_images = dataclasses.replace(own, bidirectional=BIDIRECTIONAL_BLOCKS["gemma3"])
+    problem = vision_problem(model, as_images, torch.float32, torch.device("cpu"))
+    assert problem and problem.startswith("PaliGemmaForConditionalGeneration computes other log-probs"), problem
+
+
+def test_paligemma_scores_alike_in_train_and_eval_mode_and_causally_without_its_marks():
+    # transformers 5.24 makes PaliGemma's prefix bidirectional whenever token_type_ids are given, whatever the mode:
+    # the policy (train mode) and the reference (eval mode) score alike, in padded rows (the prefix marked) and packed
+    # ones (the prompts as blocks of the mask). Without the marks every token is causal, and the log-probs move.
+    from core.layouts import pack, pad
+    from core.scoring import attention_spans, probe_examples, sequence_logps, with_image_inputs
+
+    model, processor = tiny_vlm("paligemma")
+    vision = Vision.of(processor).for_model(model)
+    examples, spans = probe_examples(vision), attention_spans(model)
+    scores = {}
+    for layout in (pad, pack):
+        batch = with_image_inputs(layout(examples, 0), examples, vision)
+        for training in (True, False):
+            model.train(training)
+            with torch.no_grad():
+                scores[layout, training] = sequence_logps(model, batch, None, torch.float32, False, spans=spans)
+        assert torch.equal(scores[layout, True], scores[layout, False])
+    torch.testing.assert_close(scores[pack, False], scores[pad, False], rtol=1e-6, atol=1e-5)
+    unmarked = with_image_inputs(pad(examples, 0), examples, vision)
+    del unmarked.image_inputs["token_type_ids"]
+    with torch.no_grad():
+        causal = sequence_logps(model, unmarked, None, torch.float32, False)
+    assert (causal - scores[pad, False]).abs().max() > 1e-2
 
 
 def test_a_changed_image_changes_the_example_key(vlm_dir):
