@@ -45,6 +45,13 @@ def completion_seed(seed: int, round_index: int, prompt_key: bytes, completion: 
     return int.from_bytes(digest, "little") >> 1  # torch seeds are below 2^63 here
 
 
+def distinct_prompts(batches: list[list[dict]], n: int) -> tuple[list[list[int]], list[bytes]]:
+    """The first n distinct prompts of the batches' examples, and their images (pack_images): a prompt is its ids and
+    its images, so that one question asked of two images is two prompts."""
+    distinct = list({(tuple(ex["prompt"]), ex.get("images", b"")): None for batch in batches for ex in batch})[:n]
+    return [list(prompt) for prompt, _ in distinct], [images for _, images in distinct]
+
+
 class Rounds:
     """The rounds of a run, on the Trainer's parts (every rank runs it; the reward runs on rank 0)."""
 
@@ -54,10 +61,7 @@ class Rounds:
         prompts = first_of_each_group(trainer.data.train_examples)
         self.prompts = prompts.select(np.random.default_rng(self.config.seed).permutation(len(prompts)))
         self.eval_batches = trainer.data.eval_batches
-        # a prompt is its ids and its images: one question asked of two images is two prompts
-        held_out = {(tuple(ex["prompt"]), ex.get("images", b"")): None for batch in self.eval_batches for ex in batch}
-        held_out = list(held_out)[: self.settings.eval_prompts]
-        self.eval_prompts, self.eval_images = [list(prompt) for prompt, _ in held_out], [im for _, im in held_out]
+        self.eval_prompts, self.eval_images = distinct_prompts(self.eval_batches, self.settings.eval_prompts)
         c = self.config
         self.reward = self.topology.run_on_main(
             lambda: load_reward(self.settings.reward, self.topology.device, c.eval_batch_size, c.max_length)
@@ -161,19 +165,15 @@ class Rounds:
                 completions += evaluator.complete_seeded(policy, batch, [seeds[i] for i in rows], batch_images)
         return self.topology.gather({"completions": completions[:n_real]})["completions"]
 
-    def texts(self, prompts: list[list[int]], completions: list[list[int]]) -> tuple[list[str], list[str]]:
-        """The reward's inputs: the prompt as the policy read it, the completion without its EOS."""
-        decode = self.trainer.tokenizer.decode
-        return [decode(p) for p in prompts], [decode(c, skip_special_tokens=True) for c in completions]
-
     def score(self, round_index: int, prompts: list[list[int]], images: list[bytes], groups: list[int], completions):
         """(rank 0) The round's lines (`round_lines`), written to rounds/round-R.jsonl whole; the reward sees each
         prompt's images (pack_images; b"": none)."""
         k = self.settings.completions
-        prompt_texts, completion_texts = self.texts([p for p in prompts for _ in range(k)], completions)
+        repeated = [p for p in prompts for _ in range(k)]
+        prompt_texts, completion_texts = reward_texts(self.trainer.tokenizer, repeated, completions)
         rewards = self.reward(prompt_texts, completion_texts, [packed for packed in images for _ in range(k)])
-        texts = (prompt_texts[::k], completion_texts)
-        lines = round_lines(round_index, prompts, groups, *texts, completions, rewards, images)
+        line_texts = (prompt_texts[::k], completion_texts)
+        lines = round_lines(round_index, prompts, groups, *line_texts, completions, rewards, images)
         path = self.directory / f"round-{round_index}.jsonl"
         with storage.writing(path):
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -247,9 +247,16 @@ class Rounds:
         completions = self.complete(self.eval_prompts, self.eval_images, None)
 
         def mean_reward() -> float:
-            return float(np.mean(self.reward(*self.texts(self.eval_prompts, completions), self.eval_images)))
+            prompt_texts, completion_texts = reward_texts(self.trainer.tokenizer, self.eval_prompts, completions)
+            return float(np.mean(self.reward(prompt_texts, completion_texts, self.eval_images)))
 
         return self.topology.broadcast(self.topology.run_on_main(mean_reward))
+
+
+def reward_texts(tokenizer, prompts: list[list[int]], completions: list[list[int]]) -> tuple[list[str], list[str]]:
+    """The reward's inputs: the prompt as the policy read it (a prompt's images as the tokens they expand into),
+    the completion without its EOS."""
+    return [tokenizer.decode(p) for p in prompts], [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
 
 
 def round_lines(

@@ -237,7 +237,7 @@ def test_the_export_loads_with_its_processor_and_scores_as_trained(gemma3_dirs, 
 def test_a_tiny_gemma3_reward_model_learns_what_the_images_show(gemma3_dirs, tmp_path):
     # Right against wrong colour, every colour as often chosen as rejected, so that the text alone cannot tell:
     # held-out accuracy from chance to >= 0.9.
-    trainer = trained_reward_model(gemma3_dirs[0], tmp_path, 240, "n_epochs=2", "lr=1e-3")
+    trainer = trained_reward_model(gemma3_dirs[0], tmp_path, 240, "n_epochs=3", "lr=1e-3")
     evals = records(trainer.run_dir, "eval")
     assert 0.3 <= evals[0]["rewards_eval/accuracies"] <= 0.7 and evals[-1]["rewards_eval/accuracies"] >= 0.9, evals
 
