@@ -74,6 +74,8 @@ class Evaluator:
             vision = vision.for_model(model)
             settings |= vision.pixel_inputs([image for packed in images or () for image in unpack_images(packed)])
             settings |= vision.marks(prompt_ids)
+            # never an image's token in a completion: a round's pair holding one would ask for an image it lacks
+            settings["suppress_tokens"] = [vision.image_token_id]
         device = self.topology.device
         settings = {name: to_device(v, device) if torch.is_tensor(v) else v for name, v in settings.items()}
         with root_gathered(model):

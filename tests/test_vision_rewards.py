@@ -29,7 +29,7 @@ from core.rewards import ModelReward
 from core.scoring import Scorer
 from modeling.distributed import Topology
 from modeling.models import init_reward_head
-from modeling.vision import Vision, decode, pack_images, unpack_images
+from modeling.vision import Vision, decode, pack_images, unpack_images, vision_tower
 from persistence.tokenized import Tokenization, tokenize_pairs
 from preference_datasets import parse_rows, read_file_rows
 from rounds import Rounds
@@ -139,7 +139,7 @@ def test_a_round_on_image_prompts_samples_and_scores_with_the_images(gemma3_dirs
     prompts = {pair.images: pair.prompt for pair in pairs}  # each colour's shade is an image of its own
     model = transformers.AutoModelForSequenceClassification.from_pretrained(reward_dir).eval()
     processor = transformers.AutoProcessor.from_pretrained(reward_dir)
-    assert len(lines) == 4
+    assert len(lines) == 4 and len({text for line in lines for text in line["completions"]}) > 4
     for line in lines:
         images = tuple(map(base64.b64decode, line["images"]))
         assert len(images) == 1 and images in prompts
@@ -158,6 +158,20 @@ def test_a_round_on_image_prompts_samples_and_scores_with_the_images(gemma3_dirs
         assert data.train_examples[i]["images"] == pack_images(tuple(map(base64.b64decode, line["images"])))
     records = [r for r in read_jsonl(trainer.run_dir / "metrics.jsonl") if "rounds/round" in r]
     assert [r["rounds/round"] for r in records] == [0, 1]
+    # the policy completes a prompt as transformers generates from the processor's inputs of it and its image, which
+    # its vision tower encodes
+    own = tokenizer.vision.processor(
+        text=[pairs[0].prompt], images=[decode(pairs[0].images[0])], add_special_tokens=False, return_tensors="pt"
+    )
+    inputs = {name: own[name] for name in ("input_ids", "attention_mask", "pixel_values", "token_type_ids")}
+    with torch.no_grad():
+        ends = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        generated = trainer.policy.generate(**inputs, max_new_tokens=4, do_sample=False, **ends)
+    encoded = []  # the images the policy's vision tower encodes
+    count = lambda module, args, kwargs: encoded.append(kwargs["pixel_values"].shape[0])  # noqa: E731
+    vision_tower(trainer.policy).register_forward_pre_hook(count, with_kwargs=True)
+    completion = rounds.complete([own["input_ids"][0].tolist()], [pack_images(pairs[0].images)], None)[0]
+    assert completion == generated[0, own["input_ids"].shape[1] :].tolist() and encoded == [1]
 
 
 def expanded_prompt(processor, image: bytes) -> str:
