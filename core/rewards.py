@@ -94,7 +94,8 @@ class ModelReward:
     it (padded rows of scoring.sequence_rewards): the prompt's and the completion's ids tokenized apart and joined as
     training joins them, read at the completion's last token, the prompt's start cut where the two exceed
     max_length. A vision-language reward model (Gemma 3's) sees each prompt's images as training shows them: the
-    prompt's text holds each image's tokens as the policy's processor expanded them, and is kept whole."""
+    prompt's text holds each image's tokens as the policy's processor expanded them, and is kept whole (the
+    completion's end kept within what it leaves of max_length)."""
 
     def __init__(self, directory: Path, device: torch.device, batch_size: int, max_length: int):
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoProcessor, AutoTokenizer

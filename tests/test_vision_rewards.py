@@ -257,13 +257,15 @@ def test_a_tiny_gemma3_reward_model_learns_what_the_images_show(gemma3_dirs, tmp
 
 
 def test_rounds_that_would_lose_the_images_are_one_line(gemma3_dirs, tmp_path):
-    # A text reward model would score the prompts' text alone; a prompt of 52 tokens (its image's included) over
+    # A text reward model would score the prompts' text alone (refused before the run starts, and by the reward
+    # itself); a prompt of 52 tokens (its image's included) over
     # max_prompt_length=48, with a completion of 64 tokens over max_length=96, would be cut, and its image tokens.
     policy_dir, reward_dir = gemma3_dirs
     text_reward = tmp_path / "text_reward"
     torch.manual_seed(0)
     text_config = transformers.AutoConfig.from_pretrained(TINY_DIR, num_labels=1)
     transformers.AutoModelForSequenceClassification.from_config(text_config).save_pretrained(text_reward)
+    transformers.AutoTokenizer.from_pretrained(TINY_DIR).save_pretrained(text_reward)
     data = write_jsonl(tmp_path / "pairs.jsonl", colour_rows(tmp_path, 12))
     rounds = ("rounds.n=1", "n_eval_examples=4")
     cases = [
@@ -283,3 +285,8 @@ def test_rounds_that_would_lose_the_images_are_one_line(gemma3_dirs, tmp_path):
         config = configuration.load(vlm_overrides(tmp_path, policy_dir, data, *rounds, *overrides))
         with pytest.raises(UserError, match=f"^{re.escape(message)}$"):
             train.run(config)
+    message = (
+        f"rounds.reward={text_reward} is a text model and the prompts have images: it would score their text alone"
+    )
+    with pytest.raises(UserError, match=f"^{re.escape(message)}$"):  # the reward itself, as rounds call it
+        ModelReward(text_reward, torch.device("cpu"), 2, 96)(["<image>"], [" red"], [pack_images((png((0, 0, 0)),))])
