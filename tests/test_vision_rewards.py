@@ -5,6 +5,7 @@ images, scores with them and keeps them in its files and pairs; what would read 
 
 import base64
 import re
+import shutil
 
 import pytest
 import torch
@@ -15,9 +16,11 @@ import train
 from conftest import (
     COLOURS,
     TINY_DIR,
+    assert_same_metrics,
     build_trainer,
     colour_rows,
     png,
+    policy_state,
     read_jsonl,
     records,
     save_tiny_vlm,
@@ -290,3 +293,32 @@ def test_rounds_that_would_lose_the_images_are_one_line(gemma3_dirs, tmp_path):
     )
     with pytest.raises(UserError, match=f"^{re.escape(message)}$"):  # the reward itself, as rounds call it
         ModelReward(text_reward, torch.device("cpu"), 2, 96)(["<image>"], [" red"], [pack_images((png((0, 0, 0)),))])
+
+
+@pytest.mark.slow
+def test_a_round_on_image_prompts_resumed_inside_it_equals_the_uninterrupted_one(gemma3_dirs, tmp_path):
+    # A checkpoint after the round's first step: resumed from it, the round's pairs (their images read back from the
+    # round's file) train to the uninterrupted run's weights, records and round file, bit for bit.
+    policy_dir, reward_dir = gemma3_dirs
+    data = write_jsonl(tmp_path / "pairs.jsonl", colour_rows(tmp_path, 12))
+    settings = (
+        "rounds.n=1", f"rounds.reward={reward_dir}", "rounds.prompts=8", "rounds.completions=2",
+        "rounds.eval_prompts=2", "generation.max_new_tokens=4", "n_eval_examples=4", "batch_size=2",
+        "eval_batch_size=4", "eval_every=1000", "save_every=2", "lr=1e-3",
+    )  # fmt: skip
+    whole = tmp_path / "whole"
+    train.run(configuration.load(vlm_overrides(tmp_path, policy_dir, data, *settings, f"local_run_dir={whole}")))
+    steps = sorted(int(path.name.split("-")[1]) for path in whole.glob("step-*"))
+    assert len(steps) >= 2, steps  # one inside the round, one at its end
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copy(whole / "metrics.jsonl", resumed / "metrics.jsonl")
+    shutil.copytree(whole / "rounds", resumed / "rounds")
+    shutil.copytree(whole / f"step-{steps[0]}", resumed / f"step-{steps[0]}")
+    overrides = (*settings, f"local_run_dir={resumed}", "resume_from=auto")
+    train.run(configuration.load(vlm_overrides(tmp_path, policy_dir, data, *overrides)))
+    assert_same_metrics(read_jsonl(whole / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl"))
+    assert read_jsonl(resumed / "rounds" / "round-0.jsonl") == read_jsonl(whole / "rounds" / "round-0.jsonl")
+    a, b = policy_state(whole / "LATEST"), policy_state(resumed / "LATEST")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
