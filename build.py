@@ -13,9 +13,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from core.evaluation import Evaluator
+from core.examples import Examples
 from core.losses import LOSSES
 from core.objective import build_objective
 from core.optim import build_optimizer, build_scheduler
+from core.rewards import reads_images
 from core.router_loss import find_routers
 from core.scoring import Scorer, model_class
 from core.step import BatchLoss, Data, check_kto_prompts, mismatched
@@ -102,11 +104,7 @@ def load_data(
         for examples in (train, evals):
             check_kto_prompts(examples, config.max_prompt_length)
     if config.rounds.n and train.with_images:
-        raise UserError(
-            f"rounds.n={config.rounds.n} samples completions of the training prompts and scores them with "
-            "rounds.reward, which reads their text alone; the prompts have images: train on the pairs themselves "
-            "(rounds.n=0)"
-        )
+        check_round_images(config, train)
     schedule = batch_schedule(len(train), config.batch_size, config.seed, config.n_epochs, config.n_examples)
     if report:
         print(data_report(train, evals, tokenizer, config.max_length, config.max_prompt_length))
@@ -115,6 +113,29 @@ def load_data(
     if objective.needs_kl_estimate and len(eval_batches) > 1 and len(eval_batches[-1]) == 1:
         eval_batches[-2:] = [eval_batches[-2] + eval_batches[-1]]  # one example has no mismatched partner
     return Data(train, eval_batches, schedule)
+
+
+def check_round_images(config: DictConfig, train: Examples) -> None:
+    """One line where rounds on prompts with images would lose them: a reward model that reads text alone (a text
+    model's directory), or a prompt that a generated completion could cut (from_ids cuts a prompt to
+    max_prompt_length where prompt and completion exceed max_length, and its image tokens with it). A function of
+    the text (module:function) reads the text, as it says."""
+    n, reward = f"rounds.n={config.rounds.n}", config.rounds.reward
+    if Path(reward).is_dir() and not reads_images(reward):
+        raise UserError(
+            f"{n}: rounds.reward={reward} is a text model and the prompts have images: it would score their text "
+            "alone; train a reward model that sees them (loss=reward from Gemma 3: docs/reward_models.md)"
+        )
+    new_tokens, prompts = config.generation.max_new_tokens, train.lengths[:, 0]
+    cut = (train.image_lengths > 0) & (prompts > config.max_prompt_length) & (prompts + new_tokens > config.max_length)
+    if cut.any():
+        tokens = int(prompts[cut].max())
+        raise UserError(
+            f"{n}: a prompt with images is {tokens} tokens, its images' included, and with a completion of "
+            f"generation.max_new_tokens={new_tokens} exceeds max_length={config.max_length}, which would cut it to "
+            f"max_prompt_length={config.max_prompt_length}: raise max_length to {tokens + new_tokens} or "
+            f"max_prompt_length to {tokens}"
+        )
 
 
 def rank_data(config: DictConfig, topology: Topology, tokenizer, objective, cache_dir: Path, pairs=None) -> Data:
@@ -144,8 +165,9 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
             config.model, precision.policy_weights, cache_dir, config.seed, quantization_config(config.lora),
             objective.reward_model,
         )  # fmt: skip
-    if objective.reward_model and policy.config.pad_token_id is None:  # its own pooling needs one (scoring)
-        policy.config.pad_token_id = tokenizer.pad_token_id
+    text_config = policy.config.get_text_config()  # a vision-language model's language model's, where it pools
+    if objective.reward_model and text_config.pad_token_id is None:  # its own pooling needs one (scoring)
+        text_config.pad_token_id = tokenizer.pad_token_id
     if config.model.freeze_vision and vision_tower(policy) is not None:
         print(f"vision tower: frozen ({freeze_vision_tower(policy) / 1e6:.3g}M parameters; model.freeze_vision)")
     if config.lora.enabled:  # after model.archive: the adapters go on the SFT weights

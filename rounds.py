@@ -8,7 +8,8 @@ held-out pairs of the evals; the mean reward of greedy completions of the first 
 prompts is logged at the start of each round and at the end.
 
 The run directory's rounds/ holds, per round, round-R.jsonl (one line per prompt: the prompt, the completions, their
-rewards, the pair formed, and the token ids training reads back) and the round's reference log-probs (the reference
+rewards, the pair formed, the token ids training reads back, and the prompt's images, which the policy samples and
+the reward scores with) and the round's reference log-probs (the reference
 cache's format; named by the weights' digest). metrics.jsonl gets a record per round (`rounds/*`), plots.png a panel.
 
 A kill anywhere resumes to the same result: a round's completions depend only on the weights that start it and on
@@ -16,6 +17,7 @@ seeds of (seed, round, prompt, completion), not on batching or ranks; its file a
 its first step, and every checkpoint notes its round (Trainer.round_state). A resume inside a round reads them back;
 a resume from the checkpoint that ends a round starts the next one afresh."""
 
+import base64
 import hashlib
 import json
 
@@ -25,6 +27,7 @@ from build import fill_reference_cache, reference_computation
 from core.examples import Examples, from_ids
 from core.rewards import load_reward
 from core.step import Data
+from modeling.vision import pack_images, unpack_images
 from persistence import reference_cache, storage
 from persistence.tokenized import first_of_each_group
 from preference_datasets import batch_schedule
@@ -42,6 +45,13 @@ def completion_seed(seed: int, round_index: int, prompt_key: bytes, completion: 
     return int.from_bytes(digest, "little") >> 1  # torch seeds are below 2^63 here
 
 
+def distinct_prompts(batches: list[list[dict]], n: int) -> tuple[list[list[int]], list[bytes]]:
+    """The first n distinct prompts of the batches' examples, and their images (pack_images): a prompt is its ids and
+    its images, so that one question asked of two images is two prompts."""
+    distinct = list({(tuple(ex["prompt"]), ex.get("images", b"")): None for batch in batches for ex in batch})[:n]
+    return [list(prompt) for prompt, _ in distinct], [images for _, images in distinct]
+
+
 class Rounds:
     """The rounds of a run, on the Trainer's parts (every rank runs it; the reward runs on rank 0)."""
 
@@ -51,8 +61,7 @@ class Rounds:
         prompts = first_of_each_group(trainer.data.train_examples)
         self.prompts = prompts.select(np.random.default_rng(self.config.seed).permutation(len(prompts)))
         self.eval_batches = trainer.data.eval_batches
-        held_out = {tuple(ex["prompt"]): None for batch in self.eval_batches for ex in batch}
-        self.eval_prompts = [list(prompt) for prompt in held_out][: self.settings.eval_prompts]
+        self.eval_prompts, self.eval_images = distinct_prompts(self.eval_batches, self.settings.eval_prompts)
         c = self.config
         self.reward = self.topology.run_on_main(
             lambda: load_reward(self.settings.reward, self.topology.device, c.eval_batch_size, c.max_length)
@@ -126,44 +135,45 @@ class Rounds:
         """The round's lines (see `score`), sampled from the policy, scored, and written to its file."""
         examples, k = self.round_prompts(round_index), self.settings.completions
         prompts = [examples[i]["prompt"] for i in range(len(examples))]
+        images = [examples[i].get("images", b"") for i in range(len(examples))]
         seeds = [
             completion_seed(self.config.seed, round_index, examples.keys[i].tobytes(), j)
             for i in range(len(examples))
             for j in range(k)
         ]
-        completions = self.complete([prompt for prompt in prompts for _ in range(k)], seeds)
+        repeated = [prompt for prompt in prompts for _ in range(k)], [packed for packed in images for _ in range(k)]
+        completions = self.complete(*repeated, seeds)
         groups = examples.groups.tolist()
         return self.topology.broadcast(
-            self.topology.run_on_main(lambda: self.score(round_index, prompts, groups, completions))
+            self.topology.run_on_main(lambda: self.score(round_index, prompts, images, groups, completions))
         )
 
-    def complete(self, prompts: list[list[int]], seeds: list[int] | None) -> list[list[int]]:
-        """Completions of `prompts` by the policy (sampled from `seeds`, or greedy where None), each data-parallel rank
-        generating its share in batches of eval_batch_size, gathered in order on every rank."""
+    def complete(self, prompts: list[list[int]], images: list[bytes], seeds: list[int] | None) -> list[list[int]]:
+        """Completions of `prompts` by the policy, which sees their `images` (pack_images; b"": none), sampled from
+        `seeds` (greedy where None), each data-parallel rank generating its share in batches of eval_batch_size,
+        gathered in order on every rank."""
         evaluator, policy = self.trainer.evaluator, self.trainer.policy
         policy.eval()
         local, n_real = self.topology.shard(list(range(len(prompts))))
         completions = []
         for start in range(0, len(local), self.config.eval_batch_size):
             rows = local[start : start + self.config.eval_batch_size]
-            batch = [prompts[i] for i in rows]
+            batch, batch_images = [prompts[i] for i in rows], [images[i] for i in rows]
             if seeds is None:
-                completions += evaluator.complete(policy, batch, do_sample=False)
+                completions += evaluator.complete(policy, batch, batch_images, do_sample=False)
             else:
-                completions += evaluator.complete_seeded(policy, batch, [seeds[i] for i in rows])
+                completions += evaluator.complete_seeded(policy, batch, [seeds[i] for i in rows], batch_images)
         return self.topology.gather({"completions": completions[:n_real]})["completions"]
 
-    def texts(self, prompts: list[list[int]], completions: list[list[int]]) -> tuple[list[str], list[str]]:
-        """The reward's inputs: the prompt as the policy read it, the completion without its EOS."""
-        decode = self.trainer.tokenizer.decode
-        return [decode(p) for p in prompts], [decode(c, skip_special_tokens=True) for c in completions]
-
-    def score(self, round_index: int, prompts: list[list[int]], groups: list[int], completions: list[list[int]]):
-        """(rank 0) The round's lines (`round_lines`), written to rounds/round-R.jsonl whole."""
+    def score(self, round_index: int, prompts: list[list[int]], images: list[bytes], groups: list[int], completions):
+        """(rank 0) The round's lines (`round_lines`), written to rounds/round-R.jsonl whole; the reward sees each
+        prompt's images (pack_images; b"": none)."""
         k = self.settings.completions
-        prompt_texts, completion_texts = self.texts([p for p in prompts for _ in range(k)], completions)
-        rewards = self.reward(prompt_texts, completion_texts)
-        lines = round_lines(round_index, prompts, groups, prompt_texts[::k], completion_texts, completions, rewards)
+        repeated = [p for p in prompts for _ in range(k)]
+        prompt_texts, completion_texts = reward_texts(self.trainer.tokenizer, repeated, completions)
+        rewards = self.reward(prompt_texts, completion_texts, [packed for packed in images for _ in range(k)])
+        line_texts = (prompt_texts[::k], completion_texts)
+        lines = round_lines(round_index, prompts, groups, *line_texts, completions, rewards, images)
         path = self.directory / f"round-{round_index}.jsonl"
         with storage.writing(path):
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -191,9 +201,10 @@ class Rounds:
         paired = [line for line in lines if line["chosen"] is not None]
         responses = [[line["completion_ids"][line[side]] for side in ("chosen", "rejected")] for line in paired]
         groups = np.array([line["group"] for line in paired], np.int64)
+        images = [pack_images(tuple(map(base64.b64decode, line.get("images", ())))) for line in paired]
         c = self.config
         examples = from_ids(
-            [line["prompt_ids"] for line in paired], responses, groups, c.max_length, c.max_prompt_length
+            [line["prompt_ids"] for line in paired], responses, groups, c.max_length, c.max_prompt_length, images
         )
         schedule = []
         if len(examples) >= c.batch_size:
@@ -233,18 +244,28 @@ class Rounds:
 
     def heldout_reward(self) -> float:
         """The mean reward of the policy's greedy completions of the held-out prompts."""
-        completions = self.complete(self.eval_prompts, None)
+        completions = self.complete(self.eval_prompts, self.eval_images, None)
 
         def mean_reward() -> float:
-            return float(np.mean(self.reward(*self.texts(self.eval_prompts, completions))))
+            prompt_texts, completion_texts = reward_texts(self.trainer.tokenizer, self.eval_prompts, completions)
+            return float(np.mean(self.reward(prompt_texts, completion_texts, self.eval_images)))
 
         return self.topology.broadcast(self.topology.run_on_main(mean_reward))
 
 
-def round_lines(round_index, prompts, groups, prompt_texts, completion_texts, completions, rewards) -> list[dict]:
+def reward_texts(tokenizer, prompts: list[list[int]], completions: list[list[int]]) -> tuple[list[str], list[str]]:
+    """The reward's inputs: the prompt as the policy read it (a prompt's images as the tokens they expand into),
+    the completion without its EOS."""
+    return [tokenizer.decode(p) for p in prompts], [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+
+
+def round_lines(
+    round_index, prompts, groups, prompt_texts, completion_texts, completions, rewards, images=None
+) -> list[dict]:
     """Per prompt: its text, its completions' texts and rewards, the indices of its chosen (highest reward, the first
     of equals) and rejected (lowest, the last of equals) completions, or null for both where all tie, its group, and
-    the ids. The completions, texts and rewards come prompt after prompt, k of each."""
+    the ids; and its images where it has any (images: each prompt's, pack_images), each image's file in base64. The
+    completions, texts and rewards come prompt after prompt, k of each."""
     k = len(completions) // len(prompts)
     lines = []
     for i, prompt in enumerate(prompts):
@@ -263,6 +284,8 @@ def round_lines(round_index, prompts, groups, prompt_texts, completion_texts, co
                 "completion_ids": completions[i * k : (i + 1) * k],
             }
         )
+        if images and images[i]:
+            lines[-1]["images"] = [base64.b64encode(image).decode() for image in unpack_images(images[i])]
     return lines
 
 

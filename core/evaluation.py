@@ -55,24 +55,28 @@ class Evaluator:
         vision-language model sees each prompt's images."""
         g = self.config.generation
         settings = dict(do_sample=g.do_sample, temperature=g.temperature, top_p=g.top_p)
-        vision = getattr(self.tokenizer, "vision", None)  # modeling.models.load_tokenizer's
-        if vision is not None:
-            images = [image for example in examples for image in unpack_images(example.get("images", b""))]
-            settings |= vision.pixel_inputs(images)
-        completions = self.complete(model, [ex["prompt"] for ex in examples], **settings)
+        prompts, images = [ex["prompt"] for ex in examples], [ex.get("images", b"") for ex in examples]
+        completions = self.complete(model, prompts, images, **settings)
         return self.tokenizer.batch_decode(completions, skip_special_tokens=True)
 
     @torch.no_grad()
-    def complete(self, model: torch.nn.Module, prompts: list[list[int]], **settings) -> list[list[int]]:
+    def complete(
+        self, model: torch.nn.Module, prompts: list[list[int]], images: list[bytes] | None = None, **settings
+    ) -> list[list[int]]:
         """The generated ids of each prompt, up to generation.max_new_tokens, ending with its EOS where it stopped;
-        settings: model.generate's (do_sample, temperature, top_p, logits_processor; a vision-language model's image
-        inputs, of the prompts' images in order). Every rank calls it with as many prompts (synced_gpus: ranks done
-        early join the sharded forward passes of the others)."""
+        images: each prompt's (modeling.vision.pack_images; b"": none), which a vision-language model sees; settings:
+        model.generate's (do_sample, temperature, top_p, logits_processor). Every rank calls it with as many prompts
+        (synced_gpus: ranks done early join the sharded forward passes of the others)."""
         pad_token_id, eos_token_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         prompt_ids, attention_mask = left_padded_prompts([{"prompt": p} for p in prompts], pad_token_id)
-        vision = getattr(self.tokenizer, "vision", None)
-        if vision is not None:  # marked where the model reads marks: images (Qwen-VL, Gemma 3), prefix (PaliGemma)
-            settings |= vision.for_model(model).marks(prompt_ids, attention_mask.bool())
+        vision = getattr(self.tokenizer, "vision", None)  # modeling.models.load_tokenizer's
+        if vision is not None:  # the prompts' images, and their tokens marked where the model reads marks
+            vision = vision.for_model(model)
+            settings |= vision.pixel_inputs([image for packed in images or () for image in unpack_images(packed)])
+            # images (Qwen-VL, Gemma 3) or the prefix (PaliGemma)
+            settings |= vision.marks(prompt_ids, attention_mask.bool())
+            # never an image's token in a completion: a round's pair holding one would ask for an image it lacks
+            settings["suppress_tokens"] = [vision.image_token_id]
         device = self.topology.device
         settings = {name: to_device(v, device) if torch.is_tensor(v) else v for name, v in settings.items()}
         with root_gathered(model):
@@ -91,16 +95,19 @@ class Evaluator:
             completions.append(row[:end])
         return completions
 
-    def complete_seeded(self, model: torch.nn.Module, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+    def complete_seeded(
+        self, model: torch.nn.Module, prompts: list[list[int]], seeds: list[int], images: list[bytes] | None = None
+    ) -> list[list[int]]:
         """Completions sampled as generation.* says (temperature, top_p), row i from its own seeds[i] alone: the
-        same whatever rows share its batch and however many ranks there are (see SeededSampling)."""
+        same whatever rows share its batch and however many ranks there are (see SeededSampling); images: as
+        complete's."""
         g = self.config.generation
         uniforms = torch.stack(
             [torch.rand(g.max_new_tokens, generator=torch.Generator().manual_seed(seed)) for seed in seeds]
         )
         width = max(map(len, prompts))
         sampler = SeededSampling(uniforms.to(self.topology.device), width, g.temperature, g.top_p)
-        return self.complete(model, prompts, do_sample=False, logits_processor=LogitsProcessorList([sampler]))
+        return self.complete(model, prompts, images, do_sample=False, logits_processor=LogitsProcessorList([sampler]))
 
     def sample(self, policy: torch.nn.Module, reference: torch.nn.Module | None, step: int) -> list[dict]:
         """{"step", "prompt", "policy", "reference"} for the first n_eval_model_samples eval prompts."""

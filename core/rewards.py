@@ -1,8 +1,8 @@
 """The reward that scores iterative rounds' completions (rounds.py), from `rounds.reward`: `module:function`, a Python
 function of the prompt's and the completion's text returning a number, or a directory holding a
-sequence-classification reward model with one output (its logit is the reward). Either way a reward is called on
-lists of prompts and completions and returns one finite float each. `brevity` below is one to start from:
-rounds.reward=core.rewards:brevity."""
+sequence-classification reward model with one output (its logit is the reward; a vision-language reward model's, of
+the prompt's images too). Either way a reward is called on lists of prompts, completions and the prompts' images,
+and returns one finite float each. `brevity` below is one to start from: rounds.reward=core.rewards:brevity."""
 
 import importlib
 import math
@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 
 from core.layouts import pad
-from core.scoring import sequence_rewards
+from core.scoring import sequence_rewards, with_image_inputs
+from modeling import weights
+from modeling.vision import Vision, unpack_images
 from utils import UserError, first_line
 
 
@@ -31,6 +33,17 @@ def check_reward(spec: str) -> None:
             raise UserError(f"rounds.reward={spec} is a directory without config.json: not a reward model")
         return
     reward_function(spec)
+
+
+def reads_images(spec: str) -> bool:
+    """Whether rounds.reward=`spec` sees the prompts' images: a vision-language reward model's directory (one that
+    transformers' sequence classifier of its family reads images with: modeling.weights.reads_images)."""
+    from transformers import AutoConfig
+
+    if not Path(spec).is_dir():
+        return False
+    config = AutoConfig.from_pretrained(spec)
+    return weights.is_vision_language(config) and weights.reads_images(config)
 
 
 def reward_function(spec: str):
@@ -61,7 +74,9 @@ class FunctionReward:
     def __init__(self, spec: str):
         self.spec, self.function = spec, reward_function(spec)
 
-    def __call__(self, prompts: list[str], completions: list[str]) -> list[float]:
+    def __call__(self, prompts: list[str], completions: list[str], images: list[bytes] | None = None) -> list[float]:
+        """The function of each prompt's and completion's text; a function reads no image (`images`, the prompts'
+        as ModelReward takes them, are not its input)."""
         rewards = []
         for prompt, completion in zip(prompts, completions):
             value = self.function(prompt, completion)
@@ -78,26 +93,36 @@ class ModelReward:
     """A sequence-classification model's one output on prompt + completion, in float32, computed as training computes
     it (padded rows of scoring.sequence_rewards): the prompt's and the completion's ids tokenized apart and joined as
     training joins them, read at the completion's last token, the prompt's start cut where the two exceed
-    max_length."""
+    max_length. A vision-language reward model (Gemma 3's) sees each prompt's images as training shows them: the
+    prompt's text holds each image's tokens as the policy's processor expanded them, and is kept whole (the
+    completion's end kept within what it leaves of max_length)."""
 
     def __init__(self, directory: Path, device: torch.device, batch_size: int, max_length: int):
-        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoProcessor, AutoTokenizer
 
-        setting = f"rounds.reward={directory}"
+        self.setting = f"rounds.reward={directory}"
         try:
-            labels = AutoConfig.from_pretrained(directory).num_labels
-            if labels != 1:
-                raise UserError(f"{setting} has {labels} outputs; a reward model has one")
+            config = AutoConfig.from_pretrained(directory)
+            if config.num_labels != 1:
+                raise UserError(f"{self.setting} has {config.num_labels} outputs; a reward model has one")
             self.tokenizer = AutoTokenizer.from_pretrained(directory)
             model = AutoModelForSequenceClassification.from_pretrained(directory, dtype=torch.float32)
+            processor = AutoProcessor.from_pretrained(directory) if reads_images(str(directory)) else None
         except (OSError, ValueError, RuntimeError) as error:
-            raise UserError(f"{setting}: cannot load a sequence-classification model ({first_line(error)})") from None
+            raise UserError(
+                f"{self.setting}: cannot load a sequence-classification model ({first_line(error)})"
+            ) from None
         self.pad_token_id = self.tokenizer.pad_token_id
         if self.pad_token_id is None:
             self.pad_token_id = self.tokenizer.eos_token_id
-        if model.config.pad_token_id is None:  # its own pooling needs one, though the head is read here
-            model.config.pad_token_id = self.pad_token_id
+        text_config = model.config.get_text_config()  # a vision-language model's language model's, where it pools
+        if text_config.pad_token_id is None:  # its own pooling needs one, though the head is read here
+            text_config.pad_token_id = self.pad_token_id
         self.model = model.to(device).eval()
+        self.vision = None
+        if processor is not None:
+            processor.tokenizer = self.tokenizer  # one tokenizer: its pad token as set here
+            self.vision = Vision.of(processor).for_model(model)
         self.eos_token_id = self.tokenizer.eos_token_id  # a completion ending with it is read before it, as in training
         self.device, self.batch_size, self.max_length = device, batch_size, max_length
 
@@ -105,14 +130,42 @@ class ModelReward:
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
     @torch.no_grad()
-    def __call__(self, prompts: list[str], completions: list[str]) -> list[float]:
+    def __call__(self, prompts: list[str], completions: list[str], images: list[bytes] | None = None) -> list[float]:
+        """images: each prompt's (modeling.vision.pack_images; b"": none)."""
+        images = images or [b""] * len(prompts)
         examples = []
-        for prompt, completion in zip(self.encode(prompts), self.encode(completions)):
-            completion = completion[-self.max_length :]
+        for prompt, completion, packed in zip(self.encode(prompts), self.encode(completions), images):
+            if packed:
+                self.check_image_tokens(prompt, unpack_images(packed))
+            room = self.max_length - len(prompt) if packed else self.max_length  # a prompt with images stays whole
+            if room < 1:
+                raise UserError(
+                    f"{self.setting}: a prompt with images is {len(prompt)} tokens here, its images' included, and "
+                    f"leaves no room for a completion within max_length={self.max_length}"
+                )
+            completion = completion[-room:]
             room = self.max_length - len(completion)
-            examples.append({"prompt": prompt[len(prompt) - room :] if room else [], "responses": [completion]})
+            prompt = prompt[max(0, len(prompt) - room) :] if room else []
+            examples.append({"prompt": prompt, "responses": [completion], "images": packed})
         rewards = []
         for start in range(0, len(examples), self.batch_size):
-            batch = pad(examples[start : start + self.batch_size], self.pad_token_id).to(self.device)
+            chunk = examples[start : start + self.batch_size]
+            batch = with_image_inputs(pad(chunk, self.pad_token_id), chunk, self.vision).to(self.device)
             rewards += sequence_rewards(self.model, batch, None, torch.float32, self.eos_token_id).cpu().tolist()
         return rewards
+
+    def check_image_tokens(self, prompt: list[int], images: list[bytes]) -> None:
+        """A one-line error unless the prompt holds as many image tokens as this model's processor makes of its
+        images: a text model sees none, and another family's processor expands an image into other tokens."""
+        if self.vision is None:
+            raise UserError(
+                f"{self.setting} is a text model and the prompts have images: it would score their text alone"
+            )
+        found = prompt.count(self.vision.image_token_id)
+        own = self.vision.prompt_ids(self.vision.placeholder * len(images), tuple(images))
+        expected = own.count(self.vision.image_token_id)
+        if found != expected:
+            raise UserError(
+                f"{self.setting}: a prompt with {len(images)} image{'s' * (len(images) != 1)} holds {found} image "
+                f"tokens as the policy's processor made them, and this model's processor makes {expected}"
+            )

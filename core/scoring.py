@@ -402,7 +402,8 @@ def compare(
     except Exception as error:  # any failure means: not this model
         return f"{name} failed with {tried} ({type(error).__name__}: {first_line(error)})"
     if not torch.allclose(got, want, rtol=probe_tolerance(dtype), atol=probe_tolerance(dtype)):
-        return f"{name} {mismatch} (log-probs differ by {(got - want).abs().max():.2g})"
+        what = "log-probs" if reward_eos is None else "rewards"
+        return f"{name} {mismatch} ({what} differ by {(got - want).abs().max():.2g})"
     return None
 
 
@@ -439,19 +440,26 @@ def probe_examples(vision: Vision | None) -> list[dict]:
     return [first, *PROBE_EXAMPLES[1:]]
 
 
-def vision_problem(model: torch.nn.Module, vision: Vision, dtype: torch.dtype, device: torch.device) -> str | None:
+def vision_problem(
+    model: torch.nn.Module, vision: Vision, dtype: torch.dtype, device: torch.device, reward_eos: int | None = None
+) -> str | None:
     """Why this vision-language model cannot train on this trainer's inputs, or None when it can: the probe's image
     prompt and both responses in padded rows, with the image inputs this trainer builds (pixel values from the image
     processor, the tokens marked where the model reads marks: Vision.marks), must give the log-probs of the model's
     own forward of each sequence from its processor's inputs, the response marked as the processor marks a suffix
-    where it takes one (PaliGemma's, whose prefix sees itself both ways), as text otherwise."""
+    where it takes one (PaliGemma's, whose prefix sees itself both ways), as text otherwise; a reward model's rewards
+    (reward_eos: its EOS id), its own pooling at the response's last token."""
     name = type(model_class(model)).__name__
     example = probe_examples(vision)[0]
     image = decode(unpack_images(example["images"])[0])
     padded = with_image_inputs(pad([example], 0), [example], vision).to(device)
+    what = "log-probs" if reward_eos is None else "rewards"
     try:
         with torch.no_grad(), exact_float32():
-            ours = sequence_logps(model, padded, None, dtype, scored_head=False)
+            if reward_eos is None:
+                ours = sequence_logps(model, padded, None, dtype, scored_head=False)
+            else:
+                ours = sequence_rewards(model, padded, None, dtype, reward_eos)
             text = [vision.placeholder + " a"]  # the probe prompt's text, as probe_examples expands it
             own = vision.processor(text=text, images=[image], add_special_tokens=False, return_tensors="pt")
             response_marks = suffix_marks(vision, text, image)
@@ -465,7 +473,11 @@ def vision_problem(model: torch.nn.Module, vision: Vision, dtype: torch.dtype, d
                         marks = [torch.zeros_like(rest), torch.full_like(answer, response_marks.get(key, 0))]
                         inputs[key] = torch.cat([inputs[key], *marks], dim=1)
                 inputs = {key: value.to(device) for key, value in inputs.items()}
-                logits = model(**inputs, use_cache=False).logits[0, :-1].float()
+                output = model(**inputs, use_cache=False)
+                if reward_eos is not None:  # the probe's responses end without an EOS: pooled at their last token
+                    theirs.append(output.logits[0, 0].float())
+                    continue
+                logits = output.logits[0, :-1].float()
                 ids = inputs["input_ids"][0, 1:]
                 scored = logits.log_softmax(-1).gather(-1, ids[:, None])[-len(response) :, 0]
                 theirs.append(scored.sum())
@@ -477,7 +489,7 @@ def vision_problem(model: torch.nn.Module, vision: Vision, dtype: torch.dtype, d
     relative = 1e-6 if dtype == torch.float32 else 1e-2
     if not torch.allclose(ours, theirs, rtol=relative, atol=probe_tolerance(dtype)):
         return (
-            f"{name} computes other log-probs from this trainer's image inputs than from its processor's (they differ "
+            f"{name} computes other {what} from this trainer's image inputs than from its processor's (they differ "
             f"by {(ours - theirs).abs().max():.2g})"
         )
     return None
@@ -629,7 +641,7 @@ class Scorer:
         scored_head = scored_head and reward_eos is None
         notes = []
         vision = vision.for_model(model) if vision is not None else None
-        problem = vision_problem(model, vision, probe_dtype, device) if vision is not None else None
+        problem = vision_problem(model, vision, probe_dtype, device, reward_eos) if vision is not None else None
         problem = topology.broadcast(problem)
         if problem:
             raise UserError(f"{problem}: this model cannot train on pairs with images here (docs/vision.md)")

@@ -139,6 +139,9 @@ class Vision:
     bidirectional: BidirectionalBlocks | None = None  # the family's BIDIRECTIONAL_BLOCKS, or None: causal
     first_position: int = 0  # the family's FIRST_POSITIONS
     rope_index: Any = None  # the model's 3-D rotary positions of a sequence (Qwen-VL's get_rope_index), or None
+    # the inputs the model's forward names (Vision.for_model; None: any): what else the image processor gives (Gemma
+    # 3's num_crops) is no input of the model, and generate refuses it
+    model_inputs: tuple[str, ...] | None = None
 
     @classmethod
     def of(cls, processor) -> "Vision | None":
@@ -165,7 +168,7 @@ class Vision:
         rope_index = getattr(getattr(inner, "model", None), "get_rope_index", None)
         return dataclasses.replace(
             self, type_inputs=names, image_token_id=image_token_id, bidirectional=BIDIRECTIONAL_BLOCKS.get(family),
-            first_position=FIRST_POSITIONS.get(family, 0), rope_index=rope_index,
+            first_position=FIRST_POSITIONS.get(family, 0), rope_index=rope_index, model_inputs=tuple(accepted),
         )  # fmt: skip
 
     def sequence_positions(self, ids: list[int], grids: torch.Tensor | None) -> torch.Tensor:
@@ -214,11 +217,13 @@ class Vision:
         return {name: marks for name in self.type_inputs}
 
     def pixel_inputs(self, images: list[bytes]) -> dict[str, torch.Tensor]:
-        """pixel_values and what else the image processor gives for these images, in order (none: {})."""
+        """pixel_values and what else the image processor gives for these images that the model takes, in order
+        (none: {})."""
         if not images:
             return {}
         outputs = self.processor.image_processor(images=[decode(data) for data in images], return_tensors="pt")
-        return {name: value for name, value in outputs.items() if isinstance(value, torch.Tensor)}
+        taken = lambda name: self.model_inputs is None or name in self.model_inputs  # noqa: E731
+        return {name: value for name, value in outputs.items() if isinstance(value, torch.Tensor) and taken(name)}
 
 
 def model_image_token(config) -> int | None:

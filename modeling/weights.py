@@ -9,6 +9,7 @@ every read and write, with PyTorch's Hugging Face storage reader and writer: saf
 Without a process group (BasicTrainer) the same calls run on the one process."""
 
 import hashlib
+import inspect
 import json
 import shutil
 import warnings
@@ -44,8 +45,9 @@ INDEX = "model.safetensors.index.json"  # which export file holds each tensor
 def model_class(reward: bool, config: transformers.PretrainedConfig | None = None):
     """transformers' auto class of the model a run trains: a causal LM, a vision-language model (a config with a
     vision tower that transformers maps to an image-text-to-text model), or a reward model (a sequence classifier
-    with one output: the causal LM's body and a scalar head)."""
-    if reward and is_vision_language(config):
+    with one output: the causal LM's body and a scalar head; a vision-language model's reads the images too, where
+    transformers has one: reads_images)."""
+    if reward and is_vision_language(config) and not reads_images(config):
         raise UserError(reward_refusal(config))
     if reward:
         return transformers.AutoModelForSequenceClassification
@@ -58,21 +60,22 @@ def is_vision_language(config: transformers.PretrainedConfig | None) -> bool:
     return hasattr(config, "vision_config") and config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
-def reward_refusal(config: transformers.PretrainedConfig) -> str:
-    """Why a vision-language model is not trained as a reward model: most families (LLaVA among them) have no
-    sequence classifier in transformers, and the few that do (Gemma 3) would score images through a head and
-    pooling that no test here has checked against a plain forward."""
+def reads_images(config: transformers.PretrainedConfig) -> bool:
+    """Whether transformers has a sequence classifier of this vision-language model that takes the images
+    (pixel_values) with the text: Gemma 3's and Qwen3.5's, each the model's body and a scalar head `score`."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
-    model_type = config.model_type
-    why = (
-        "its sequence classifier's scores of image prompts are not checked here"
-        if model_type in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
-        else "transformers has no sequence classifier (AutoModelForSequenceClassification) for it"
-    )
+    classifier = getattr(transformers, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(config.model_type, ""), None)
+    return classifier is not None and "pixel_values" in inspect.signature(classifier.forward).parameters
+
+
+def reward_refusal(config: transformers.PretrainedConfig) -> str:
+    """Why a vision-language model is not trained as a reward model: transformers has no sequence classifier of its
+    family that reads images (LLaVA, Idefics3, Qwen2-VL, ...)."""
     return (
-        f"loss=reward: {model_type} is a vision-language model, and reward models here are text models ({why}); "
-        "train the reward model from a text model, or this one with a preference loss"
+        f"loss=reward: {config.model_type} is a vision-language model for which transformers has no sequence "
+        "classifier (AutoModelForSequenceClassification) that reads images; train the reward model from Gemma 3 (or "
+        "a text model), or this one with a preference loss"
     )
 
 

@@ -491,7 +491,10 @@ def tiny_vlm(family: str, **text_overrides):
     else:
         raise ValueError(family)
     torch.manual_seed(0)
-    return transformers.AutoModelForImageTextToText.from_config(config), processor
+    model = transformers.AutoModelForImageTextToText.from_config(config)
+    if family == "gemma3":  # transformers starts Gemma 3's projector at zero: the images would reach no token
+        torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.1)
+    return model, processor
 
 
 def png(colour: tuple[int, int, int], size: int = 32) -> bytes:

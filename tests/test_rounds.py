@@ -200,6 +200,17 @@ def test_a_reward_model_scores_each_text_as_it_would_alone(reward_model_dir):
     assert len(set(alone)) == 4  # the texts score apart: padding them together could not pass unnoticed
 
 
+def test_a_reward_model_keeps_a_prompt_that_fits_whole(reward_model_dir):
+    # 26 prompt and 5 completion tokens: within max_length nothing is cut, whatever room is left over (a room
+    # between one and two prompts' lengths once cut the prompt's start)
+    prompt, completion = "Q: what is two plus three?", " five"
+    rewards = [
+        load_reward(str(reward_model_dir), torch.device("cpu"), 2, max_length)([prompt], [completion])[0]
+        for max_length in (31, 36, 40, 100)
+    ]
+    assert rewards == pytest.approx([rewards[-1]] * 4, abs=1e-6)
+
+
 def test_rounds_train_with_a_reward_model(make_config, reward_model_dir):
     config = make_config(*ROUNDS, "rounds.n=1", f"rounds.reward={reward_model_dir}")
     train.run(config)
