@@ -1,0 +1,125 @@
+"""Checkpoints written in the background (save_async=true, checkpoint.save_in_background): training goes on while
+the files are written, the checkpoint is taken for one only once every write is complete, it holds what a
+synchronous save of the same step holds (a run resumed from it ends where the synchronous run did), and a kill -9
+in the middle of the writing leaves the last complete checkpoint for resume_from=auto. FSDP on 2 processes:
+test_distributed.py; storage faults: test_disk_faults.py; kills at seeded moments: test_crash_resume.py."""
+
+import json
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+import train
+from conftest import MEASURED, arithmetic_pairs, read_jsonl, tiny_run_overrides, write_jsonl
+from persistence import checkpoint
+from test_crash_resume import FAULTS_DIR, assert_equal_checkpoints
+
+CHECKPOINTS = ("step-8", "step-16", "step-24", "step-32", "LATEST")  # a checkpoint every step of 5, and the last
+
+
+def computed(run_dir: Path) -> list[dict]:
+    """The run's records without what is measured (throughput, memory)."""
+    return [{k: v for k, v in r.items() if not k.startswith(MEASURED)} for r in read_jsonl(run_dir / "metrics.jsonl")]
+
+
+def fresh(directory: Path) -> Path:
+    """A new empty directory (scratch space for assert_equal_checkpoints)."""
+    directory.mkdir(parents=True)
+    return directory
+
+
+def assert_same_run(expected: Path, actual: Path, scratch: Path, names=CHECKPOINTS) -> None:
+    """The same records, and checkpoints of the same steps holding the same markers, weights, optimizer states and
+    schedulers, bit for bit."""
+    assert computed(actual) == computed(expected)
+    for name in names:
+        assert json.loads((actual / name / checkpoint.MARKER).read_text()) == checkpoint.describe(expected / name)
+        assert_equal_checkpoints(expected / name, actual / name, fresh(scratch / name))
+        scheduler = [torch.load(d / name / "scheduler.pt", weights_only=True) for d in (expected, actual)]
+        assert scheduler[0] == scheduler[1], name
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """(the synchronous run, in this process: a checkpoint after each of its 5 steps; its overrides)."""
+    root = tmp_path_factory.mktemp("async")
+    overrides = [*tiny_run_overrides(root, write_jsonl(root / "pairs.jsonl", arithmetic_pairs(48))), "save_every=8"]
+    train.run(train.configuration.load([*overrides, f"local_run_dir={root / 'sync'}"]))
+    return root / "sync", overrides
+
+
+def test_training_goes_on_while_a_checkpoint_is_written_and_it_is_one_only_once_written(whole, tmp_path, monkeypatch):
+    """The write of step-16's weights is held until training has taken two more steps: training goes on meanwhile
+    (a save that stopped it would wait for ever), step-16 is no checkpoint until its files are written (no
+    step-16, no checkpoint.json in its temporary directory: resume_from=auto would take step-8), and it then holds
+    step 16's state, not the state of the steps taken meanwhile: every checkpoint and record as the synchronous
+    run's."""
+    sync_dir, overrides = whole
+    run_dir, steps, trained_on, seen = tmp_path / "async", [], threading.Event(), {}
+
+    def count(optimizer, args, kwargs):
+        steps.append(len(steps) + 1)
+        if len(steps) == 4:  # two steps after the save at 16 examples
+            trained_on.set()
+
+    real_write = checkpoint.ModelWeights.write
+
+    def held_write(part, state, directory, world_size, process_group=None):
+        if directory.parent.name == "step-16.tmp":
+            seen["trained on"] = trained_on.wait(timeout=120)
+            seen["step-16"] = (run_dir / "step-16").exists()
+            seen["marker"] = (directory.parent / checkpoint.MARKER).exists()
+            seen["newest"] = checkpoint.newest(run_dir)
+        real_write(part, state, directory, world_size, process_group)
+
+    monkeypatch.setattr(checkpoint.ModelWeights, "write", held_write)
+    hook = register_optimizer_step_post_hook(count)
+    try:
+        train.run(train.configuration.load([*overrides, f"local_run_dir={run_dir}", "save_async=true"]))
+    finally:
+        hook.remove()
+    assert seen == {"trained on": True, "step-16": False, "marker": False, "newest": run_dir / "step-8"}
+    assert sorted(p.name for p in run_dir.iterdir() if p.is_dir()) == sorted(CHECKPOINTS)
+    assert_same_run(sync_dir, run_dir, tmp_path)
+
+
+def test_a_run_resumed_from_an_async_checkpoint_ends_where_the_sync_run_did(whole, tmp_path):
+    sync_dir, overrides = whole
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    train.run(train.configuration.load([*overrides, f"local_run_dir={first}", "save_async=true", "n_examples=24"]))
+    train.run(
+        train.configuration.load(
+            [*overrides, f"local_run_dir={resumed}", "save_async=true", f"resume_from={first / 'step-16'}"]
+        )
+    )
+    after_16 = [r for r in computed(sync_dir) if r["step"] > 16]
+    assert computed(resumed) == after_16
+    for name in CHECKPOINTS[2:]:
+        assert_equal_checkpoints(sync_dir / name, resumed / name, fresh(tmp_path / name))
+
+
+@pytest.mark.slow  # three runs of the command line: ~35 s
+def test_a_kill_during_an_async_write_leaves_the_last_checkpoint_and_resumes_exactly(warm_cli, tmp_path, pairs_file):
+    """SIGKILL right after this process wrote step-16's weights, in the background (FAULT=shards:3: step-8's weights
+    and optimizer state were the first two DCP saves), its optimizer state not yet: step-8 stays the newest
+    complete checkpoint, the half-written step-16 is never taken for one, and resume_from=auto ends with the
+    uninterrupted run's records, checkpoints and weights."""
+    args = [*tiny_run_overrides(tmp_path, pairs_file), "save_every=8", "save_async=true", "resume_from=auto"]
+    result = warm_cli(*args, f"local_run_dir={tmp_path / 'whole'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    crashed = tmp_path / "crashed"
+    fault = {"PYTHONPATH": str(FAULTS_DIR), "FAULT": "shards:3"}
+    result = warm_cli(*args, f"local_run_dir={crashed}", env_extra=fault)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    assert checkpoint.newest(crashed) == crashed / "step-8" and not (crashed / "step-16").exists()
+    assert {p.name for p in (crashed / "step-16.tmp").iterdir()} == {"policy"}
+    assert_equal_checkpoints(tmp_path / "whole" / "step-8", crashed / "step-8", fresh(tmp_path / "step-8"))
+    result = warm_cli(*args, f"local_run_dir={crashed}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resume_from=auto: continuing from {crashed / 'step-8'}" in result.stdout
+    assert not (crashed / "step-16.tmp").exists()
+    assert_same_run(tmp_path / "whole", crashed, tmp_path / "compared")
