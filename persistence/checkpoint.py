@@ -141,7 +141,9 @@ class Draft:
     shards, taken when the save is asked for (`copied`: copies that training can no longer change, for a save that
     goes on in the background), and the steps rank 0 takes to write it (save, save_in_background)."""
 
-    def __init__(self, output_dir: Path, step: int, metrics: dict, parts: dict, loop_state: dict, final: bool, copied):
+    def __init__(
+        self, output_dir: Path, step: int, metrics: dict, parts: dict, loop_state: dict, final: bool, copied: bool
+    ):
         self.output_dir, self.tmp_dir = output_dir, output_dir.with_name(output_dir.name + ".tmp")
         self.step, self.metrics, self.parts, self.final = step, metrics, parts, final
         self.marker = json.dumps({"step": step, "metrics": metrics, "final": final, "loop": loop_state}, indent=1)

@@ -5,18 +5,20 @@ in the middle of the writing leaves the last complete checkpoint for resume_from
 test_distributed.py; storage faults: test_disk_faults.py; kills at seeded moments: test_crash_resume.py."""
 
 import json
+import os
 import signal
 import threading
 from pathlib import Path
 
 import pytest
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import train
+import trainers
 from conftest import MEASURED, arithmetic_pairs, read_jsonl, tiny_run_overrides, write_jsonl
 from persistence import checkpoint
 from test_crash_resume import FAULTS_DIR, assert_equal_checkpoints
+from utils import Interrupted
 
 CHECKPOINTS = ("step-8", "step-16", "step-24", "step-32", "LATEST")  # a checkpoint every step of 5, and the last
 
@@ -53,18 +55,20 @@ def whole(tmp_path_factory):
 
 
 def test_training_goes_on_while_a_checkpoint_is_written_and_it_is_one_only_once_written(whole, tmp_path, monkeypatch):
-    """The write of step-16's weights is held until training has taken two more steps: training goes on meanwhile
-    (a save that stopped it would wait for ever), step-16 is no checkpoint until its files are written (no
-    step-16, no checkpoint.json in its temporary directory: resume_from=auto would take step-8), and it then holds
-    step 16's state, not the state of the steps taken meanwhile: every checkpoint and record as the synchronous
-    run's."""
+    """The write of step-16's weights is held until training has taken the next step (the save after it waits for
+    that write): training goes on meanwhile (a save that stopped it would wait for ever), step-16 is no checkpoint
+    until its files are written (no step-16, no checkpoint.json in its temporary directory: resume_from=auto would
+    take step-8), and it then holds step 16's state, not the state of the step taken meanwhile: every checkpoint
+    and record as the synchronous run's."""
     sync_dir, overrides = whole
-    run_dir, steps, trained_on, seen = tmp_path / "async", [], threading.Event(), {}
+    run_dir, trained_on, seen = tmp_path / "async", threading.Event(), {}
+    train_step = trainers.Trainer.train_step
 
-    def count(optimizer, args, kwargs):
-        steps.append(len(steps) + 1)
-        if len(steps) == 4:  # two steps after the save at 16 examples
+    def counted_step(trainer, examples):
+        metrics = train_step(trainer, examples)
+        if trainer.batch_counter == 2:  # this step is the third, the one after the save at 16 examples
             trained_on.set()
+        return metrics
 
     real_write = checkpoint.ModelWeights.write
 
@@ -77,14 +81,44 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_it_is_one_only_once_
         real_write(part, state, directory, world_size, process_group)
 
     monkeypatch.setattr(checkpoint.ModelWeights, "write", held_write)
-    hook = register_optimizer_step_post_hook(count)
-    try:
-        train.run(train.configuration.load([*overrides, f"local_run_dir={run_dir}", "save_async=true"]))
-    finally:
-        hook.remove()
+    monkeypatch.setattr(trainers.Trainer, "train_step", counted_step)
+    train.run(train.configuration.load([*overrides, f"local_run_dir={run_dir}", "save_async=true"]))
     assert seen == {"trained on": True, "step-16": False, "marker": False, "newest": run_dir / "step-8"}
     assert sorted(p.name for p in run_dir.iterdir() if p.is_dir()) == sorted(CHECKPOINTS)
     assert_same_run(sync_dir, run_dir, tmp_path)
+
+
+def test_ctrl_c_while_a_checkpoint_is_written_in_the_background_completes_it_and_the_stops_own(
+    whole, tmp_path, monkeypatch
+):
+    """Ctrl-C at the step after step-16's save, its write held until then: the run stops after that step (24
+    examples) with step-16 complete and the stop's own checkpoint, step-24, written (in the background too) before
+    the run ends; both as the synchronous run's."""
+    sync_dir, overrides = whole
+    run_dir, stopped = tmp_path / "async", threading.Event()
+    train_step = trainers.Trainer.train_step
+
+    def interrupted_step(trainer, examples):
+        metrics = train_step(trainer, examples)
+        if trainer.batch_counter == 2:  # this step is the third, the first after the save at 16 examples
+            os.kill(os.getpid(), signal.SIGINT)
+            stopped.set()
+        return metrics
+
+    real_write = checkpoint.ModelWeights.write
+
+    def held_write(part, state, directory, world_size, process_group=None):
+        if directory.parent.name == "step-16.tmp":
+            assert stopped.wait(timeout=120)
+        real_write(part, state, directory, world_size, process_group)
+
+    monkeypatch.setattr(checkpoint.ModelWeights, "write", held_write)
+    monkeypatch.setattr(trainers.Trainer, "train_step", interrupted_step)
+    with pytest.raises(Interrupted, match="^stopped by SIGINT after 24 examples; the checkpoint is .*step-24"):
+        train.run(train.configuration.load([*overrides, f"local_run_dir={run_dir}", "save_async=true"]))
+    assert sorted(p.name for p in run_dir.iterdir() if p.is_dir()) == ["step-16", "step-24", "step-8"]
+    for name in ("step-8", "step-16", "step-24"):
+        assert_equal_checkpoints(sync_dir / name, run_dir / name, fresh(tmp_path / name))
 
 
 def test_a_run_resumed_from_an_async_checkpoint_ends_where_the_sync_run_did(whole, tmp_path):
@@ -103,6 +137,7 @@ def test_a_run_resumed_from_an_async_checkpoint_ends_where_the_sync_run_did(whol
 
 
 @pytest.mark.slow  # three runs of the command line: ~35 s
+@pytest.mark.xdist_group("processes")  # see pyproject.toml
 def test_a_kill_during_an_async_write_leaves_the_last_checkpoint_and_resumes_exactly(warm_cli, tmp_path, pairs_file):
     """SIGKILL right after this process wrote step-16's weights, in the background (FAULT=shards:3: step-8's weights
     and optimizer state were the first two DCP saves), its optimizer state not yet: step-8 stays the newest
