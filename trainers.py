@@ -154,8 +154,7 @@ class Trainer:
                 self.batch_counter += 1
                 progress.update()
                 progress.set_postfix(loss=f"{self.log.add_step(step_metrics, amounts):.4f}")
-                failed_save = self.checkpoints.failed_in_background()  # raised by the checkpoint below
-                stopping = self.topology.any(stop.received is not None or self.log.failure is not None or failed_save)
+                stopping = self.topology.any(stop.asked or self.log.failure is not None or self.checkpoints.failed())
                 # Metrics of every step count: they are averaged over the interval, not sampled at its end. The
                 # interval also closes where a checkpoint may follow, so the log holds every step up to it.
                 round_end = self.batch_counter == self.round_start + len(schedule)
@@ -167,8 +166,7 @@ class Trainer:
                     self.move_reference()  # before this step's checkpoint, which holds the moved reference
                 if stopping:
                     self.log.check(self.topology, self.stopped)
-                    self.checkpoint_now()  # of the last finished step
-                    self.wait_for_checkpoint()
+                    self.checkpoint_now(wait=True)  # of the last finished step (an earlier one's failure stops here)
                     raise stop.interrupted(self.example_counter, self.checkpoints.last, self.run_dir)
 
     @property
@@ -208,10 +206,10 @@ class Trainer:
         if self.cadence.save_due(n) and self.checkpoints.saved_at != n:
             self.save(self.run_dir / f"step-{n}", metrics)
 
-    def checkpoint_now(self) -> None:
-        """A step-N checkpoint of where training is, unless one was just written."""
+    def checkpoint_now(self, wait: bool = False) -> None:
+        """A step-N checkpoint of where training is, unless one was just written (wait: complete when this returns)."""
         if self.checkpoints.saved_at != self.example_counter:
-            self.save(self.run_dir / f"step-{self.example_counter}", {})
+            self.save(self.run_dir / f"step-{self.example_counter}", {}, wait=wait)
 
     def evaluate(self) -> dict[str, float]:
         """Evaluate (and sample), log it and redraw the plots; the eval metrics."""
@@ -227,19 +225,12 @@ class Trainer:
         self.last_eval_at = self.example_counter
         return metrics
 
-    def save(self, output_dir: Path, metrics: dict[str, float], final: bool = False) -> None:
-        """A checkpoint of where training is, with the loop's counters (final: with the from_pretrained export)."""
+    def save(self, output_dir: Path, metrics: dict[str, float], final: bool = False, wait: bool = False) -> None:
+        """A checkpoint of where training is with the loop's counters (final: and the export; wait: done on return)."""
         self.log.check(self.topology, self.stopped)
         loop = dict(last_eval_at=self.last_eval_at, nonfinite_in_a_row=self.nonfinite.in_a_row, round=self.round_state)
         try:
-            self.checkpoints.save(output_dir, self.example_counter, metrics, loop, final)
-        except UserError as error:
-            raise self.stopped(error) from None
-
-    def wait_for_checkpoint(self) -> None:
-        """The checkpoint written in the background (save_async=true) complete, or the run stopped by its failure."""
-        try:
-            self.checkpoints.wait()
+            self.checkpoints.save(output_dir, self.example_counter, metrics, loop, final, wait)
         except UserError as error:
             raise self.stopped(error) from None
 
@@ -289,9 +280,10 @@ class Checkpointer:
         self.last, self.saved_at = directory, step
         return step, marker
 
-    def save(self, directory: Path, step: int, metrics: dict[str, float], loop: dict, final: bool) -> None:
+    def save(self, directory: Path, step: int, metrics: dict[str, float], loop: dict, final: bool, wait=False) -> None:
         """A checkpoint of every part at `step` (checkpoint.save); keep_last prunes older step-N ones. With
-        save_async=true a step-N one is written in the background, once the one before is complete."""
+        save_async=true a step-N one is written in the background, once the one before is complete (and complete
+        when this returns, with `wait`)."""
         if self.config.debug:
             return
         self.wait()
@@ -310,6 +302,8 @@ class Checkpointer:
                 self.process_group,
             )
             self.saved_at = step
+            if wait:
+                self.wait()
             return
         checkpoint.save(
             directory, step, metrics, self.parts, self.topology, loop, self.tokenizer, final, previous, keep_last
@@ -318,9 +312,10 @@ class Checkpointer:
         if keep_last is not None and not final:
             self.topology.run_on_main(lambda: checkpoint.prune(self.run_dir, keep_last))
 
-    def failed_in_background(self) -> bool:
-        """Whether the checkpoint written in the background failed (this rank's view; wait() raises the failure,
-        the same on every rank). One that completed is the last complete checkpoint from now on."""
+    def failed(self) -> bool:
+        """Whether the checkpoint written in the background failed (this rank's view; the next save, or wait(),
+        raises the failure, the same on every rank). One that completed is the last complete checkpoint from now
+        on."""
         if self.in_flight is not None and self.in_flight.done() and not self.in_flight.failed():
             self.last, self.in_flight = self.in_flight.directory, None
         return self.in_flight is not None and self.in_flight.failed()
@@ -498,6 +493,11 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             self.previous = {signum: signal.signal(signum, self.handle) for signum in (signal.SIGINT, signal.SIGTERM)}
         return self
+
+    @property
+    def asked(self) -> bool:
+        """Whether a signal asked the run to stop."""
+        return self.received is not None
 
     def handle(self, signum: int, frame) -> None:
         if self.received is None:

@@ -49,9 +49,8 @@ def test_gpu_campaign_smoke_runs_every_configuration(tmp_path):
 def test_async_save_smoke_times_training_around_synchronous_and_background_saves():
     result = run_bench("--async-save", "--smoke", timeout=900, OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = {
-        line.split()[0]: line.split()[2:] for line in result.stdout.splitlines() if line.startswith(("sync", "async"))
-    }
+    rows = {cells[0]: cells[2:] for cells in map(str.split, result.stdout.splitlines()) if cells[1:2] == ["1"]}
+    assert rows.keys() == {"sync", "async"}  # one round of each
     for mode in ("sync", "async"):
         loop, stall, write, step, _, saves = rows[mode]
         assert int(saves) == 3 and 0 < float(stall) <= float(write) < float(loop) and float(step) > 0, (mode, rows)
