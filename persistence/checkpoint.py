@@ -15,6 +15,7 @@ moment leaves every checkpoint directory complete or absent and the previous one
 newest complete one and `prune` keeps the disk from filling. Checkpoints in the reference's format (a whole
 policy.pt and optimizer.pt, written before the sharded one) are still read."""
 
+import contextlib
 import copy
 import json
 import pickle
@@ -44,6 +45,7 @@ from utils import UserError, first_line
 
 DESCRIPTION_BYTES = 16 << 20  # the config, tokenizer and small parts of a checkpoint: a few MiB, rarely more
 LEGACY_FILES = ("policy", "optimizer", "scheduler")  # the reference format's files, which it requires
+IMPLEMENTATION = ("fused", "foreach")  # an optimizer's parameter-group keys that say how it steps, not what it computes
 MARKER = "checkpoint.json"  # written last: a directory without it was not written by save()
 STEP_DIR = re.compile(r"step-(\d+)")
 
@@ -124,11 +126,25 @@ class OptimizerState(ModelWeights):
     def load(self, directory: Path) -> None:
         state = self.state()  # this run's shards, to be filled
         dcp.load(state, checkpoint_id=str(directory), no_dist=weights.one_process())
-        set_optimizer_state_dict(self.model, self.optimizer, state)
+        with own_implementation(self.optimizer):
+            set_optimizer_state_dict(self.model, self.optimizer, state)
 
     def load_whole(self, state: dict, broadcast: bool) -> None:
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=False)
-        set_optimizer_state_dict(self.model, self.optimizer, state, options=options)
+        with own_implementation(self.optimizer):
+            set_optimizer_state_dict(self.model, self.optimizer, state, options=options)
+
+
+@contextlib.contextmanager
+def own_implementation(optimizer: torch.optim.Optimizer):
+    """Loading a checkpoint's parameter groups keeps how this run's optimizer steps (fused or foreach, chosen for its
+    parameters: optim.fused_default), which torch would replace with the writer's: tensor parallelism's plain and
+    DTensor parameters, which the fused kernel cannot take together, made fused by a BasicTrainer or FSDP checkpoint,
+    stopped at the first step."""
+    own = [{key: group[key] for key in IMPLEMENTATION if key in group} for group in optimizer.param_groups]
+    yield
+    for group, keys in zip(optimizer.param_groups, own):
+        group.update(keys)
 
 
 def collective(part) -> bool:
