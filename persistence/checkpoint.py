@@ -12,8 +12,10 @@ or optimizer state. A directory holds:
 The run's last one, LATEST, is also a from_pretrained directory (export). A directory is written whole under a
 temporary name, checked (every rank's shards there), synced to disk and renamed into place, so that a kill at any
 moment leaves every checkpoint directory complete or absent and the previous ones untouched; `newest` resumes from the
-newest complete one and `prune` keeps the disk from filling. Checkpoints in the reference's format (a whole
-policy.pt and optimizer.pt, written before the sharded one) are still read."""
+newest complete one and `prune` keeps the disk from filling. With save_async, `save_in_background` writes a step-N
+checkpoint from a copy in host memory while training goes on, checkpoint.json and the swap still last, once every
+rank's writes are complete. Checkpoints in the reference's format (a whole policy.pt and optimizer.pt, written before
+the sharded one) are still read."""
 
 import contextlib
 import copy

@@ -78,12 +78,15 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_it_is_one_only_once_
             seen["step-16"] = (run_dir / "step-16").exists()
             seen["marker"] = (directory.parent / checkpoint.MARKER).exists()
             seen["newest"] = checkpoint.newest(run_dir)
+        if directory.parent.name == "step-24.tmp":  # one save at a time: the next one waited for step-16's
+            seen["step-16 before step-24"] = checkpoint.describe(run_dir / "step-16") is not None
         real_write(part, state, directory, world_size, process_group)
 
     monkeypatch.setattr(checkpoint.ModelWeights, "write", held_write)
     monkeypatch.setattr(trainers.Trainer, "train_step", counted_step)
     train.run(train.configuration.load([*overrides, f"local_run_dir={run_dir}", "save_async=true"]))
-    assert seen == {"trained on": True, "step-16": False, "marker": False, "newest": run_dir / "step-8"}
+    expected = {"trained on": True, "step-16": False, "marker": False, "newest": run_dir / "step-8"}
+    assert seen == {**expected, "step-16 before step-24": True}
     assert sorted(p.name for p in run_dir.iterdir() if p.is_dir()) == sorted(CHECKPOINTS)
     assert_same_run(sync_dir, run_dir, tmp_path)
 
