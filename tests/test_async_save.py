@@ -96,9 +96,11 @@ def test_ctrl_c_while_a_checkpoint_is_written_in_the_background_completes_it_and
 ):
     """Ctrl-C at the step after step-16's save, its write held until then: the run stops after that step (24
     examples) with step-16 complete and the stop's own checkpoint, step-24, written (in the background too) before
-    the run ends; both as the synchronous run's."""
+    the run ends; both as the synchronous run's. The same command again (resume_from=auto) continues from step-24
+    and ends with the synchronous run's records and checkpoints."""
     sync_dir, overrides = whole
     run_dir, stopped = tmp_path / "async", threading.Event()
+    command = [*overrides, f"local_run_dir={run_dir}", "save_async=true", "resume_from=auto"]
     train_step = trainers.Trainer.train_step
 
     def interrupted_step(trainer, examples):
@@ -115,28 +117,16 @@ def test_ctrl_c_while_a_checkpoint_is_written_in_the_background_completes_it_and
             assert stopped.wait(timeout=120)
         real_write(part, state, directory, world_size, process_group)
 
-    monkeypatch.setattr(checkpoint.ModelWeights, "write", held_write)
-    monkeypatch.setattr(trainers.Trainer, "train_step", interrupted_step)
-    with pytest.raises(Interrupted, match="^stopped by SIGINT after 24 examples; the checkpoint is .*step-24"):
-        train.run(train.configuration.load([*overrides, f"local_run_dir={run_dir}", "save_async=true"]))
+    with monkeypatch.context() as patched:
+        patched.setattr(checkpoint.ModelWeights, "write", held_write)
+        patched.setattr(trainers.Trainer, "train_step", interrupted_step)
+        with pytest.raises(Interrupted, match="^stopped by SIGINT after 24 examples; the checkpoint is .*step-24"):
+            train.run(train.configuration.load(command))
     assert sorted(p.name for p in run_dir.iterdir() if p.is_dir()) == ["step-16", "step-24", "step-8"]
     for name in ("step-8", "step-16", "step-24"):
         assert_equal_checkpoints(sync_dir / name, run_dir / name, fresh(tmp_path / name))
-
-
-def test_a_run_resumed_from_an_async_checkpoint_ends_where_the_sync_run_did(whole, tmp_path):
-    sync_dir, overrides = whole
-    first, resumed = tmp_path / "first", tmp_path / "resumed"
-    train.run(train.configuration.load([*overrides, f"local_run_dir={first}", "save_async=true", "n_examples=24"]))
-    train.run(
-        train.configuration.load(
-            [*overrides, f"local_run_dir={resumed}", "save_async=true", f"resume_from={first / 'step-16'}"]
-        )
-    )
-    after_16 = [r for r in computed(sync_dir) if r["step"] > 16]
-    assert computed(resumed) == after_16
-    for name in CHECKPOINTS[2:]:
-        assert_equal_checkpoints(sync_dir / name, resumed / name, fresh(tmp_path / name))
+    train.run(train.configuration.load(command))
+    assert_same_run(sync_dir, run_dir, tmp_path / "resumed", names=CHECKPOINTS[3:])
 
 
 @pytest.mark.slow  # three runs of the command line: ~35 s
