@@ -53,14 +53,14 @@ def async_save_worker(result_file: str, overrides: list[str]) -> None:
 
     def timed_save(self, directory, *args, **kwargs):
         record = {"name": directory.name, "start": time.perf_counter()}
+        saves.append(record)  # before the save: its write may end before it returns
         save(self, directory, *args, **kwargs)
         record["returned"] = time.perf_counter()
         record.setdefault("written", record["returned"])  # a synchronous save: written when it returns
-        saves.append(record)
 
     def timed_run(self, write):
         run(self, write)
-        next(r for r in saves if r["name"] == self.directory.name)["written"] = time.perf_counter()
+        [r for r in saves if r["name"] == self.directory.name][-1]["written"] = time.perf_counter()
 
     trainers.Trainer.train_step, trainers.Checkpointer.save, checkpoint.BackgroundSave.run = (
         timed_step,
