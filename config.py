@@ -181,6 +181,7 @@ class Config:
     resume_from: Optional[str] = MISSING
     save_every: Optional[int] = ranged(Range(0, low_open=True, null="to save at each eval"))
     keep_last: Optional[int] = ranged(Range(0, low_open=True, null="to keep every checkpoint"))
+    save_async: bool = MISSING
     sample_during_eval: bool = MISSING
     n_eval_model_samples: int = ranged(POSITIVE)
     generation: GenerationConfig = MISSING
@@ -249,6 +250,8 @@ class Config:
                 "resume_from=auto continues the run in local_run_dir, but local_run_dir=null names a new directory "
                 "each time; set local_run_dir=DIR and re-run the same command after a crash"
             )
+        if self.save_async and self.debug:
+            raise UserError("save_async=true writes checkpoints in the background, but debug=true writes none")
         if self.trainer not in TRAINERS:
             raise UserError(
                 f"unknown trainer '{self.trainer}'{did_you_mean(self.trainer, TRAINERS)}; valid: {', '.join(TRAINERS)}"

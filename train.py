@@ -136,6 +136,7 @@ def run(config: DictConfig) -> None:
         print(f"run directory: {run_dir}; {topology.describe()}")
         wandb_run = topology.run_on_main(lambda: init_wandb(config, run_dir)) if wants_wandb(config) else None
         trainer = build_trainer(config, topology, run_dir, wandb_run)
+        lock.enter_context(trainer.checkpoints)  # a save in the background ends before the lock is let go
         if config.rounds.n:
             Rounds(trainer).run()
         else:

@@ -154,7 +154,7 @@ class Trainer:
                 self.batch_counter += 1
                 progress.update()
                 progress.set_postfix(loss=f"{self.log.add_step(step_metrics, amounts):.4f}")
-                stopping = self.topology.any(stop.received is not None or self.log.failure is not None)
+                stopping = self.topology.any(stop.asked or self.log.failure is not None or self.checkpoints.failed())
                 # Metrics of every step count: they are averaged over the interval, not sampled at its end. The
                 # interval also closes where a checkpoint may follow, so the log holds every step up to it.
                 round_end = self.batch_counter == self.round_start + len(schedule)
@@ -166,7 +166,7 @@ class Trainer:
                     self.move_reference()  # before this step's checkpoint, which holds the moved reference
                 if stopping:
                     self.log.check(self.topology, self.stopped)
-                    self.checkpoint_now()  # of the last finished step
+                    self.checkpoint_now(wait=True)  # of the last finished step (an earlier one's failure stops here)
                     raise stop.interrupted(self.example_counter, self.checkpoints.last, self.run_dir)
 
     @property
@@ -206,10 +206,10 @@ class Trainer:
         if self.cadence.save_due(n) and self.checkpoints.saved_at != n:
             self.save(self.run_dir / f"step-{n}", metrics)
 
-    def checkpoint_now(self) -> None:
-        """A step-N checkpoint of where training is, unless one was just written."""
+    def checkpoint_now(self, wait: bool = False) -> None:
+        """A step-N checkpoint of where training is, unless one was just written (wait: complete when this returns)."""
         if self.checkpoints.saved_at != self.example_counter:
-            self.save(self.run_dir / f"step-{self.example_counter}", {})
+            self.save(self.run_dir / f"step-{self.example_counter}", {}, wait=wait)
 
     def evaluate(self) -> dict[str, float]:
         """Evaluate (and sample), log it and redraw the plots; the eval metrics."""
@@ -225,12 +225,12 @@ class Trainer:
         self.last_eval_at = self.example_counter
         return metrics
 
-    def save(self, output_dir: Path, metrics: dict[str, float], final: bool = False) -> None:
-        """A checkpoint of where training is, with the loop's counters (final: with the from_pretrained export)."""
+    def save(self, output_dir: Path, metrics: dict[str, float], final: bool = False, wait: bool = False) -> None:
+        """A checkpoint of where training is with the loop's counters (final: and the export; wait: done on return)."""
         self.log.check(self.topology, self.stopped)
         loop = dict(last_eval_at=self.last_eval_at, nonfinite_in_a_row=self.nonfinite.in_a_row, round=self.round_state)
         try:
-            self.checkpoints.save(output_dir, self.example_counter, metrics, loop, final)
+            self.checkpoints.save(output_dir, self.example_counter, metrics, loop, final, wait)
         except UserError as error:
             raise self.stopped(error) from None
 
@@ -254,7 +254,10 @@ def checkpoint_parts(parts: RunParts) -> dict:
 
 class Checkpointer:
     """The run's checkpoints, apart from the loop that asks for them: the parts a checkpoint holds (by file name),
-    the last complete checkpoint, and keep_last's pruning. Nothing is written under debug=true."""
+    the last complete checkpoint, and keep_last's pruning. Nothing is written under debug=true. With save_async=true
+    a step-N checkpoint is written in the background while training goes on (checkpoint.save_in_background), one
+    at a time: a save waits for the one before, and so does the run's end (this is a context manager: the run ends
+    with it, however it ends)."""
 
     def __init__(self, parts: dict, config, topology, run_dir: Path, tokenizer):
         self.parts, self.config, self.topology, self.run_dir, self.tokenizer = (
@@ -265,7 +268,11 @@ class Checkpointer:
             tokenizer,
         )
         self.last: Path | None = None  # the last complete checkpoint, written or resumed from
-        self.saved_at: int | None = None  # the example count it was written at
+        self.saved_at: int | None = None  # the example count it was written (or is being written) at
+        self.in_flight: checkpoint.BackgroundSave | None = None
+        self.in_background = config.save_async and not config.debug
+        if self.in_background:
+            self.process_group = checkpoint.save_process_group(config.distributed_timeout_secs)
 
     def load(self, directory: Path) -> tuple[int, dict]:
         """Every part from the checkpoint in `directory` (checkpoint.load); (its step, its marker)."""
@@ -273,17 +280,68 @@ class Checkpointer:
         self.last, self.saved_at = directory, step
         return step, marker
 
-    def save(self, directory: Path, step: int, metrics: dict[str, float], loop: dict, final: bool) -> None:
-        """A checkpoint of every part at `step` (checkpoint.save); keep_last prunes older step-N ones."""
+    def save(self, directory: Path, step: int, metrics: dict[str, float], loop: dict, final: bool, wait=False) -> None:
+        """A checkpoint of every part at `step` (checkpoint.save); keep_last prunes older step-N ones. With
+        save_async=true a step-N one is written in the background, once the one before is complete (and complete
+        when this returns, with `wait`)."""
         if self.config.debug:
             return
+        self.wait()
         keep_last, previous = self.config.keep_last, self.last
+        if self.in_background and not final:
+            self.in_flight = checkpoint.save_in_background(
+                directory,
+                step,
+                metrics,
+                self.parts,
+                self.topology,
+                loop,
+                self.tokenizer,
+                previous,
+                keep_last,
+                self.process_group,
+            )
+            self.saved_at = step
+            if wait:
+                self.wait()
+            return
         checkpoint.save(
             directory, step, metrics, self.parts, self.topology, loop, self.tokenizer, final, previous, keep_last
         )
         self.last, self.saved_at = directory, step
         if keep_last is not None and not final:
             self.topology.run_on_main(lambda: checkpoint.prune(self.run_dir, keep_last))
+
+    def failed(self) -> bool:
+        """Whether the checkpoint written in the background failed (this rank's view; the next save, or wait(),
+        raises the failure, the same on every rank). One that completed is the last complete checkpoint from now
+        on."""
+        if self.in_flight is not None and self.in_flight.done() and not self.in_flight.failed():
+            self.last, self.in_flight = self.in_flight.directory, None
+        return self.in_flight is not None and self.in_flight.failed()
+
+    def wait(self) -> None:
+        """The checkpoint written in the background, if any, complete (the last complete checkpoint), or its failure
+        raised on every rank."""
+        if self.in_flight is not None:
+            pending, self.in_flight = self.in_flight, None
+            pending.wait()
+            self.last = pending.directory
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        """The run ends: a checkpoint still written in the background is completed first, unless a second Ctrl-C
+        asks to stop at once (the half-written directory is never taken for a checkpoint); its failure does not
+        hide the error the run ends with."""
+        if kind is KeyboardInterrupt:
+            return
+        try:
+            self.wait()
+        except UserError:
+            if kind is None:
+                raise
 
     def stopped(self, error: UserError, examples: int) -> UserError:
         """A write failure's line, with where the run stopped, what is safe and how to go on."""
@@ -435,6 +493,11 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             self.previous = {signum: signal.signal(signum, self.handle) for signum in (signal.SIGINT, signal.SIGTERM)}
         return self
+
+    @property
+    def asked(self) -> bool:
+        """Whether a signal asked the run to stop."""
+        return self.received is not None
 
     def handle(self, signum: int, frame) -> None:
         if self.received is None:

@@ -36,6 +36,10 @@ One module per campaign:
   and 4 processes, for a random 286M Llama (hidden 1024, 20 layers, float32, AdamW; 2 steps of 4 HH pairs) and the
   same twice as deep; with --versus, another version's code on each configuration too, in turn (--scale --smoke: tiny
   sizes, as the test suite runs it).
+- async_save.py: --async-save [--rounds N]: checkpoints written in the background (save_async=true) against
+  synchronous ones: the 286M Llama of --scale on one process, 8 steps of 4 HH pairs with a checkpoint every 2,
+  alternating fresh processes (2 rounds unless told): how long training stands still at a save, a step's time with
+  and without a checkpoint being written, the loop's whole time (--async-save --smoke: tiny sizes, one round).
 - window.py: --window: a sliding-window model (a narrow Gemma 3: five 128-token-window layers to one global, and
   Gemma 2's final soft cap of 30) at max_length 512 x 8 HH pairs, the default configuration (packed rows with a
   windowed mask per layer type, the scored head soft-capping itself) against what such a model took before (padded

@@ -3,7 +3,21 @@
 import argparse
 
 import bench
-from bench import attention, data, fsdp, gpu, kernels, levers, profile, reward, scale, versus, vision, window
+from bench import (
+    async_save,
+    attention,
+    data,
+    fsdp,
+    gpu,
+    kernels,
+    levers,
+    profile,
+    reward,
+    scale,
+    versus,
+    vision,
+    window,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,17 +44,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--versus", metavar="GIT_REF", help="the training step (or with --scale, the memory) against another version's"
     )
     parser.add_argument(
-        "--rounds", type=int, help="--versus, --vision: rounds of the configurations alternating (default 2)"
+        "--rounds",
+        type=int,
+        help="--versus, --vision, --async-save: rounds of the configurations alternating (default 2)",
     )
     parser.add_argument(
         "--profile", nargs="*", metavar="KEY=VALUE", help="where a training step's time goes (train.py overrides)"
     )
     parser.add_argument("--scale", action="store_true", help="each rank's memory at load, train, save, resume")
+    parser.add_argument(
+        "--async-save", action="store_true", help="checkpoints written in the background against synchronous ones"
+    )
     parser.add_argument("--window", action="store_true", help="a sliding-window, soft-capped model: packed vs padded")
     parser.add_argument("--reward", action="store_true", help="reward modelling against TRL's RewardTrainer")
     parser.add_argument("--vision", action="store_true", help="vision-language DPO against TRL's DPOTrainer")
     parser.add_argument(
-        "--smoke", action="store_true", help="--gpu, --data, --scale, --reward or --vision at tiny sizes"
+        "--smoke", action="store_true", help="--gpu, --data, --scale, --reward, --vision or --async-save at tiny sizes"
     )
     parser.add_argument(
         "--warmup", type=int, default=2, help="--levers, --compile, --lora, --window, --reward, --vision: untimed steps"
@@ -69,6 +88,8 @@ def run(args: argparse.Namespace) -> None:
         return data.bench_data(args.smoke)
     if args.scale:
         return scale.bench_scale(args.smoke, args.versus)
+    if args.async_save:
+        return async_save.bench_async_save(args.smoke, args.rounds or 2)
     if args.window:
         return window.bench_window(args.warmup, args.steps)
     if args.reward:
@@ -87,8 +108,11 @@ def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.rounds is not None and (not (args.versus or args.vision) or args.rounds < 1):
-        parser.error(f"--rounds {args.rounds}: a number of rounds of at least 1, and only with --versus or --vision")
+    if args.rounds is not None and (not (args.versus or args.vision or args.async_save) or args.rounds < 1):
+        parser.error(
+            f"--rounds {args.rounds}: a number of rounds of at least 1, and only with --versus, --vision or "
+            "--async-save"
+        )
     run(args)
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint._consolidate_hf_safetensors import _consolidate_safetensors_files
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -186,13 +187,21 @@ def read_files(model: nn.Module, directory: Path, names: dict[str, str]) -> None
         raise UserError(f"could not read the weights in {directory} ({failure(error)})") from None
 
 
-def write_shards(state: dict[str, torch.Tensor], directory: Path, world_size: int) -> None:
+def write_shards(state: dict[str, torch.Tensor], directory: Path, world_size: int, process_group=None) -> None:
     """Write each rank's shards of `state` (tensors or DTensors, on any device) as safetensors files in `directory`,
-    every rank its own files, each shard tagged with its offsets in the whole tensor. Collective."""
+    every rank its own files, each shard tagged with its offsets in the whole tensor. Collective, over
+    `process_group` (None: the default group)."""
     sizes = {name: value.numel() * value.element_size() for name, value in state.items()}  # a DTensor's: whole
     groups = file_groups(sizes, rank_file_bytes(sum(sizes.values()) / world_size) * world_size)
     writer = HuggingFaceStorageWriter(str(directory), save_distributed=True, fqn_to_index_mapping=groups)
-    dcp.save(state, storage_writer=writer, no_dist=one_process())
+    dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=one_process())
+
+
+def staged(state: dict) -> dict:
+    """A copy of a state dict (tensors, DTensors, optimizer state) in host memory that training can no longer change,
+    each rank copying its own shards (DTensors stay DTensors, placed as they were): the staging DCP's async_save
+    does with the writers of write_shards and of an optimizer's state, which are BlockingAsyncStagers."""
+    return BlockingAsyncStager().stage(state)
 
 
 def rank_file_bytes(share: float) -> float:

@@ -12,13 +12,19 @@ or optimizer state. A directory holds:
 The run's last one, LATEST, is also a from_pretrained directory (export). A directory is written whole under a
 temporary name, checked (every rank's shards there), synced to disk and renamed into place, so that a kill at any
 moment leaves every checkpoint directory complete or absent and the previous ones untouched; `newest` resumes from the
-newest complete one and `prune` keeps the disk from filling. Checkpoints in the reference's format (a whole
-policy.pt and optimizer.pt, written before the sharded one) are still read."""
+newest complete one and `prune` keeps the disk from filling. With save_async, `save_in_background` writes a step-N
+checkpoint from a copy in host memory while training goes on, checkpoint.json and the swap still last, once every
+rank's writes are complete. Checkpoints in the reference's format (a whole policy.pt and optimizer.pt, written before
+the sharded one) are still read."""
 
+import contextlib
+import copy
 import json
 import pickle
 import re
 import shutil
+import threading
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
@@ -41,6 +47,7 @@ from utils import UserError, first_line
 
 DESCRIPTION_BYTES = 16 << 20  # the config, tokenizer and small parts of a checkpoint: a few MiB, rarely more
 LEGACY_FILES = ("policy", "optimizer", "scheduler")  # the reference format's files, which it requires
+IMPLEMENTATION = ("fused", "foreach")  # an optimizer's parameter-group keys that say how it steps, not what it computes
 MARKER = "checkpoint.json"  # written last: a directory without it was not written by save()
 STEP_DIR = re.compile(r"step-(\d+)")
 
@@ -67,7 +74,12 @@ class ModelWeights:
         }
 
     def save(self, directory: Path, world_size: int) -> None:
-        weights.write_shards(self.state(), directory, world_size)
+        self.write(self.state(), directory, world_size)
+
+    def write(self, state: dict, directory: Path, world_size: int, process_group=None) -> None:
+        """Write `state` (state(), or a staged copy of it) as this part's files; `process_group`: the collectives'
+        (None: the default group)."""
+        weights.write_shards(state, directory, world_size, process_group)
 
     def nbytes(self) -> int:
         """What save() writes: the tensors whole (over every rank)."""
@@ -102,27 +114,84 @@ class OptimizerState(ModelWeights):
         super().__init__(model)
         self.optimizer = optimizer
 
-    def save(self, directory: Path, world_size: int) -> None:
-        state = get_optimizer_state_dict(self.model, self.optimizer)
-        dcp.save(state, checkpoint_id=str(directory), no_dist=weights.one_process())
+    def state(self) -> dict:
+        """The optimizer's state by parameter name, each rank's shards (DCP's optimizer state dict)."""
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def write(self, state: dict, directory: Path, world_size: int, process_group=None) -> None:
+        dcp.save(state, checkpoint_id=str(directory), process_group=process_group, no_dist=weights.one_process())
 
     def nbytes(self) -> int:
         states = self.optimizer.state.values()
         return sum(weights.whole_bytes(value) for state in states for value in state.values() if torch.is_tensor(value))
 
     def load(self, directory: Path) -> None:
-        state = get_optimizer_state_dict(self.model, self.optimizer)  # this run's shards, to be filled
+        state = self.state()  # this run's shards, to be filled
         dcp.load(state, checkpoint_id=str(directory), no_dist=weights.one_process())
-        set_optimizer_state_dict(self.model, self.optimizer, state)
+        with own_implementation(self.optimizer):
+            set_optimizer_state_dict(self.model, self.optimizer, state)
 
     def load_whole(self, state: dict, broadcast: bool) -> None:
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=False)
-        set_optimizer_state_dict(self.model, self.optimizer, state, options=options)
+        with own_implementation(self.optimizer):
+            set_optimizer_state_dict(self.model, self.optimizer, state, options=options)
+
+
+@contextlib.contextmanager
+def own_implementation(optimizer: torch.optim.Optimizer):
+    """Loading a checkpoint's parameter groups keeps how this run's optimizer steps (fused or foreach, chosen for its
+    parameters: optim.fused_default), which torch would replace with the writer's: tensor parallelism's plain and
+    DTensor parameters, which the fused kernel cannot take together, made fused by a BasicTrainer or FSDP checkpoint,
+    stopped at the first step."""
+    own = [{key: group[key] for key in IMPLEMENTATION if key in group} for group in optimizer.param_groups]
+    yield
+    for group, keys in zip(optimizer.param_groups, own):
+        group.update(keys)
 
 
 def collective(part) -> bool:
     """Whether every rank takes part in saving and loading the part (ModelWeights, OptimizerState)."""
     return getattr(part, "collective", False)
+
+
+class Draft:
+    """A checkpoint on its way to output_dir, under a temporary name: what it holds besides the collective parts'
+    shards, taken when the save is asked for (`copied`: copies that training can no longer change, for a save that
+    goes on in the background), and the steps rank 0 takes to write it (save, save_in_background)."""
+
+    def __init__(
+        self, output_dir: Path, step: int, metrics: dict, parts: dict, loop_state: dict, final: bool, copied: bool
+    ):
+        self.output_dir, self.tmp_dir = output_dir, output_dir.with_name(output_dir.name + ".tmp")
+        self.step, self.metrics, self.parts, self.final = step, metrics, parts, final
+        self.marker = json.dumps({"step": step, "metrics": metrics, "final": final, "loop": loop_state}, indent=1)
+        small = {name: part.state_dict() for name, part in parts.items() if not collective(part)}
+        self.small = copy.deepcopy(small) if copied else small
+        self.shapes = {name: tensor.shape for name, tensor in parts["policy"].state().items()}  # whole shapes
+
+    def start(self, previous: Path | None, keep_last: int | None) -> None:
+        """Room for the checkpoint (space_needed, make_room) and an empty temporary directory (rank 0)."""
+        needed = space_needed(self.parts, self.final, previous)
+        make_room(self.output_dir.parent, needed, keep_last)
+        storage.require_space(self.output_dir.parent, needed, f"the checkpoint {self.output_dir.name}")
+        storage.new_dir(self.tmp_dir)
+
+    def finish(self) -> None:
+        """The small parts, the check that every rank's shards are there, checkpoint.json, and the swap (rank 0, once
+        every rank has written its shards)."""
+        for name, state in self.small.items():
+            if state:
+                record = {"step_idx": self.step, "state": state, "metrics": self.metrics}
+                torch.save(record, self.tmp_dir / f"{name}.pt")
+        why = weights.missing_shards(self.tmp_dir / "policy", self.shapes)
+        if why is not None:
+            raise UserError(
+                f"the checkpoint's policy/ is incomplete ({why}): with several machines, local_run_dir must be on a "
+                "filesystem they all share"
+            )
+        (self.tmp_dir / MARKER).write_text(self.marker)
+        storage.sync(self.tmp_dir)
+        storage.replace_dir(self.tmp_dir, self.output_dir)
 
 
 def save(
@@ -144,37 +213,14 @@ def save(
     checked against the free space, after pruning what keep_last would prune after it (make_room). A failure to write
     (a full disk, a quota, no permission, a directory the machines do not share) is a WriteFailed on every rank,
     and leaves no temporary directory behind."""
-    tmp_dir = output_dir.with_name(output_dir.name + ".tmp")
-    policy = parts["policy"].model
-    marker = {"step": step, "metrics": metrics, "final": final, "loop": loop_state}
-    small = {name: part.state_dict() for name, part in parts.items() if not collective(part)}
-    shapes = {name: tensor.shape for name, tensor in parts["policy"].state().items()}  # whole, whatever the sharding
-
-    def start() -> None:  # rank 0
-        needed = space_needed(parts, final, previous)
-        make_room(output_dir.parent, needed, keep_last)
-        storage.require_space(output_dir.parent, needed, f"the checkpoint {output_dir.name}")
-        storage.new_dir(tmp_dir)
-
-    def finish() -> None:  # rank 0, once every rank has written its shards
-        for name, state in small.items():
-            if state:
-                torch.save({"step_idx": step, "state": state, "metrics": metrics}, tmp_dir / f"{name}.pt")
-        why = weights.missing_shards(tmp_dir / "policy", shapes)
-        if why is not None:
-            raise UserError(
-                f"the checkpoint's policy/ is incomplete ({why}): with several machines, local_run_dir must be on a "
-                "filesystem they all share"
-            )
-        (tmp_dir / MARKER).write_text(json.dumps(marker, indent=1))
-        storage.sync(tmp_dir)
-        storage.replace_dir(tmp_dir, output_dir)
+    draft = Draft(output_dir, step, metrics, parts, loop_state, final, copied=False)
+    tmp_dir, policy = draft.tmp_dir, parts["policy"].model
 
     def on_main(write) -> None:
         topology.run_on_main(lambda: written(output_dir, write))
 
     try:
-        on_main(start)
+        on_main(lambda: draft.start(previous, keep_last))
         with storage.writing(output_dir):  # DCP's writes, on every rank: a failure on any is raised on every one
             for name, part in parts.items():
                 if collective(part):
@@ -182,11 +228,115 @@ def save(
         on_main(lambda: describe_model(tmp_dir, policy, tokenizer))
         if final:
             export(tmp_dir, policy, topology, tmp_dir / "policy")
-        on_main(finish)
+        on_main(draft.finish)
     except UserError as error:
         remove(tmp_dir, topology)
         raise storage.as_final(error, tmp_dir, output_dir) from None
     print(f"saved {output_dir}")
+
+
+def save_in_background(
+    output_dir: Path,
+    step: int,
+    metrics: dict[str, float],
+    parts: dict,
+    topology: Topology,
+    loop_state: dict,
+    tokenizer,
+    previous: Path | None,
+    keep_last: int | None,
+    process_group,
+) -> "BackgroundSave":
+    """save() of a step-N checkpoint while training goes on (DCP's async_save, for a checkpoint of several DCP
+    saves): here the room is made and checked (as save() does: a refusal is raised here), then every rank copies its
+    shards of each collective part to host memory (weights.staged, as async_save stages) and the small parts' states;
+    a thread then writes them, every rank its shards with DCP's collectives over `process_group` (a group of the
+    saves' own, None without one: training's collectives go on meanwhile on the others), rank 0 the config and
+    tokenizer. Only once every rank's writes are complete, which DCP's save and run_on_main agree on over that
+    group, does rank 0 write checkpoint.json and swap the directory in, then prune to keep_last. A failure is a
+    WriteFailed on every rank, raised by the BackgroundSave's wait(), and leaves no temporary directory behind."""
+    draft = Draft(output_dir, step, metrics, parts, loop_state, final=False, copied=True)
+    tmp_dir, policy = draft.tmp_dir, parts["policy"].model
+    try:
+        topology.run_on_main(lambda: written(output_dir, lambda: draft.start(previous, keep_last)))
+    except UserError as error:
+        remove(tmp_dir, topology)
+        raise storage.as_final(error, tmp_dir, output_dir) from None
+    staged = {name: weights.staged(part.state()) for name, part in parts.items() if collective(part)}
+    on_main = lambda write: run_on_main(process_group, lambda: written(output_dir, write))  # noqa: E731
+
+    def finish() -> None:
+        draft.finish()
+        if keep_last is not None:
+            prune(output_dir.parent, keep_last)
+
+    def write() -> None:
+        try:
+            with storage.writing(output_dir):
+                for name, state in staged.items():
+                    parts[name].write(state, tmp_dir / name, topology.world_size, process_group)
+            on_main(lambda: describe_model(tmp_dir, policy, tokenizer))
+            on_main(finish)
+        except UserError as error:
+            run_on_main(process_group, lambda: shutil.rmtree(tmp_dir, ignore_errors=True))
+            raise storage.as_final(error, tmp_dir, output_dir) from None
+        print(f"saved {output_dir}")
+
+    return BackgroundSave(output_dir, write)
+
+
+class BackgroundSave:
+    """A checkpoint written by a thread of its own (save_in_background): failed() says, without waiting, whether it
+    failed; wait() waits for it and raises its failure. A daemon thread: a process that stops at once (a second
+    Ctrl-C) leaves a half-written temporary directory, which is never taken for a checkpoint."""
+
+    def __init__(self, directory: Path, write: Callable[[], None]):
+        self.directory, self.error = directory, None
+        self.thread = threading.Thread(target=self.run, args=(write,), name=f"save {directory.name}", daemon=True)
+        self.thread.start()
+
+    def run(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except BaseException as error:  # raised by wait(), in the thread that trains
+            self.error = error
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def failed(self) -> bool:
+        return self.done() and self.error is not None
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def save_process_group(timeout_secs: float):
+    """A gloo process group of every rank for save_in_background's collectives, which run in a thread of their own
+    beside training's (on NCCL or gloo); None without a process group. Collective: every rank creates it at once."""
+    if weights.one_process():
+        return None
+    return torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_secs))
+
+
+def run_on_main(process_group, fn: Callable) -> None:
+    """fn() on rank 0 of `process_group` only; a UserError it raises is raised on every rank of the group (as
+    Topology.run_on_main does over the default group), so that none goes on into a collective another has left."""
+    if process_group is None:
+        fn()
+        return
+    error = None
+    if torch.distributed.get_rank() == 0:
+        try:
+            fn()
+        except UserError as e:
+            error = str(e)
+    box = [error]
+    torch.distributed.broadcast_object_list(box, src=0, group=process_group)
+    if box[0] is not None:
+        raise UserError(box[0])
 
 
 def written(output_dir: Path, write) -> None:

@@ -211,6 +211,9 @@ def memory_plan(
     rank_file = min(rank_file_bytes(trainable), trainable) * (2 if on_gpu and not offload else 1)
     load = {"a weight's shard, read at a time": largest / (dp if fsdp else 1)}
     save = {"a checkpoint file, serialised": rank_file, "the export: one whole weight at a time": largest}
+    if config.save_async:  # the copy a step-N checkpoint is written from while training goes on (checkpoint.py)
+        saved = training["gradients"] if config.lora.enabled else training["policy weights"]  # LoRA: its adapters
+        save["the copy written in the background (save_async)"] = saved + training[f"{config.optimizer} state"]
     n_parameters = sum(p.numel() for p in policy.parameters())
     n_trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     compute = precision.policy_compute or precision.policy_weights

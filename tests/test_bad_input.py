@@ -195,6 +195,7 @@ ERRORS = [
     # settings that would be accepted and ignored, or would train wrongly
     ("layout=padded pack_row_tokens=512", "pack_row_tokens=512 sets the rows of layout=packed"),
     ("layout=padded packed_attention=dense", "packed_attention=dense sets the attention of layout=packed"),
+    ("save_async=true debug=true", "save_async=true writes checkpoints in the background, but debug=true writes"),
     ("pack_row_tokens=0", "pack_row_tokens=0 must be a positive number of tokens, or null"),
     ("model.fsdp_policy_mp=float16", "model.fsdp_policy_mp=float16 would train without loss scaling"),
     ("model.policy_dtype=float16", "model.policy_dtype=float16 would train without loss scaling"),

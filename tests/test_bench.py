@@ -1,8 +1,8 @@
 """The bench package (`python -m bench`): the GPU campaign (--gpu), the scale campaign (--scale), reward modelling
-against TRL (--reward) and vision-language DPO against TRL (--vision) in their smoke modes, so that they cannot rot
-between the sessions that run them;
-its command line; and the workers of --versus and --scale --versus found in another version's code, whether it is
-laid out in packages or flat."""
+against TRL (--reward), vision-language DPO against TRL (--vision) and checkpoints written in the background
+(--async-save) in their smoke modes, so that they cannot rot between the sessions that run them; its command line;
+and the workers of --versus and --scale --versus found in another version's code, whether it is laid out in packages
+or flat."""
 
 import math
 import os
@@ -45,6 +45,18 @@ def test_gpu_campaign_smoke_runs_every_configuration(tmp_path):
     assert "packed layout (dense attention)" in result.stdout
 
 
+@pytest.mark.slow  # two fresh processes, each loading torch, transformers and a model: ~25 s
+def test_async_save_smoke_times_training_around_synchronous_and_background_saves():
+    result = run_bench("--async-save", "--smoke", timeout=900, OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {cells[0]: cells[2:] for cells in map(str.split, result.stdout.splitlines()) if cells[1:2] == ["1"]}
+    assert rows.keys() == {"sync", "async"}  # one round of each
+    for mode in ("sync", "async"):
+        loop, stall, write, step, _, saves = rows[mode]
+        assert int(saves) == 3 and 0 < float(stall) <= float(write) < float(loop) and float(step) > 0, (mode, rows)
+    assert result.stdout.splitlines()[-1].startswith("async against sync: the loop ")
+
+
 def test_rounds_is_refused_without_versus_or_below_one(capsys):
     # --rounds only steers --versus: anywhere else, or at 0, it is one line of error, not a flag silently ignored
     # (or a division by zero after minutes of loading).
@@ -55,7 +67,7 @@ def test_rounds_is_refused_without_versus_or_below_one(capsys):
             main(flags)
         assert exit.value.code == 2, flags
         stderr = capsys.readouterr().err
-        assert stderr.splitlines()[-1].endswith("at least 1, and only with --versus or --vision"), stderr
+        assert stderr.splitlines()[-1].endswith("at least 1, and only with --versus, --vision or --async-save"), stderr
 
 
 @pytest.mark.slow

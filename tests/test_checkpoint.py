@@ -92,6 +92,19 @@ def test_resume_from_a_bad_checkpoint_is_one_clear_line(make_config, tmp_path, m
         build_trainer(make_config(f"local_run_dir={tmp_path / 'third'}", f"resume_from={latest}"))
 
 
+def test_a_resumed_optimizer_steps_as_this_run_chose_not_as_the_checkpoints_writer(make_config, tmp_path):
+    # The writer's AdamW was fused (optim.fused_default); this run's is foreach: it stays so (tensor parallelism's
+    # unfused AdamW, made fused by a BasicTrainer or FSDP checkpoint, stopped at its first step). The state is loaded.
+    train.run(make_config(f"local_run_dir={tmp_path / 'fused'}", "n_examples=8"))
+    latest = tmp_path / "fused" / "LATEST"
+    resumed = build_trainer(make_config(f"local_run_dir={tmp_path / 'foreach'}", "+optimizer_kwargs.foreach=true"))
+    resumed.resume(latest)
+    group = resumed.optimizer.param_groups[0]
+    assert group["foreach"] is True and not group.get("fused")
+    assert json.loads((latest / "checkpoint.json").read_text())["step"] == 8
+    assert all(torch.count_nonzero(state["exp_avg"]) for state in resumed.optimizer.state.values())
+
+
 CHECKPOINT_419E2F5 = Path(__file__).parent / "assets" / "checkpoint-419e2f5"
 
 

@@ -112,6 +112,18 @@ def test_crashes_and_ctrl_c_resume_bit_identically_with_fsdp_on_2_processes(warm
     assert_crashes_do_not_change_the_run(warm_cli, tmp_path, pairs_file, 1, 2, "trainer=FSDPTrainer", "nproc=2")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_crashes_and_ctrl_c_resume_bit_identically_with_checkpoints_written_in_the_background(
+    warm_cli, tmp_path, pairs_file, ranks
+):
+    """save_async=true: the kinds save, shards and swap kill in the thread that writes, while training goes on;
+    step, eval and interrupt in training, a checkpoint perhaps in flight. The resumed run is the uninterrupted one
+    all the same."""
+    fsdp = ("trainer=FSDPTrainer", "nproc=2") if ranks > 1 else ()
+    assert_crashes_do_not_change_the_run(warm_cli, tmp_path, pairs_file, 2, ranks, *fsdp, "save_async=true")
+
+
 def test_rounds_resume_bit_identically_after_crashes(warm_cli, tmp_path, pairs_file):
     # Three rounds of iterative DPO (rounds.py), killed mid-generation, mid-reference pass, mid-step, mid-eval and
     # mid-save, and stopped by Ctrl-C, each attempt re-run with the same command: the rounds' pairs, every record and

@@ -60,20 +60,38 @@ def test_a_full_disk_at_a_save_is_one_line_and_the_run_resumes_exactly(
     anything is written; without it (the disk filling while the files are written), DCP's and torch's writers fail
     on a real ENOSPC. Either way: one line, no temporary file, the previous checkpoint byte for byte as it was; and
     once the ballast is gone, resume_from=auto ends where the uninterrupted run did, bit for bit."""
+    assert_a_full_disk_is_one_line_and_resumes(make_config, whole, small_disk, monkeypatch, at, checked, False)
+
+
+def test_a_disk_filling_while_a_checkpoint_is_written_in_the_background_is_one_line(
+    make_config, whole, small_disk, monkeypatch
+):
+    """save_async=true: step-32's files fail to fit in the background, while training goes on; the failure stops
+    the run at the next step with the same line, and the rest as above. (The test waits for the write to fail
+    before training goes on, so that the full disk cannot fail a metrics line first.)"""
+    assert_a_full_disk_is_one_line_and_resumes(make_config, whole, small_disk, monkeypatch, "step-32", False, True)
+
+
+def assert_a_full_disk_is_one_line_and_resumes(make_config, whole, small_disk, monkeypatch, at, checked, in_background):
     run_dir = small_disk("32m") / "run"
-    ballast, real_save, previous = [], checkpoint.save, {}
+    ballast, previous = [], {}
+    name = "save_in_background" if in_background else "save"
+    real_save = getattr(checkpoint, name)
 
     def save_on_a_full_disk(output_dir, *args, **kwargs):
         if output_dir.name == at:
             previous.update(files(run_dir / "step-16") if at == "step-32" else {})
             ballast.append(fill(run_dir.parent, leave=256 << 10))
-        return real_save(output_dir, *args, **kwargs)
+        saving = real_save(output_dir, *args, **kwargs)
+        if in_background and output_dir.name == at:
+            saving.thread.join()
+        return saving
 
-    monkeypatch.setattr(checkpoint, "save", save_on_a_full_disk)
+    monkeypatch.setattr(checkpoint, name, save_on_a_full_disk)
     if not checked:
         monkeypatch.setattr(storage, "require_space", lambda *args: None)
     with pytest.raises(UserError) as error:
-        train.run(make_config(f"local_run_dir={run_dir}"))
+        train.run(make_config(f"local_run_dir={run_dir}", f"save_async={str(in_background).lower()}"))
     message = str(error.value)
     if checked:
         assert message.startswith(f"not enough space for the checkpoint {at} in {run_dir}: needs "), message
@@ -83,6 +101,8 @@ def test_a_full_disk_at_a_save_is_one_line_and_the_run_resumes_exactly(
         assert " free); free space there or write elsewhere; " in message
     kept = "no checkpoint was written yet" if at == "step-16" else f"the last complete checkpoint, {run_dir}/step-16, "
     assert kept in message and message.endswith(CONTINUE.format(run=run_dir)), message
+    if in_background:  # found failed after the step that followed it
+        assert "; stopped after 40 examples, " in message
     assert temporary_files(run_dir) == []
     assert not (run_dir / at).exists()
     if at == "step-32":

@@ -36,6 +36,7 @@ from modeling.distributed import (
     rank_environment,
 )
 from persistence import checkpoint
+from test_async_save import assert_same_run
 
 pytestmark = pytest.mark.xdist_group("processes")  # see pyproject.toml
 
@@ -173,13 +174,21 @@ def test_a_2d_mesh_resumes_a_basic_trainer_checkpoint(basic_run, tmp_path, launc
     assert_same_weights(basic_dir, resumed)
 
 
-def test_a_rank_killed_mid_save_leaves_the_last_checkpoint_whole(basic_run, tmp_path, run_main, monkeypatch):
+@pytest.mark.parametrize(
+    "save_async", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["synchronous", "in-the-background"]
+)
+def test_a_rank_killed_mid_save_leaves_the_last_checkpoint_whole(
+    basic_run, tmp_path, run_main, monkeypatch, save_async
+):
     # Rank 1 is killed (SIGKILL) right after writing its weight shards of step-32, before the optimizer state: the
     # half-written directory is never taken for a checkpoint, and the run resumes from step-16 to the same end.
     # The workers load the fault hooks at start-up (tests/faults/sitecustomize.py), from the environment they inherit.
+    # With save_async=true rank 1 is killed in its thread that writes, while its training goes on.
     basic_dir, pairs_file = basic_run
     run_dir = tmp_path / "run"
-    args = run_args(run_dir, pairs_file, "trainer=FSDPTrainer", "resume_from=auto")
+    args = run_args(
+        run_dir, pairs_file, "trainer=FSDPTrainer", "resume_from=auto", f"save_async={str(save_async).lower()}"
+    )
     fault = {"PYTHONPATH": str(Path(__file__).parent / "faults"), "FAULT": "shards:3", "FAULT_RANK": "1"}
     with monkeypatch.context() as environment:
         for name, value in fault.items():
@@ -194,6 +203,25 @@ def test_a_rank_killed_mid_save_leaves_the_last_checkpoint_whole(basic_run, tmp_
     assert not (run_dir / "step-32.tmp").exists()
     assert_same_metrics(read_jsonl(basic_dir / "metrics.jsonl"), read_jsonl(run_dir / "metrics.jsonl"))
     assert_same_weights(basic_dir, run_dir)
+
+
+@pytest.mark.slow  # three runs on 2 processes: ~2 min
+def test_checkpoints_written_in_the_background_equal_synchronous_ones_across_processes(basic_run, tmp_path, launch):
+    # FSDP on 2 processes, a checkpoint after each step, written synchronously and with save_async=true: the same
+    # records and checkpoints, bit for bit (the records without what is measured). The async step-16, resumed by
+    # tensor parallelism on 2 processes (its AdamW unfused still: checkpoint.own_implementation), writing in the
+    # background too, ends where BasicTrainer did.
+    basic_dir, pairs_file = basic_run
+    synchronous, in_background, tensor_parallel = tmp_path / "sync", tmp_path / "async", tmp_path / "tp"
+    launch(synchronous, pairs_file, "trainer=FSDPTrainer", "save_every=8")
+    launch(in_background, pairs_file, "trainer=FSDPTrainer", "save_every=8", "save_async=true")
+    assert_same_run(synchronous, in_background, tmp_path)
+    resume = (f"resume_from={in_background / 'step-16'}", "save_every=8", "save_async=true")
+    launch(tensor_parallel, pairs_file, "trainer=TensorParallelTrainer", *resume)
+    expected = [r for r in read_jsonl(basic_dir / "metrics.jsonl") if r["step"] > 16]
+    assert_same_metrics(expected, read_jsonl(tensor_parallel / "metrics.jsonl"))
+    assert_same_weights(basic_dir, tensor_parallel)
+    assert checkpoint.describe(tensor_parallel / "step-32")["step"] == 32
 
 
 def test_two_machines_train_save_and_resume(basic_run, tmp_path):

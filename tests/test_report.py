@@ -435,3 +435,25 @@ def test_offload_moves_the_sharded_state_to_the_host_and_keeps_the_rest_on_the_d
     assert offloaded.host_peak() == sum(offloaded.host_training.values()) + max(
         sum(offloaded.load.values()), sum(offloaded.save.values())
     )
+
+
+@pytest.mark.parametrize("overrides", [(), ("lora.enabled=true", "lora.rank=4")], ids=["full", "lora"])
+def test_the_plan_counts_the_copy_a_background_save_is_written_from(make_config, tiny_tokenizer, overrides):
+    """save_async=true: the host holds a copy of what a checkpoint's collective parts hold (the weights, LoRA's
+    adapters only, and AdamW's two moments) while it is written; the plan counts it to the byte, but for AdamW's
+    step counts (a 4-byte scalar per parameter)."""
+    from conftest import build_trainer
+    from modeling import weights
+    from persistence import checkpoint
+
+    _, synchronous = tiny_plan(make_config, tiny_tokenizer, *overrides)
+    _, plan = tiny_plan(make_config, tiny_tokenizer, "save_async=true", *overrides)
+    added = {name: value for name, value in plan.save.items() if name not in synchronous.save}
+    trainer = build_trainer(make_config("save_async=true", *overrides))
+    parts = trainer.checkpoints.parts
+    copies = {name: weights.staged(part.state()) for name, part in parts.items() if checkpoint.collective(part)}
+    leaves = torch.utils._pytree.tree_leaves(copies)
+    steps = [state["step"] for state in copies["optimizer"]["state"].values()]  # AdamW's, a float32 scalar each
+    copied = sum(leaf.nbytes for leaf in leaves if torch.is_tensor(leaf)) - sum(step.nbytes for step in steps)
+    assert copies.keys() == {"policy", "optimizer"} and steps and all(step.numel() == 1 for step in steps)
+    assert added == {"the copy written in the background (save_async)": copied}
