@@ -511,8 +511,9 @@ def packed_rope_positions(batch: ModelBatch, examples: list[dict], vision: Visio
     prompt + response alone, laid out where the row holds it: the shared prompt's once (a causal prefix, they are
     the same in every sequence), then each response's, which continue from the prompt's. The 1-D positions of the
     batch stay for its mask's windows."""
-    grids = batch.image_inputs.get("image_grid_thw")
-    per_image = iter(grids.split(1) if grids is not None else ())
+    per_image = {  # the rows of each image, in the order the batch holds the images
+        name: iter(batch.image_inputs[name].split(1)) for name in vision.rope_image_inputs if name in batch.image_inputs
+    }
     positions = torch.zeros((3, *batch.input_ids.shape), dtype=torch.long)
     starts = (batch.segment_ids != torch.nn.functional.pad(batch.segment_ids, (1, 0), value=-2)[:, :-1]).nonzero()
     for row, start in starts.tolist():
@@ -521,10 +522,10 @@ def packed_rope_positions(batch: ModelBatch, examples: list[dict], vision: Visio
             continue
         example = examples[index]
         images = len(unpack_images(example.get("images", b"")))
-        grid = torch.cat([next(per_image) for _ in range(images)]) if images else None
+        own = {name: torch.cat([next(rows) for _ in range(images)]) for name, rows in per_image.items() if images}
         prompt, offset = example["prompt"], start + len(example["prompt"])
         for response in example["responses"]:
-            sequence = vision.sequence_positions(prompt + response, grid)
+            sequence = vision.sequence_positions(prompt + response, own)
             positions[:, row, start : start + len(prompt)] = sequence[:, : len(prompt)]
             positions[:, row, offset : offset + len(response)] = sequence[:, len(prompt) :]
             offset += len(response)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+ROPE_CONTEXT = ("mm_token_type_ids", "attention_mask")  # what Vision.sequence_positions builds for a rope_index
 IMAGE_COLUMNS = ("images", "image")  # TRL's vision columns: a list of images, or one
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # beside a model with an image processor
 
@@ -102,6 +103,7 @@ class Vision:
     type_inputs: tuple[str, ...] = ()  # the model's inputs that mark image tokens (Vision.for_model)
     bidirectional_images: bool = False  # an image's tokens see each other (Vision.for_model)
     rope_index: Any = None  # the model's 3-D rotary positions of a sequence (Qwen-VL's get_rope_index), or None
+    rope_arguments: tuple[str, ...] = ()  # the arguments rope_index names
 
     @classmethod
     def of(cls, processor) -> "Vision | None":
@@ -129,19 +131,29 @@ class Vision:
         # token_type_ids is how Gemma 3 (and 3n) learn which tokens are an image's, to let them see each other
         bidirectional = "token_type_ids" in names
         rope_index = getattr(getattr(inner, "model", None), "get_rope_index", None)
+        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)  # not **kwargs
+        parameters = inspect.signature(rope_index).parameters.values() if rope_index is not None else ()
         return dataclasses.replace(
             self, type_inputs=names, image_token_id=image_token_id, bidirectional_images=bidirectional,
-            rope_index=rope_index,
+            rope_index=rope_index, rope_arguments=tuple(p.name for p in parameters if p.kind in named),
         )  # fmt: skip
 
-    def sequence_positions(self, ids: list[int], grids: torch.Tensor | None) -> torch.Tensor:
-        """[3, L] the model's 3-D rotary positions of one sequence (rope_index), its images' grids (image_grid_thw
-        rows, in order) given."""
+    @property
+    def rope_image_inputs(self) -> tuple[str, ...]:
+        """The image inputs rope_index names (Qwen-VL's image_grid_thw: a row per image), which sequence_positions
+        is given per sequence; the marks and the mask it builds itself."""
+        return tuple(name for name in self.rope_arguments if name not in ("input_ids", *ROPE_CONTEXT))
+
+    def sequence_positions(self, ids: list[int], image_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[3, L] the model's 3-D rotary positions of one sequence (rope_index), given its images' rows (in order) of
+        the image inputs rope_index names (rope_image_inputs). Of the image tokens' marks and the attention mask it
+        is given those it names: each family's rope_index takes its own set (Qwen2-VL's all, Qwen2.5-Omni's no
+        marks)."""
         input_ids = torch.tensor([ids])
-        marks = (input_ids == self.image_token_id).long()
-        positions, _ = self.rope_index(
-            input_ids, mm_token_type_ids=marks, image_grid_thw=grids, attention_mask=torch.ones_like(input_ids)
-        )
+        context = {"mm_token_type_ids": (input_ids == self.image_token_id).long()}
+        context["attention_mask"] = torch.ones_like(input_ids)
+        named = {name: value for name, value in context.items() if name in self.rope_arguments}
+        positions, _ = self.rope_index(input_ids, **named, **image_inputs)
         return positions[:, 0]
 
     def check_placeholders(self, prompt: str, n_images: int) -> None:

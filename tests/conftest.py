@@ -447,6 +447,24 @@ def tiny_vlm(family: str, **text_overrides):
         processor.image_token_ids, processor.video_token_ids, processor.audio_token_ids = [image], [video], []
         processor.image_processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=64 * 64, patch_size=8)
         processor.chat_template = TINY_VLM_TEMPLATE.replace("<image>", "".join(names[:3]))
+    elif family == "qwen3_vl":  # interleaved 3-D rotary positions; the tower's deepstack features join layers 0 and 1
+        names = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+        tokenizer.add_special_tokens({"additional_special_tokens": names})
+        start, image, end, video = (tokenizer.convert_tokens_to_ids(name) for name in names)
+        text = text_config(transformers.Qwen3VLTextConfig, tokenizer)
+        text.rope_parameters = {**text.rope_parameters, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=8, out_hidden_size=64)
+        vision |= dict(num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+        config = transformers.Qwen3VLConfig(
+            text_config=text.to_dict(), vision_config=vision, image_token_id=image, video_token_id=video,
+            vision_start_token_id=start, vision_end_token_id=end,
+        )  # fmt: skip
+        processor = object.__new__(transformers.Qwen3VLProcessor)  # no video processor, as for qwen2_vl
+        processor.tokenizer, processor.image_token, processor.video_token = tokenizer, names[1], names[3]
+        processor.image_token_ids, processor.video_token_ids, processor.audio_token_ids = [image], [video], []
+        processor.image_processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=64 * 64, patch_size=8)
+        processor.chat_template = TINY_VLM_TEMPLATE.replace("<image>", "".join(names[:3]))
     elif family == "llava_onevision":  # anyres: an image in tiles of a grid it fits (48 x 48: 4 and a base one)
         tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
         tokenizer.add_special_tokens({"additional_special_tokens": ["<image>", "<video>"]})
