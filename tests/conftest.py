@@ -422,6 +422,29 @@ def tiny_vlm(family: str, **text_overrides):
             image_token_id=processor.image_token_id,
             scale_factor=2,
         )
+    elif family == "smolvlm":  # Idefics3's tiling and connector; its processor's __init__ needs num2words (videos)
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+        from transformers.models.smolvlm.video_processing_smolvlm import SmolVLMVideoProcessor
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<image>", "<fake_token_around_image>"]})
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<global-img>", "<end_of_utterance>"]})
+        processor = object.__new__(transformers.SmolVLMProcessor)
+        processor.tokenizer, processor.image_token, processor.video_token = tokenizer, "<image>", "<video>"
+        processor.image_token_id = image = tokenizer.convert_tokens_to_ids("<image>")
+        processor.fake_image_token, processor.global_image_token = "<fake_token_around_image>", "<global-img>"
+        processor.end_of_utterance_token, processor.image_seq_len = "<end_of_utterance>", 4
+        processor.image_token_ids, processor.video_token_ids, processor.audio_token_ids = [image], [], []
+        processor.chat_template, processor.video_processor = TINY_VLM_TEMPLATE, SmolVLMVideoProcessor()
+        processor.image_processor = SmolVLMImageProcessorPil(
+            size={"longest_edge": 64}, max_image_size={"longest_edge": 32}
+        )
+        config = transformers.SmolVLMConfig(
+            text_config=text_config(transformers.LlamaConfig, tokenizer),
+            vision_config=transformers.SmolVLMVisionConfig(**tower),
+            image_token_id=processor.image_token_id,
+            scale_factor=2,
+        )
     elif family in ("qwen2_vl", "qwen2_5_vl"):
         names = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
         tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)

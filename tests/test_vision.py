@@ -36,6 +36,7 @@ VISION_ZOO = {
     "qwen2_5_vl": ("packed", 32),
     "llava_onevision": ("packed", 48),
     "qwen3_vl": ("packed", 32),
+    "smolvlm": ("packed", 48),
 }
 
 
