@@ -57,8 +57,7 @@ class Evaluator:
         settings = dict(do_sample=g.do_sample, temperature=g.temperature, top_p=g.top_p)
         vision = getattr(self.tokenizer, "vision", None)  # modeling.models.load_tokenizer's
         if vision is not None:
-            images = [image for example in examples for image in unpack_images(example.get("images", b""))]
-            settings |= vision.pixel_inputs(images)
+            settings |= vision.pixel_inputs([unpack_images(example.get("images", b"")) for example in examples])
         completions = self.complete(model, [ex["prompt"] for ex in examples], **settings)
         return self.tokenizer.batch_decode(completions, skip_special_tokens=True)
 

@@ -497,7 +497,7 @@ def with_image_inputs(batch: ModelBatch, examples: list[dict], vision: Vision | 
     """The batch with a vision-language model's image inputs: the images of each prompt its rows hold, in the order
     the rows hold them (ModelBatch.prompt_examples: in the packed layout each pair's images once)."""
     if vision is not None:
-        images = [image for i in batch.prompt_examples for image in unpack_images(examples[i].get("images", b""))]
+        images = [unpack_images(examples[i].get("images", b"")) for i in batch.prompt_examples]
         batch.image_inputs = vision.image_inputs(batch.input_ids, images)
         if vision.bidirectional_images and batch.segment_ids is not None:  # packed rows: the mask says it
             batch.image_blocks = image_runs(batch.input_ids == vision.image_token_id)

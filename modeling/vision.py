@@ -167,16 +167,18 @@ class Vision:
 
     def prompt_ids(self, prompt: str, images: tuple[bytes, ...]) -> list[int]:
         """The prompt's token ids, each placeholder expanded into its image's tokens (no special tokens added, as
-        for text)."""
+        for text). The images go to the processor as one prompt's list, as TRL's collator gives them: a family may
+        expand an image of a prompt with several otherwise than a prompt's only one (LLaVA-OneVision: no tiles)."""
         self.check_placeholders(prompt, len(images))
         inputs = self.processor(
-            text=[prompt], images=[decode(data) for data in images], add_special_tokens=False, return_tensors="np"
+            text=[prompt], images=[[decode(data) for data in images]], add_special_tokens=False, return_tensors="np"
         )
         return inputs["input_ids"][0].tolist()
 
-    def image_inputs(self, input_ids: torch.Tensor, images: list[bytes]) -> dict[str, torch.Tensor]:
-        """The model's image inputs for rows `input_ids` [R, T] holding `images` in order: pixel_values and what else
-        its image processor gives, decoded now, for this batch only; and the inputs that mark image tokens."""
+    def image_inputs(self, input_ids: torch.Tensor, images: list[list[bytes]]) -> dict[str, torch.Tensor]:
+        """The model's image inputs for rows `input_ids` [R, T] holding the prompts whose `images` are given, in
+        order, a list per prompt: pixel_values and what else its image processor gives, decoded now, for this batch
+        only; and the inputs that mark image tokens."""
         return self.marks(input_ids) | self.pixel_inputs(images)
 
     def marks(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -184,11 +186,14 @@ class Vision:
         marks = (input_ids == self.image_token_id).long()
         return {name: marks for name in self.type_inputs}
 
-    def pixel_inputs(self, images: list[bytes]) -> dict[str, torch.Tensor]:
-        """pixel_values and what else the image processor gives for these images, in order (none: {})."""
+    def pixel_inputs(self, images: list[list[bytes]]) -> dict[str, torch.Tensor]:
+        """pixel_values and what else the image processor gives for these prompts' images, in order, a list per
+        prompt (none: {}); grouped as prompt_ids groups them, so that each image is processed as it was expanded."""
+        images = [prompt for prompt in images if prompt]
         if not images:
             return {}
-        outputs = self.processor.image_processor(images=[decode(data) for data in images], return_tensors="pt")
+        decoded = [[decode(data) for data in prompt] for prompt in images]
+        outputs = self.processor.image_processor(images=decoded, return_tensors="pt")
         return {name: value for name, value in outputs.items() if isinstance(value, torch.Tensor)}
 
 

@@ -11,7 +11,7 @@ import transformers
 
 import config as configuration
 import train
-from conftest import colour_rows, png, records, tiny_vlm, vlm_overrides, write_jsonl
+from conftest import QUESTION, colour_rows, png, records, tiny_vlm, vlm_overrides, write_jsonl
 from core.scoring import Scorer
 from modeling.distributed import Topology
 from modeling.vision import Vision, pack_images, vision_tower
@@ -19,8 +19,19 @@ from persistence.tokenized import Tokenization, tokenize_pairs
 from preference_datasets import parse_rows, read_file_rows
 
 
-def image_at(directory, row: dict):
-    return transformers.image_utils.load_image(str(directory / row["images"][0]))
+def images_at(directory, row: dict) -> list:
+    return [transformers.image_utils.load_image(str(directory / name)) for name in row["images"]]
+
+
+def with_two_images(rows: list[dict]) -> list[dict]:
+    """The rows, every other one's prompt asking about its own image and the next row's: a batch that mixes prompts
+    of one image and of two."""
+    two = [{"type": "image"}, {"type": "text", "text": "Compare it with"}, *QUESTION]
+    return [
+        row | {"prompt": [{"role": "user", "content": two}], "images": row["images"] + rows[i + 1]["images"]}
+        if i % 2 == 0 else row
+        for i, row in enumerate(rows)
+    ]  # fmt: skip
 
 
 # The path each family takes by default, as the probes decide on the placed model with an image in a prompt: LLaVA
@@ -38,10 +49,14 @@ VISION_ZOO = {
     "qwen3_vl": ("packed", 32),
     "smolvlm": ("packed", 48),
 }
+# A prompt with several images: LLaVA-OneVision gives each of them its base features and a newline, no tiles
+SEVERAL_IMAGES = ("llava_onevision",)
 
 
-@pytest.mark.parametrize("family", sorted(VISION_ZOO))
-def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family, tmp_path):
+@pytest.mark.parametrize(
+    "family, images", [(family, 1) for family in sorted(VISION_ZOO)] + [(family, 2) for family in SEVERAL_IMAGES]
+)
+def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family, images, tmp_path):
     # Every sequence's summed log-prob and every trainable parameter's gradient, on the path the family takes by
     # default and in padded rows, equal a plain forward of that prompt, its image and the response alone, as
     # transformers computes it from the processor's own inputs. The packed layout holds each prompt, image tokens
@@ -51,10 +66,11 @@ def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family,
     tokenizer = processor.tokenizer
     tokenizer.vision = Vision.of(processor)
     rows = colour_rows(tmp_path, 4, image_size=image_size)
+    rows = with_two_images(rows) if images == 2 else rows
     data = write_jsonl(tmp_path / "pairs.jsonl", rows)
     pairs = parse_rows(read_file_rows(data), "t", tokenizer)
     for row, pair in zip(rows, pairs):  # the images read from the files the rows name
-        assert pair.images == ((tmp_path / row["images"][0]).read_bytes(),)
+        assert pair.images == tuple((tmp_path / name).read_bytes() for name in row["images"])
     examples = tokenize_pairs(pairs, tokenizer, Tokenization(256, 192, sft=False)).take(range(4))
     encoded = []  # the images (Idefics3: tiles) each forward of the vision tower encodes
 
@@ -62,10 +78,14 @@ def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family,
         encoded.append((args[0] if args else kwargs["pixel_values"]).shape[0])
 
     vision_tower(model).register_forward_pre_hook(count, with_kwargs=True)
-    tiles = processor.image_processor(images=[image_at(tmp_path, rows[0])], return_tensors="pt")["pixel_values"]
-    # what the tower takes for one image: an image (LLaVA, Gemma 3), its tiles (Idefics3: 4 and a global one), or
-    # its patches (Qwen2-VL: 16, flattened)
-    tiles = tiles.shape[0] * (tiles.shape[1] if tiles.dim() == 5 else 1)
+
+    def tiles(row: dict) -> int:
+        # what the tower takes for a prompt's images: each image (LLaVA, Gemma 3), its tiles (Idefics3: 4 and a
+        # global one), or its patches (Qwen2-VL: 16, flattened)
+        pixels = processor.image_processor(images=[images_at(tmp_path, row)], return_tensors="pt")["pixel_values"]
+        return pixels.shape[0] * (pixels.shape[1] if pixels.dim() == 5 else 1)
+
+    per_pair = sum(tiles(row) for row in rows)
     topology, results = Topology.create("BasicTrainer"), {}
     for layout in ("packed", "padded"):
         settings = configuration.load(vlm_overrides(tmp_path, tmp_path, data, f"layout={layout}", "max_length=256"))
@@ -81,13 +101,13 @@ def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family,
         if layout == "packed":
             assert scorer.layout == expected_path, scorer.fallbacks
         times = {"packed": 1, "padded": 2}[scorer.layout]  # each image, per pair
-        assert encoded == [len(examples) * tiles * times], (scorer.layout, encoded)
+        assert encoded == [per_pair * times], (scorer.layout, encoded)
     model.zero_grad()
     plain = []
     for response in ("chosen", "rejected"):
         for row, pair in zip(rows, pairs):
             prompt = processor(
-                text=[pair.prompt], images=[image_at(tmp_path, row)], add_special_tokens=False, return_tensors="pt"
+                text=[pair.prompt], images=[images_at(tmp_path, row)], add_special_tokens=False, return_tensors="pt"
             )
             answer = tokenizer(getattr(pair, response), add_special_tokens=False, return_tensors="pt").input_ids
             inputs = {name: value for name, value in prompt.items() if name != "attention_mask"}
