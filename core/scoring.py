@@ -393,15 +393,16 @@ def scored_head_problem(model: torch.nn.Module, dtype: torch.dtype, device: torc
 
 
 def probe_examples(vision: Vision | None) -> list[dict]:
-    """The probes' examples; for a vision-language model the first one's prompt opens with an image (a 32 x 32
+    """The probes' examples; for a vision-language model the first one's prompt opens with an image (a 64 x 32
     picture of two colours), whose tokens the packed layout must give the positions and the attention that the
-    model's own forward gives them."""
+    model's own forward gives them. Twice as wide as high, it is cut into tiles by a family that tiles an image by
+    its aspect (Idefics3, LLaVA-OneVision, Aya Vision), where a square one may be a single tile."""
     if vision is None:
         return PROBE_EXAMPLES
     from PIL import Image
 
-    picture = Image.new("RGB", (32, 32), (200, 40, 40))
-    picture.paste((40, 40, 200), (0, 16, 32, 32))
+    picture = Image.new("RGB", (64, 32), (200, 40, 40))
+    picture.paste((40, 40, 200), (32, 0, 64, 32))
     encoded = io.BytesIO()
     picture.save(encoded, format="PNG")
     images = (encoded.getvalue(),)

@@ -187,14 +187,18 @@ class Vision:
         return {name: marks for name in self.type_inputs}
 
     def pixel_inputs(self, images: list[list[bytes]]) -> dict[str, torch.Tensor]:
-        """pixel_values and what else the image processor gives for these prompts' images, in order, a list per
-        prompt (none: {}); grouped as prompt_ids groups them, so that each image is processed as it was expanded."""
+        """pixel_values and what else the processor gives for these prompts' images, in order, a list per prompt
+        (none: {}): grouped as prompt_ids groups them, and through the processor, not its image processor alone, with
+        the image settings the processor passes on (Pixtral's patch size times its merge), so that each image is
+        processed as it was expanded. Of its outputs, the image processor's: a processor given no text may make some
+        (Gemma 3's)."""
         images = [prompt for prompt in images if prompt]
         if not images:
             return {}
         decoded = [[decode(data) for data in prompt] for prompt in images]
-        outputs = self.processor.image_processor(images=decoded, return_tensors="pt")
-        return {name: value for name, value in outputs.items() if isinstance(value, torch.Tensor)}
+        outputs = self.processor(images=decoded, return_tensors="pt")
+        names = self.processor.image_processor.model_input_names
+        return {name: value for name, value in outputs.items() if name in names and isinstance(value, torch.Tensor)}
 
 
 VISION_TOWERS = ("vision_tower", "visual", "vision_model")  # what transformers' VLMs call their image encoder

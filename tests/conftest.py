@@ -507,6 +507,41 @@ def tiny_vlm(family: str, **text_overrides):
         processor.image_processor = LlavaOnevisionImageProcessorPil(
             size={"height": 32, "width": 32}, crop_size={"height": 32, "width": 32}, image_grid_pinpoints=grid
         )
+    elif family == "llava_next":  # anyres as LLaVA-OneVision's, with LLaVA's CLIP tower and its CLS token dropped
+        from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+        grid = [[32, 32], [32, 64], [64, 32], [64, 64]]
+        images = LlavaNextImageProcessorPil(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, image_grid_pinpoints=grid
+        )
+        processor = transformers.LlavaNextProcessor(
+            image_processor=images, tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
+            num_additional_image_tokens=1, chat_template=TINY_VLM_TEMPLATE,
+        )  # fmt: skip
+        config = transformers.LlavaNextConfig(
+            vision_config=transformers.CLIPVisionConfig(**tower),
+            text_config=text_config(transformers.LlamaConfig, tokenizer),
+            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+            vision_feature_select_strategy="default", image_grid_pinpoints=grid,
+        )  # fmt: skip
+    elif family == "aya_vision":  # an image in tiles and a global view, which the processor, not its image one, asks
+        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+        names = ["<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>"]
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+        tokenizer.add_special_tokens({"additional_special_tokens": [*names, "TILE", "TILE_GLOBAL"]})
+        images = GotOcr2ImageProcessorPil(size={"height": 32, "width": 32}, max_patches=4)
+        processor = transformers.AyaVisionProcessor(
+            image_processor=images, tokenizer=tokenizer, patch_size=8, img_size=32, downsample_factor=2,
+            chat_template=TINY_VLM_TEMPLATE,
+        )  # fmt: skip
+        config = transformers.AyaVisionConfig(
+            vision_config=transformers.SiglipVisionConfig(**tower),
+            text_config=text_config(transformers.Cohere2Config, tokenizer),
+            image_token_index=tokenizer.convert_tokens_to_ids("<|IMG_PATCH|>"), downsample_factor=2,
+        )  # fmt: skip
     else:
         raise ValueError(family)
     torch.manual_seed(0)

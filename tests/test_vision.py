@@ -48,6 +48,8 @@ VISION_ZOO = {
     "llava_onevision": ("packed", 48),
     "qwen3_vl": ("packed", 32),
     "smolvlm": ("packed", 48),
+    "llava_next": ("packed", 48),
+    "aya_vision": ("packed", 48),
 }
 # A prompt with several images: LLaVA-OneVision gives each of them its base features and a newline, no tiles
 SEVERAL_IMAGES = ("llava_onevision",)
@@ -79,13 +81,13 @@ def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family,
 
     vision_tower(model).register_forward_pre_hook(count, with_kwargs=True)
 
-    def tiles(row: dict) -> int:
-        # what the tower takes for a prompt's images: each image (LLaVA, Gemma 3), its tiles (Idefics3: 4 and a
-        # global one), or its patches (Qwen2-VL: 16, flattened)
-        pixels = processor.image_processor(images=[images_at(tmp_path, row)], return_tensors="pt")["pixel_values"]
+    def tiles(row: dict, pair) -> int:
+        # what the tower takes for a prompt's images, as the processor gives them: each image (LLaVA, Gemma 3), its
+        # tiles (Idefics3: 4 and a global one), or its patches (Qwen2-VL: 16, flattened)
+        pixels = processor(text=[pair.prompt], images=[images_at(tmp_path, row)], return_tensors="pt")["pixel_values"]
         return pixels.shape[0] * (pixels.shape[1] if pixels.dim() == 5 else 1)
 
-    per_pair = sum(tiles(row) for row in rows)
+    per_pair = sum(tiles(row, pair) for row, pair in zip(rows, pairs))
     topology, results = Topology.create("BasicTrainer"), {}
     for layout in ("packed", "padded"):
         settings = configuration.load(vlm_overrides(tmp_path, tmp_path, data, f"layout={layout}", "max_length=256"))
