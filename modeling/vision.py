@@ -189,14 +189,15 @@ class Vision:
     def pixel_inputs(self, images: list[list[bytes]]) -> dict[str, torch.Tensor]:
         """pixel_values and what else the processor gives for these prompts' images, in order, a list per prompt
         (none: {}): grouped as prompt_ids groups them, and through the processor, not its image processor alone, with
-        the image settings the processor passes on (Pixtral's patch size times its merge), so that each image is
-        processed as it was expanded. Of its outputs, the image processor's: a processor given no text may make some
-        (Gemma 3's)."""
+        the image settings it passes on (Aya Vision's and InternVL's tiles), so that each image is processed as it
+        was expanded. The processor is given each prompt's placeholders as its text (InternVL's needs a text); of its
+        outputs, the image processor's are kept."""
         images = [prompt for prompt in images if prompt]
         if not images:
             return {}
         decoded = [[decode(data) for data in prompt] for prompt in images]
-        outputs = self.processor(images=decoded, return_tensors="pt")
+        text = [self.placeholder * len(prompt) for prompt in images]
+        outputs = self.processor(text=text, images=decoded, add_special_tokens=False, padding=True, return_tensors="pt")
         names = self.processor.image_processor.model_input_names
         return {name: value for name, value in outputs.items() if name in names and isinstance(value, torch.Tensor)}
 

@@ -1,6 +1,7 @@
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -541,6 +542,26 @@ def tiny_vlm(family: str, **text_overrides):
             vision_config=transformers.SiglipVisionConfig(**tower),
             text_config=text_config(transformers.Cohere2Config, tokenizer),
             image_token_index=tokenizer.convert_tokens_to_ids("<|IMG_PATCH|>"), downsample_factor=2,
+        )  # fmt: skip
+    elif family == "internvl":  # tiles as Aya Vision's, and a processor that needs a text (built as qwen2_vl's)
+        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+        names = ["<img>", "<IMG_CONTEXT>", "</img>", "<video>"]
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+        tokenizer.add_special_tokens({"additional_special_tokens": names})
+        start, image, end, video = (tokenizer.convert_tokens_to_ids(name) for name in names)
+        processor = object.__new__(transformers.InternVLProcessor)
+        processor.tokenizer, processor.image_seq_length = tokenizer, 4
+        processor.start_image_token, processor.image_token, processor.end_image_token, processor.video_token = names
+        processor.start_image_token_id, processor.image_token_id, processor.end_image_token_id = start, image, end
+        processor.multimodal_pattern = re.compile(f"(?P<image>{re.escape(names[1])})|(?P<video>{re.escape(names[3])})")
+        processor.video_token_ids, processor.audio_token_ids = [video], []
+        processor.chat_template = TINY_VLM_TEMPLATE.replace("<image>", names[1])
+        processor.image_processor = GotOcr2ImageProcessorPil(size={"height": 32, "width": 32}, max_patches=4)
+        vision = transformers.InternVLVisionConfig(**{**tower, "image_size": [32, 32], "patch_size": [8, 8]})
+        config = transformers.InternVLConfig(
+            vision_config=vision, text_config=text_config(transformers.Qwen2Config, tokenizer),
+            image_token_id=image, image_seq_length=4, downsample_ratio=0.5,
         )  # fmt: skip
     else:
         raise ValueError(family)

@@ -50,6 +50,7 @@ VISION_ZOO = {
     "smolvlm": ("packed", 48),
     "llava_next": ("packed", 48),
     "aya_vision": ("packed", 48),
+    "internvl": ("packed", 48),
 }
 # A prompt with several images: LLaVA-OneVision gives each of them its base features and a newline, no tiles
 SEVERAL_IMAGES = ("llava_onevision",)
