@@ -412,8 +412,9 @@ def probe_examples(vision: Vision | None) -> list[dict]:
 
 
 def vision_problem(model: torch.nn.Module, vision: Vision, dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why this vision-language model cannot train on this trainer's inputs, or None when it can: the probe's image
-    prompt and both responses in padded rows, with the image inputs this trainer builds (pixel values from the image
+    """Why this vision-language model cannot train on this trainer's inputs, or None when it can: its processor may
+    give no input for the probe's image prompt that this trainer does not build (Mllama's cross_attention_mask), and
+    the prompt and both responses in padded rows, with the image inputs this trainer builds (pixel values from the
     processor, image tokens marked where the model reads marks), must give the log-probs of the model's own forward
     of each sequence from its processor's inputs (a family whose processor marks tokens otherwise, PaliGemma's
     prefix, differs)."""
@@ -423,9 +424,13 @@ def vision_problem(model: torch.nn.Module, vision: Vision, dtype: torch.dtype, d
     padded = with_image_inputs(pad([example], 0), [example], vision).to(device)
     try:
         with torch.no_grad(), exact_float32():
-            ours = sequence_logps(model, padded, None, dtype, scored_head=False)
             text = [vision.placeholder + " a"]  # the probe prompt's text, as probe_examples expands it
-            own = vision.processor(text=text, images=[image], add_special_tokens=False, return_tensors="pt")
+            own = vision.processor(text=text, images=[[image]], add_special_tokens=False, return_tensors="pt")
+            unbuilt = sorted(set(own) - {"input_ids", "attention_mask", *padded.image_inputs})
+            if unbuilt:
+                inputs = ", ".join(unbuilt)
+                return f"{name}'s processor gives {inputs} with an image, which this trainer does not build"
+            ours = sequence_logps(model, padded, None, dtype, scored_head=False)
             theirs = []
             for response in example["responses"]:
                 answer = torch.tensor([PROBE_EXAMPLES[0]["prompt"] + response])

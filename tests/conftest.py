@@ -563,6 +563,48 @@ def tiny_vlm(family: str, **text_overrides):
             vision_config=vision, text_config=text_config(transformers.Qwen2Config, tokenizer),
             image_token_id=image, image_seq_length=4, downsample_ratio=0.5,
         )  # fmt: skip
+    elif (
+        family == "qwen3_5"
+    ):  # Qwen3-VL's tower and positions; a language model of gated delta-rule layers and full ones
+        names = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+        tokenizer.add_special_tokens({"additional_special_tokens": names})
+        start, image, end, video = (tokenizer.convert_tokens_to_ids(name) for name in names)
+        linear = dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+        text = text_config(
+            transformers.Qwen3_5TextConfig, tokenizer, layer_types=["linear_attention", "full_attention"], **linear
+        )
+        text.rope_parameters = {**text.rope_parameters, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+        text.rope_parameters["partial_rotary_factor"] = 1.0
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=8, out_hidden_size=64)
+        config = transformers.Qwen3_5Config(
+            text_config=text.to_dict(), vision_config=vision | dict(num_position_embeddings=16), image_token_id=image,
+            video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
+        )  # fmt: skip
+        processor = object.__new__(transformers.Qwen3VLProcessor)  # Qwen3.5's processor, built as qwen3_vl's
+        processor.tokenizer, processor.image_token, processor.video_token = tokenizer, names[1], names[3]
+        processor.image_token_ids, processor.video_token_ids, processor.audio_token_ids = [image], [video], []
+        processor.image_processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=64 * 64, patch_size=8)
+        processor.chat_template = TINY_VLM_TEMPLATE.replace("<image>", "".join(names[:3]))
+    elif family == "mllama":  # images seen through cross-attention layers, masked by the processor's own input
+        from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|image|>", "<|python_tag|>"]})
+        tokenizer.add_special_tokens({"bos_token": "<|begin_of_text|>"})  # its processor opens each prompt with one
+        images = MllamaImageProcessorPil(size={"height": 32, "width": 32}, max_image_tiles=2)
+        processor = transformers.MllamaProcessor(
+            image_processor=images, tokenizer=tokenizer, chat_template=TINY_VLM_TEMPLATE.replace("<image>", "<|image|>")
+        )
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, image_size=32)
+        vision |= dict(attention_heads=4, patch_size=8, max_num_tiles=2, intermediate_layers_indices=[0])
+        vision |= dict(vision_output_dim=64, supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]])
+        text = text_config(
+            transformers.MllamaTextConfig, tokenizer, cross_attention_layers=[1], bos_token_id=tokenizer.bos_token_id
+        )
+        config = transformers.MllamaConfig(
+            vision_config=vision, text_config=text.to_dict(), image_token_index=processor.image_token_id
+        )
     else:
         raise ValueError(family)
     torch.manual_seed(0)

@@ -51,6 +51,7 @@ VISION_ZOO = {
     "llava_next": ("packed", 48),
     "aya_vision": ("packed", 48),
     "internvl": ("packed", 48),
+    "qwen3_5": ("padded", 32),
 }
 # A prompt with several images: LLaVA-OneVision gives each of them its base features and a newline, no tiles
 SEVERAL_IMAGES = ("llava_onevision",)
@@ -132,6 +133,24 @@ def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family,
         for name, grad in trainable.items():
             error = (grads[name] - grad).norm() / grad.norm().clamp_min(floor)
             assert error < 1e-4, f"{layout} {name}: relative gradient error {error:.2g}"
+
+
+# Families refused by the inputs probe, and the line that says why
+REFUSED = {
+    "mllama": "MllamaForConditionalGeneration's processor gives cross_attention_mask with an image, which this trainer "
+    "does not build: this model cannot train on pairs with images here (docs/vision.md)",
+}
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_a_family_whose_processor_gives_inputs_this_trainer_does_not_build_is_refused_in_one_line(family, tmp_path):
+    from utils import UserError
+
+    model, processor = tiny_vlm(family)
+    settings = configuration.load(vlm_overrides(tmp_path, tmp_path, tmp_path / "pairs.jsonl"))
+    with pytest.raises(UserError) as refused:
+        Scorer.create(model, settings, 0, Topology.create("BasicTrainer"), False, None, vision=Vision.of(processor))
+    assert str(refused.value) == REFUSED[family]
 
 
 def test_the_packed_mask_lets_an_images_tokens_see_each_other_and_nothing_else_changes():
