@@ -477,7 +477,7 @@ def tiny_vlm(family: str, **text_overrides):
         tokenizer.add_special_tokens({"additional_special_tokens": names})
         start, image, end, video = (tokenizer.convert_tokens_to_ids(name) for name in names)
         text = text_config(transformers.Qwen3VLTextConfig, tokenizer)
-        text.rope_parameters = {**text.rope_parameters, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+        text.rope_parameters = {**text.rope_parameters, "mrope_section": [4, 2, 2]}
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=8, out_hidden_size=64)
         vision |= dict(num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
         config = transformers.Qwen3VLConfig(
@@ -574,7 +574,7 @@ def tiny_vlm(family: str, **text_overrides):
         text = text_config(
             transformers.Qwen3_5TextConfig, tokenizer, layer_types=["linear_attention", "full_attention"], **linear
         )
-        text.rope_parameters = {**text.rope_parameters, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+        text.rope_parameters = {**text.rope_parameters, "mrope_section": [4, 2, 2]}
         text.rope_parameters["partial_rotary_factor"] = 1.0
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=8, out_hidden_size=64)
         config = transformers.Qwen3_5Config(

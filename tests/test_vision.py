@@ -38,7 +38,10 @@ def with_two_images(rows: list[dict]) -> list[dict]:
 # and Idefics3 give image tokens plain positions and causal attention, and Gemma 3 lets an image's tokens see each
 # other (token_type_ids), which the packed mask expresses (image_blocks); Qwen2-VL gives image tokens 3-D rotary
 # positions, which packed rows take from its own get_rope_index per sequence; LLaVA-OneVision encodes an image in tiles
-# of the grid it fits (anyres): all of them pack.
+# of the grid it fits (anyres): all of them pack. SmolVLM is Idefics3's architecture, LLaVA-NeXT LLaVA's with anyres;
+# Aya Vision and InternVL tile as their processors (not their image processors) ask; Qwen3-VL's positions interleave
+# over the rotary frequencies, and its tower's deepstack features join the first decoder layers at the image tokens;
+# Qwen3.5's gated delta-rule layers take no packed mask: it falls back to padded rows.
 VISION_ZOO = {
     "llava": ("packed", 32),
     "gemma3": ("packed", 32),
@@ -62,7 +65,7 @@ SEVERAL_IMAGES = ("llava_onevision",)
 )
 def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family, images, tmp_path):
     # Every sequence's summed log-prob and every trainable parameter's gradient, on the path the family takes by
-    # default and in padded rows, equal a plain forward of that prompt, its image and the response alone, as
+    # default and in padded rows, equal a plain forward of that prompt, its images and the response alone, as
     # transformers computes it from the processor's own inputs. The packed layout holds each prompt, image tokens
     # included, once per pair: the vision tower encodes each image once there, twice in padded rows (TRL's layout).
     expected_path, image_size = VISION_ZOO[family]
