@@ -434,10 +434,11 @@ def vision_problem(model: torch.nn.Module, vision: Vision, dtype: torch.dtype, d
             theirs = []
             for response in example["responses"]:
                 answer = torch.tensor([PROBE_EXAMPLES[0]["prompt"] + response])
-                inputs = {key: value for key, value in own.items() if key != "attention_mask"}
-                for key in ("input_ids", "token_type_ids", "mm_token_type_ids"):  # per token: the rest is text
+                inputs = dict(own)  # per token: the rest is text, and attended (Qwen2.5-Omni's 3-D positions ask)
+                extended = {"input_ids": answer, "attention_mask": torch.ones_like(answer)}
+                for key in ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"):
                     if key in inputs:
-                        inputs[key] = torch.cat([inputs[key], answer if key == "input_ids" else 0 * answer], dim=1)
+                        inputs[key] = torch.cat([inputs[key], extended.get(key, 0 * answer)], dim=1)
                 inputs = {key: value.to(device) for key, value in inputs.items()}
                 logits = model(**inputs, use_cache=False).logits[0, :-1].float()
                 ids = inputs["input_ids"][0, 1:]

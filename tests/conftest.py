@@ -586,6 +586,27 @@ def tiny_vlm(family: str, **text_overrides):
         processor.image_token_ids, processor.video_token_ids, processor.audio_token_ids = [image], [video], []
         processor.image_processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=64 * 64, patch_size=8)
         processor.chat_template = TINY_VLM_TEMPLATE.replace("<image>", "".join(names[:3]))
+    elif family == "qwen2_5_omni_thinker":  # Qwen2.5-VL's positions from a get_rope_index that takes no token marks
+        names = ["<|vision_bos|>", "<|IMAGE|>", "<|vision_eos|>", "<|VIDEO|>", "<|AUDIO|>", "<|audio_bos|>"]
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+        tokenizer.add_special_tokens({"additional_special_tokens": [*names, "<|audio_eos|>"]})
+        start, image, end, video, audio, audio_start = (tokenizer.convert_tokens_to_ids(name) for name in names)
+        text = text_config(transformers.Qwen2_5OmniTextConfig, tokenizer)
+        text.rope_parameters = {**text.rope_parameters, "rope_type": "default", "mrope_section": [2, 3, 3]}
+        vision = dict(hidden_size=32, out_hidden_size=64, intermediate_size=64, window_size=16, depth=2, num_heads=4)
+        vision |= dict(fullatt_block_indexes=[1], patch_size=8)
+        sound = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, output_dim=64)
+        config = transformers.Qwen2_5OmniThinkerConfig(
+            text_config=text.to_dict(), vision_config=vision, audio_config=sound | dict(num_mel_bins=16),
+            image_token_index=image, video_token_index=video, audio_token_index=audio, vision_start_token_id=start,
+            vision_end_token_id=end, audio_start_token_id=audio_start,
+        )  # fmt: skip
+        processor = object.__new__(transformers.Qwen2_5OmniProcessor)  # no video processor, as for qwen2_vl
+        processor.tokenizer, processor.image_token, processor.image_token_id = tokenizer, names[1], image
+        processor.video_token, processor.audio_token = names[3], names[4]
+        processor.image_token_ids, processor.video_token_ids, processor.audio_token_ids = [image], [video], [audio]
+        processor.image_processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=64 * 64, patch_size=8)
+        processor.chat_template = TINY_VLM_TEMPLATE.replace("<image>", "".join(names[:3]))
     elif family == "mllama":  # images seen through cross-attention layers, masked by the processor's own input
         from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
 

@@ -55,6 +55,7 @@ VISION_ZOO = {
     "aya_vision": ("packed", 48),
     "internvl": ("packed", 48),
     "qwen3_5": ("padded", 32),
+    "qwen2_5_omni_thinker": ("packed", 32),
 }
 # A prompt with several images: LLaVA-OneVision gives each of them its base features and a newline, no tiles
 SEVERAL_IMAGES = ("llava_onevision",)
@@ -117,10 +118,11 @@ def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family,
                 text=[pair.prompt], images=[images_at(tmp_path, row)], add_special_tokens=False, return_tensors="pt"
             )
             answer = tokenizer(getattr(pair, response), add_special_tokens=False, return_tensors="pt").input_ids
-            inputs = {name: value for name, value in prompt.items() if name != "attention_mask"}
-            for name in ("input_ids", "token_type_ids", "mm_token_type_ids"):  # per token: the answer's are text
+            inputs = dict(prompt)  # per token: the answer's are text, and attended (Qwen2.5-Omni's 3-D positions ask)
+            extended = {"input_ids": answer, "attention_mask": torch.ones_like(answer)}
+            for name in ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"):
                 if name in inputs:
-                    inputs[name] = torch.cat([inputs[name], answer if name == "input_ids" else 0 * answer], dim=1)
+                    inputs[name] = torch.cat([inputs[name], extended.get(name, 0 * answer)], dim=1)
             ids = inputs["input_ids"]
             logits = model(**inputs).logits[0, :-1].float()
             token_logps = logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
