@@ -41,7 +41,8 @@ def with_two_images(rows: list[dict]) -> list[dict]:
 # of the grid it fits (anyres): all of them pack. SmolVLM is Idefics3's architecture, LLaVA-NeXT LLaVA's with anyres;
 # Aya Vision and InternVL tile as their processors (not their image processors) ask; Qwen3-VL's positions interleave
 # over the rotary frequencies, and its tower's deepstack features join the first decoder layers at the image tokens;
-# Qwen3.5's gated delta-rule layers take no packed mask: it falls back to padded rows.
+# Qwen2.5-Omni's thinker computes them with a get_rope_index that takes no token marks; Qwen3.5's gated delta-rule
+# layers take no packed mask: it falls back to padded rows.
 VISION_ZOO = {
     "llava": ("packed", 32),
     "gemma3": ("packed", 32),
