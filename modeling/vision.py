@@ -177,8 +177,8 @@ class Vision:
 
     def image_inputs(self, input_ids: torch.Tensor, images: list[list[bytes]]) -> dict[str, torch.Tensor]:
         """The model's image inputs for rows `input_ids` [R, T] holding the prompts whose `images` are given, in
-        order, a list per prompt: pixel_values and what else its image processor gives, decoded now, for this batch
-        only; and the inputs that mark image tokens."""
+        order, a list per prompt: pixel_values and what else its processor gives for them (pixel_inputs), decoded
+        now, for this batch only; and the inputs that mark image tokens."""
         return self.marks(input_ids) | self.pixel_inputs(images)
 
     def marks(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
