@@ -72,7 +72,7 @@ class Evaluator:
         vision = getattr(self.tokenizer, "vision", None)  # modeling.models.load_tokenizer's
         if vision is not None:  # the prompts' images, and their tokens marked where the model reads marks
             vision = vision.for_model(model)
-            settings |= vision.pixel_inputs([image for packed in images or () for image in unpack_images(packed)])
+            settings |= vision.pixel_inputs([unpack_images(packed) for packed in images or ()])
             # images (Qwen-VL, Gemma 3) or the prefix (PaliGemma)
             settings |= vision.marks(prompt_ids, attention_mask.bool())
             # never an image's token in a completion: a round's pair holding one would ask for an image it lacks

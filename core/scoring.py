@@ -423,15 +423,16 @@ def scored_head_problem(model: torch.nn.Module, dtype: torch.dtype, device: torc
 
 
 def probe_examples(vision: Vision | None) -> list[dict]:
-    """The probes' examples; for a vision-language model the first one's prompt opens with an image (a 32 x 32
+    """The probes' examples; for a vision-language model the first one's prompt opens with an image (a 64 x 32
     picture of two colours), whose tokens the packed layout must give the positions and the attention that the
-    model's own forward gives them."""
+    model's own forward gives them. Twice as wide as high, it is cut into tiles by a family that tiles an image by
+    its aspect (Idefics3, LLaVA-OneVision, Aya Vision), where a square one may be a single tile."""
     if vision is None:
         return PROBE_EXAMPLES
     from PIL import Image
 
-    picture = Image.new("RGB", (32, 32), (200, 40, 40))
-    picture.paste((40, 40, 200), (0, 16, 32, 32))
+    picture = Image.new("RGB", (64, 32), (200, 40, 40))
+    picture.paste((40, 40, 200), (32, 0, 64, 32))
     encoded = io.BytesIO()
     picture.save(encoded, format="PNG")
     images = (encoded.getvalue(),)
@@ -443,8 +444,9 @@ def probe_examples(vision: Vision | None) -> list[dict]:
 def vision_problem(
     model: torch.nn.Module, vision: Vision, dtype: torch.dtype, device: torch.device, reward_eos: int | None = None
 ) -> str | None:
-    """Why this vision-language model cannot train on this trainer's inputs, or None when it can: the probe's image
-    prompt and both responses in padded rows, with the image inputs this trainer builds (pixel values from the image
+    """Why this vision-language model cannot train on this trainer's inputs, or None when it can: its processor may
+    give no input for the probe's image prompt that this trainer does not build (Mllama's cross_attention_mask), and
+    the prompt and both responses in padded rows, with the image inputs this trainer builds (pixel values from the
     processor, the tokens marked where the model reads marks: Vision.marks), must give the log-probs of the model's
     own forward of each sequence from its processor's inputs, the response marked as the processor marks a suffix
     where it takes one (PaliGemma's, whose prefix sees itself both ways), as text otherwise; a reward model's rewards
@@ -456,18 +458,23 @@ def vision_problem(
     what = "log-probs" if reward_eos is None else "rewards"
     try:
         with torch.no_grad(), exact_float32():
+            text = [vision.placeholder + " a"]  # the probe prompt's text, as probe_examples expands it
+            own = vision.processor(text=text, images=[[image]], add_special_tokens=False, return_tensors="pt")
+            unbuilt = sorted(set(own) - {"input_ids", "attention_mask", *padded.image_inputs})
+            if unbuilt:
+                inputs = ", ".join(unbuilt)
+                return f"{name}'s processor gives {inputs} with an image, which this trainer does not build"
             if reward_eos is None:
                 ours = sequence_logps(model, padded, None, dtype, scored_head=False)
             else:
                 ours = sequence_rewards(model, padded, None, dtype, reward_eos)
-            text = [vision.placeholder + " a"]  # the probe prompt's text, as probe_examples expands it
-            own = vision.processor(text=text, images=[image], add_special_tokens=False, return_tensors="pt")
             response_marks = suffix_marks(vision, text, image)
             theirs = []
             for response in example["responses"]:
                 rest, answer = torch.tensor([PROBE_EXAMPLES[0]["prompt"]]), torch.tensor([response])
-                inputs = {key: value for key, value in own.items() if key not in ("attention_mask", "labels")}
+                inputs = dict(own)  # the rest is attended (Qwen2.5-Omni's 3-D positions ask for the mask)
                 inputs["input_ids"] = torch.cat([inputs["input_ids"], rest, answer], dim=1)
+                inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
                 for key in MARK_INPUTS:  # per token: the rest of the prompt is its text
                     if key in inputs:
                         marks = [torch.zeros_like(rest), torch.full_like(answer, response_marks.get(key, 0))]
@@ -550,7 +557,7 @@ def with_image_inputs(batch: ModelBatch, examples: list[dict], vision: Vision | 
     """The batch with a vision-language model's image inputs: the images of each prompt its rows hold, in the order
     the rows hold them (ModelBatch.prompt_examples: in the packed layout each pair's images once)."""
     if vision is not None:
-        images = [image for i in batch.prompt_examples for image in unpack_images(examples[i].get("images", b""))]
+        images = [unpack_images(examples[i].get("images", b"")) for i in batch.prompt_examples]
         batch.image_inputs = vision.image_inputs(batch.input_ids, prompt_tokens(batch), images)
         if batch.segment_ids is not None and vision.bidirectional is not None:  # packed rows: the mask says it
             batch.bidirectional_blocks = bidirectional_blocks(batch, vision)
@@ -575,8 +582,9 @@ def packed_rope_positions(batch: ModelBatch, examples: list[dict], vision: Visio
     prompt + response alone, laid out where the row holds it: the shared prompt's once (a causal prefix, they are
     the same in every sequence), then each response's, which continue from the prompt's. The 1-D positions of the
     batch stay for its mask's windows."""
-    grids = batch.image_inputs.get("image_grid_thw")
-    per_image = iter(grids.split(1) if grids is not None else ())
+    per_image = {  # the rows of each image, in the order the batch holds the images
+        name: iter(batch.image_inputs[name].split(1)) for name in vision.rope_image_inputs if name in batch.image_inputs
+    }
     positions = torch.zeros((3, *batch.input_ids.shape), dtype=torch.long)
     starts = (batch.segment_ids != torch.nn.functional.pad(batch.segment_ids, (1, 0), value=-2)[:, :-1]).nonzero()
     for row, start in starts.tolist():
@@ -585,10 +593,10 @@ def packed_rope_positions(batch: ModelBatch, examples: list[dict], vision: Visio
             continue
         example = examples[index]
         images = len(unpack_images(example.get("images", b"")))
-        grid = torch.cat([next(per_image) for _ in range(images)]) if images else None
+        own = {name: torch.cat([next(rows) for _ in range(images)]) for name, rows in per_image.items() if images}
         prompt, offset = example["prompt"], start + len(example["prompt"])
         for response in example["responses"]:
-            sequence = vision.sequence_positions(prompt + response, grid)
+            sequence = vision.sequence_positions(prompt + response, own)
             positions[:, row, start : start + len(prompt)] = sequence[:, : len(prompt)]
             positions[:, row, offset : offset + len(response)] = sequence[:, len(prompt) :]
             offset += len(response)

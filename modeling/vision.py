@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+ROPE_CONTEXT = ("mm_token_type_ids", "attention_mask")  # what Vision.sequence_positions builds for a rope_index
 IMAGE_COLUMNS = ("images", "image")  # TRL's vision columns: a list of images, or one
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # beside a model with an image processor
 MARK_INPUTS = ("token_type_ids", "mm_token_type_ids")  # the per-token inputs that mark a VLM's tokens (Vision.marks)
@@ -142,6 +143,7 @@ class Vision:
     # the inputs the model's forward names (Vision.for_model; None: any): what else the image processor gives (Gemma
     # 3's num_crops) is no input of the model, and generate refuses it
     model_inputs: tuple[str, ...] | None = None
+    rope_arguments: tuple[str, ...] = ()  # the arguments rope_index names
 
     @classmethod
     def of(cls, processor) -> "Vision | None":
@@ -166,19 +168,30 @@ class Vision:
         image_token_id = self.image_token_id if image_token_id is None else image_token_id
         family = getattr(inner.config, "model_type", None)
         rope_index = getattr(getattr(inner, "model", None), "get_rope_index", None)
+        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)  # not **kwargs
+        parameters = inspect.signature(rope_index).parameters.values() if rope_index is not None else ()
         return dataclasses.replace(
             self, type_inputs=names, image_token_id=image_token_id, bidirectional=BIDIRECTIONAL_BLOCKS.get(family),
             first_position=FIRST_POSITIONS.get(family, 0), rope_index=rope_index, model_inputs=tuple(accepted),
+            rope_arguments=tuple(p.name for p in parameters if p.kind in named),
         )  # fmt: skip
 
-    def sequence_positions(self, ids: list[int], grids: torch.Tensor | None) -> torch.Tensor:
-        """[3, L] the model's 3-D rotary positions of one sequence (rope_index), its images' grids (image_grid_thw
-        rows, in order) given."""
+    @property
+    def rope_image_inputs(self) -> tuple[str, ...]:
+        """The image inputs rope_index names (Qwen-VL's image_grid_thw: a row per image), which sequence_positions
+        is given per sequence; the marks and the mask it builds itself."""
+        return tuple(name for name in self.rope_arguments if name not in ("input_ids", *ROPE_CONTEXT))
+
+    def sequence_positions(self, ids: list[int], image_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[3, L] the model's 3-D rotary positions of one sequence (rope_index), given its images' rows (in order) of
+        the image inputs rope_index names (rope_image_inputs). Of the image tokens' marks and the attention mask it
+        is given those it names: each family's rope_index takes its own set (Qwen2-VL's all, Qwen2.5-Omni's no
+        marks)."""
         input_ids = torch.tensor([ids])
-        marks = (input_ids == self.image_token_id).long()
-        positions, _ = self.rope_index(
-            input_ids, mm_token_type_ids=marks, image_grid_thw=grids, attention_mask=torch.ones_like(input_ids)
-        )
+        context = {"mm_token_type_ids": (input_ids == self.image_token_id).long()}
+        context["attention_mask"] = torch.ones_like(input_ids)
+        named = {name: value for name, value in context.items() if name in self.rope_arguments}
+        positions, _ = self.rope_index(input_ids, **named, **image_inputs)
         return positions[:, 0]
 
     def check_placeholders(self, prompt: str, n_images: int) -> None:
@@ -192,18 +205,20 @@ class Vision:
 
     def prompt_ids(self, prompt: str, images: tuple[bytes, ...]) -> list[int]:
         """The prompt's token ids, each placeholder expanded into its image's tokens (no special tokens added, as
-        for text)."""
+        for text). The images go to the processor as one prompt's list, as TRL's collator gives them: a family may
+        expand an image of a prompt with several otherwise than a prompt's only one (LLaVA-OneVision: no tiles)."""
         self.check_placeholders(prompt, len(images))
         inputs = self.processor(
-            text=[prompt], images=[decode(data) for data in images], add_special_tokens=False, return_tensors="np"
+            text=[prompt], images=[[decode(data) for data in images]], add_special_tokens=False, return_tensors="np"
         )
         return inputs["input_ids"][0].tolist()
 
     def image_inputs(
-        self, input_ids: torch.Tensor, prompt_tokens: torch.Tensor, images: list[bytes]
+        self, input_ids: torch.Tensor, prompt_tokens: torch.Tensor, images: list[list[bytes]]
     ) -> dict[str, torch.Tensor]:
-        """The model's image inputs for rows `input_ids` [R, T] holding `images` in order: pixel_values and what else
-        its image processor gives, decoded now, for this batch only; and the inputs that mark tokens (marks)."""
+        """The model's image inputs for rows `input_ids` [R, T] holding the prompts whose `images` are given, in
+        order, a list per prompt: pixel_values and what else its processor gives for them (pixel_inputs), decoded
+        now, for this batch only; and the inputs that mark tokens (marks)."""
         return self.marks(input_ids, prompt_tokens) | self.pixel_inputs(images)
 
     def marks(self, input_ids: torch.Tensor, prompt_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -216,14 +231,22 @@ class Vision:
             marks = (input_ids == self.image_token_id).long()
         return {name: marks for name in self.type_inputs}
 
-    def pixel_inputs(self, images: list[bytes]) -> dict[str, torch.Tensor]:
-        """pixel_values and what else the image processor gives for these images that the model takes, in order
-        (none: {})."""
+    def pixel_inputs(self, images: list[list[bytes]]) -> dict[str, torch.Tensor]:
+        """pixel_values and what else the processor gives for these prompts' images, in order, a list per prompt
+        (none: {}): grouped as prompt_ids groups them, and through the processor, not its image processor alone, with
+        the image settings it passes on (Aya Vision's and InternVL's tiles), so that each image is processed as it
+        was expanded. The processor is given each prompt's placeholders as its text (InternVL's needs a text); of its
+        outputs, the image processor's that the model takes are kept (Gemma 3's num_crops is no input of the model,
+        and generate refuses it)."""
+        images = [prompt for prompt in images if prompt]
         if not images:
             return {}
-        outputs = self.processor.image_processor(images=[decode(data) for data in images], return_tensors="pt")
-        taken = lambda name: self.model_inputs is None or name in self.model_inputs  # noqa: E731
-        return {name: value for name, value in outputs.items() if isinstance(value, torch.Tensor) and taken(name)}
+        decoded = [[decode(data) for data in prompt] for prompt in images]
+        text = [self.placeholder * len(prompt) for prompt in images]
+        outputs = self.processor(text=text, images=decoded, add_special_tokens=False, padding=True, return_tensors="pt")
+        names = self.processor.image_processor.model_input_names
+        taken = [name for name in names if self.model_inputs is None or name in self.model_inputs]
+        return {name: value for name, value in outputs.items() if name in taken and isinstance(value, torch.Tensor)}
 
 
 def model_image_token(config) -> int | None:

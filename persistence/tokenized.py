@@ -53,7 +53,8 @@ from preference_datasets import (
 )
 from utils import UserError, first_line, release_free_memory
 
-FORMAT = 5  # 3: margins; 4: conversational rows rendered as TRL renders them, tools; 5: the prompts' images
+FORMAT = 6  # 3: margins; 4: conversational rows rendered as TRL renders them, tools; 5: the prompts' images;
+# 6: a prompt's images expanded as one prompt's list (LLaVA-OneVision: several without tiles)
 CHUNK_PAIRS = 2048  # pairs per batch call to the tokenizer, and the text a build holds at a time
 # tokenizer_config.json entries that say where a tokenizer was loaded from, not what it is
 LOADED_FROM = ("name_or_path", "is_local", "local_files_only", "_commit_hash")

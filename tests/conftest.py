@@ -1,6 +1,7 @@
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -444,6 +445,29 @@ def tiny_vlm(family: str, **text_overrides):
             image_token_id=processor.image_token_id,
             scale_factor=2,
         )
+    elif family == "smolvlm":  # Idefics3's tiling and connector; its processor's __init__ needs num2words (videos)
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+        from transformers.models.smolvlm.video_processing_smolvlm import SmolVLMVideoProcessor
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<image>", "<fake_token_around_image>"]})
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<global-img>", "<end_of_utterance>"]})
+        processor = object.__new__(transformers.SmolVLMProcessor)
+        processor.tokenizer, processor.image_token, processor.video_token = tokenizer, "<image>", "<video>"
+        processor.image_token_id = image = tokenizer.convert_tokens_to_ids("<image>")
+        processor.fake_image_token, processor.global_image_token = "<fake_token_around_image>", "<global-img>"
+        processor.end_of_utterance_token, processor.image_seq_len = "<end_of_utterance>", 4
+        processor.image_token_ids, processor.video_token_ids, processor.audio_token_ids = [image], [], []
+        processor.chat_template, processor.video_processor = TINY_VLM_TEMPLATE, SmolVLMVideoProcessor()
+        processor.image_processor = SmolVLMImageProcessorPil(
+            size={"longest_edge": 64}, max_image_size={"longest_edge": 32}
+        )
+        config = transformers.SmolVLMConfig(
+            text_config=text_config(transformers.LlamaConfig, tokenizer),
+            vision_config=transformers.SmolVLMVisionConfig(**tower),
+            image_token_id=processor.image_token_id,
+            scale_factor=2,
+        )
     elif family in ("qwen2_vl", "qwen2_5_vl"):
         names = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
         tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
@@ -469,6 +493,24 @@ def tiny_vlm(family: str, **text_overrides):
         processor.image_token_ids, processor.video_token_ids, processor.audio_token_ids = [image], [video], []
         processor.image_processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=64 * 64, patch_size=8)
         processor.chat_template = TINY_VLM_TEMPLATE.replace("<image>", "".join(names[:3]))
+    elif family == "qwen3_vl":  # interleaved 3-D rotary positions; the tower's deepstack features join layers 0 and 1
+        names = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+        tokenizer.add_special_tokens({"additional_special_tokens": names})
+        start, image, end, video = (tokenizer.convert_tokens_to_ids(name) for name in names)
+        text = text_config(transformers.Qwen3VLTextConfig, tokenizer)
+        text.rope_parameters = {**text.rope_parameters, "mrope_section": [4, 2, 2]}
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=8, out_hidden_size=64)
+        vision |= dict(num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+        config = transformers.Qwen3VLConfig(
+            text_config=text.to_dict(), vision_config=vision, image_token_id=image, video_token_id=video,
+            vision_start_token_id=start, vision_end_token_id=end,
+        )  # fmt: skip
+        processor = object.__new__(transformers.Qwen3VLProcessor)  # no video processor, as for qwen2_vl
+        processor.tokenizer, processor.image_token, processor.video_token = tokenizer, names[1], names[3]
+        processor.image_token_ids, processor.video_token_ids, processor.audio_token_ids = [image], [video], []
+        processor.image_processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=64 * 64, patch_size=8)
+        processor.chat_template = TINY_VLM_TEMPLATE.replace("<image>", "".join(names[:3]))
     elif family == "llava_onevision":  # anyres: an image in tiles of a grid it fits (48 x 48: 4 and a base one)
         tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
         tokenizer.add_special_tokens({"additional_special_tokens": ["<image>", "<video>"]})
@@ -487,6 +529,124 @@ def tiny_vlm(family: str, **text_overrides):
         processor.vision_aspect_ratio, processor.chat_template = "anyres_max_9", TINY_VLM_TEMPLATE
         processor.image_processor = LlavaOnevisionImageProcessorPil(
             size={"height": 32, "width": 32}, crop_size={"height": 32, "width": 32}, image_grid_pinpoints=grid
+        )
+    elif family == "llava_next":  # anyres as LLaVA-OneVision's, with LLaVA's CLIP tower and its CLS token dropped
+        from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+        grid = [[32, 32], [32, 64], [64, 32], [64, 64]]
+        images = LlavaNextImageProcessorPil(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, image_grid_pinpoints=grid
+        )
+        processor = transformers.LlavaNextProcessor(
+            image_processor=images, tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
+            num_additional_image_tokens=1, chat_template=TINY_VLM_TEMPLATE,
+        )  # fmt: skip
+        config = transformers.LlavaNextConfig(
+            vision_config=transformers.CLIPVisionConfig(**tower),
+            text_config=text_config(transformers.LlamaConfig, tokenizer),
+            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+            vision_feature_select_strategy="default", image_grid_pinpoints=grid,
+        )  # fmt: skip
+    elif family == "aya_vision":  # an image in tiles and a global view, which the processor, not its image one, asks
+        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+        names = ["<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>"]
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+        tokenizer.add_special_tokens({"additional_special_tokens": [*names, "TILE", "TILE_GLOBAL"]})
+        images = GotOcr2ImageProcessorPil(size={"height": 32, "width": 32}, max_patches=4)
+        processor = transformers.AyaVisionProcessor(
+            image_processor=images, tokenizer=tokenizer, patch_size=8, img_size=32, downsample_factor=2,
+            chat_template=TINY_VLM_TEMPLATE,
+        )  # fmt: skip
+        config = transformers.AyaVisionConfig(
+            vision_config=transformers.SiglipVisionConfig(**tower),
+            text_config=text_config(transformers.Cohere2Config, tokenizer),
+            image_token_index=tokenizer.convert_tokens_to_ids("<|IMG_PATCH|>"), downsample_factor=2,
+        )  # fmt: skip
+    elif family == "internvl":  # tiles as Aya Vision's, and a processor that needs a text (built as qwen2_vl's)
+        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+        names = ["<img>", "<IMG_CONTEXT>", "</img>", "<video>"]
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+        tokenizer.add_special_tokens({"additional_special_tokens": names})
+        start, image, end, video = (tokenizer.convert_tokens_to_ids(name) for name in names)
+        processor = object.__new__(transformers.InternVLProcessor)
+        processor.tokenizer, processor.image_seq_length = tokenizer, 4
+        processor.start_image_token, processor.image_token, processor.end_image_token, processor.video_token = names
+        processor.start_image_token_id, processor.image_token_id, processor.end_image_token_id = start, image, end
+        processor.multimodal_pattern = re.compile(f"(?P<image>{re.escape(names[1])})|(?P<video>{re.escape(names[3])})")
+        processor.video_token_ids, processor.audio_token_ids = [video], []
+        processor.chat_template = TINY_VLM_TEMPLATE.replace("<image>", names[1])
+        processor.image_processor = GotOcr2ImageProcessorPil(size={"height": 32, "width": 32}, max_patches=4)
+        vision = transformers.InternVLVisionConfig(**{**tower, "image_size": [32, 32], "patch_size": [8, 8]})
+        config = transformers.InternVLConfig(
+            vision_config=vision, text_config=text_config(transformers.Qwen2Config, tokenizer),
+            image_token_id=image, image_seq_length=4, downsample_ratio=0.5,
+        )  # fmt: skip
+    elif (
+        family == "qwen3_5"
+    ):  # Qwen3-VL's tower and positions; a language model of gated delta-rule layers and full ones
+        names = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+        tokenizer.add_special_tokens({"additional_special_tokens": names})
+        start, image, end, video = (tokenizer.convert_tokens_to_ids(name) for name in names)
+        linear = dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+        text = text_config(
+            transformers.Qwen3_5TextConfig, tokenizer, layer_types=["linear_attention", "full_attention"], **linear
+        )
+        text.rope_parameters = {**text.rope_parameters, "mrope_section": [4, 2, 2]}
+        text.rope_parameters["partial_rotary_factor"] = 1.0
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=8, out_hidden_size=64)
+        config = transformers.Qwen3_5Config(
+            text_config=text.to_dict(), vision_config=vision | dict(num_position_embeddings=16), image_token_id=image,
+            video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
+        )  # fmt: skip
+        processor = object.__new__(transformers.Qwen3VLProcessor)  # Qwen3.5's processor, built as qwen3_vl's
+        processor.tokenizer, processor.image_token, processor.video_token = tokenizer, names[1], names[3]
+        processor.image_token_ids, processor.video_token_ids, processor.audio_token_ids = [image], [video], []
+        processor.image_processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=64 * 64, patch_size=8)
+        processor.chat_template = TINY_VLM_TEMPLATE.replace("<image>", "".join(names[:3]))
+    elif family == "qwen2_5_omni_thinker":  # Qwen2.5-VL's positions from a get_rope_index that takes no token marks
+        names = ["<|vision_bos|>", "<|IMAGE|>", "<|vision_eos|>", "<|VIDEO|>", "<|AUDIO|>", "<|audio_bos|>"]
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+        tokenizer.add_special_tokens({"additional_special_tokens": [*names, "<|audio_eos|>"]})
+        start, image, end, video, audio, audio_start = (tokenizer.convert_tokens_to_ids(name) for name in names)
+        text = text_config(transformers.Qwen2_5OmniTextConfig, tokenizer)
+        text.rope_parameters = {**text.rope_parameters, "rope_type": "default", "mrope_section": [2, 3, 3]}
+        vision = dict(hidden_size=32, out_hidden_size=64, intermediate_size=64, window_size=16, depth=2, num_heads=4)
+        vision |= dict(fullatt_block_indexes=[1], patch_size=8)
+        sound = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, output_dim=64)
+        config = transformers.Qwen2_5OmniThinkerConfig(
+            text_config=text.to_dict(), vision_config=vision, audio_config=sound | dict(num_mel_bins=16),
+            image_token_index=image, video_token_index=video, audio_token_index=audio, vision_start_token_id=start,
+            vision_end_token_id=end, audio_start_token_id=audio_start,
+        )  # fmt: skip
+        processor = object.__new__(transformers.Qwen2_5OmniProcessor)  # no video processor, as for qwen2_vl
+        processor.tokenizer, processor.image_token, processor.image_token_id = tokenizer, names[1], image
+        processor.video_token, processor.audio_token = names[3], names[4]
+        processor.image_token_ids, processor.video_token_ids, processor.audio_token_ids = [image], [video], [audio]
+        processor.image_processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=64 * 64, patch_size=8)
+        processor.chat_template = TINY_VLM_TEMPLATE.replace("<image>", "".join(names[:3]))
+    elif family == "mllama":  # images seen through cross-attention layers, masked by the processor's own input
+        from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_DIR)
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|image|>", "<|python_tag|>"]})
+        tokenizer.add_special_tokens({"bos_token": "<|begin_of_text|>"})  # its processor opens each prompt with one
+        images = MllamaImageProcessorPil(size={"height": 32, "width": 32}, max_image_tiles=2)
+        processor = transformers.MllamaProcessor(
+            image_processor=images, tokenizer=tokenizer, chat_template=TINY_VLM_TEMPLATE.replace("<image>", "<|image|>")
+        )
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, image_size=32)
+        vision |= dict(attention_heads=4, patch_size=8, max_num_tiles=2, intermediate_layers_indices=[0])
+        vision |= dict(vision_output_dim=64, supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]])
+        text = text_config(
+            transformers.MllamaTextConfig, tokenizer, cross_attention_layers=[1], bos_token_id=tokenizer.bos_token_id
+        )
+        config = transformers.MllamaConfig(
+            vision_config=vision, text_config=text.to_dict(), image_token_index=processor.image_token_id
         )
     else:
         raise ValueError(family)

@@ -12,7 +12,7 @@ import transformers
 
 import config as configuration
 import train
-from conftest import colour_rows, png, records, tiny_vlm, vlm_overrides, write_jsonl
+from conftest import QUESTION, colour_rows, png, records, tiny_vlm, vlm_overrides, write_jsonl
 from core.scoring import Scorer
 from modeling.distributed import Topology
 from modeling.vision import Vision, pack_images, vision_tower
@@ -20,15 +20,30 @@ from persistence.tokenized import Tokenization, tokenize_pairs
 from preference_datasets import parse_rows, read_file_rows
 
 
-def image_at(directory, row: dict):
-    return transformers.image_utils.load_image(str(directory / row["images"][0]))
+def images_at(directory, row: dict) -> list:
+    return [transformers.image_utils.load_image(str(directory / name)) for name in row["images"]]
+
+
+def with_two_images(rows: list[dict]) -> list[dict]:
+    """The rows, every other one's prompt asking about its own image and the next row's: a batch that mixes prompts
+    of one image and of two."""
+    two = [{"type": "image"}, {"type": "text", "text": "Compare it with"}, *QUESTION]
+    return [
+        row | {"prompt": [{"role": "user", "content": two}], "images": row["images"] + rows[i + 1]["images"]}
+        if i % 2 == 0 else row
+        for i, row in enumerate(rows)
+    ]  # fmt: skip
 
 
 # The path each family takes by default, as the probes decide on the placed model with an image in a prompt: LLaVA
 # and Idefics3 give image tokens plain positions and causal attention; Gemma 3 lets an image's tokens see each other
 # and PaliGemma its whole prefix (image, BOS, prompt), which the packed mask expresses (bidirectional_blocks);
 # Qwen2-VL gives image tokens 3-D rotary positions, which packed rows take from its own get_rope_index per sequence;
-# LLaVA-OneVision encodes an image in tiles of the grid it fits (anyres): all of them pack.
+# LLaVA-OneVision encodes an image in tiles of the grid it fits (anyres): all of them pack. SmolVLM is Idefics3's
+# architecture, LLaVA-NeXT LLaVA's with anyres; Aya Vision and InternVL tile as their processors (not their image
+# processors) ask; Qwen3-VL's positions interleave over the rotary frequencies, and its tower's deepstack features join
+# the first decoder layers at the image tokens; Qwen2.5-Omni's thinker computes them with a get_rope_index that takes
+# no token marks; Qwen3.5's gated delta-rule layers take no packed mask: it falls back to padded rows.
 VISION_ZOO = {
     "llava": ("packed", 32),
     "gemma3": ("packed", 32),
@@ -37,13 +52,24 @@ VISION_ZOO = {
     "qwen2_5_vl": ("packed", 32),
     "llava_onevision": ("packed", 48),
     "paligemma": ("packed", 32),
+    "qwen3_vl": ("packed", 32),
+    "smolvlm": ("packed", 48),
+    "llava_next": ("packed", 48),
+    "aya_vision": ("packed", 48),
+    "internvl": ("packed", 48),
+    "qwen3_5": ("padded", 32),
+    "qwen2_5_omni_thinker": ("packed", 32),
 }
+# A prompt with several images: LLaVA-OneVision gives each of them its base features and a newline, no tiles
+SEVERAL_IMAGES = ("llava_onevision",)
 
 
-@pytest.mark.parametrize("family", sorted(VISION_ZOO))
-def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family, tmp_path):
+@pytest.mark.parametrize(
+    "family, images", [(family, 1) for family in sorted(VISION_ZOO)] + [(family, 2) for family in SEVERAL_IMAGES]
+)
+def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family, images, tmp_path):
     # Every sequence's summed log-prob and every trainable parameter's gradient, on the path the family takes by
-    # default and in padded rows, equal a plain forward of that prompt, its image and the response alone, as
+    # default and in padded rows, equal a plain forward of that prompt, its images and the response alone, as
     # transformers computes it from the processor's own inputs (PaliGemma's given the response as its suffix, which
     # marks the prefix). The packed layout holds each prompt, image tokens included, once per pair: the vision tower
     # encodes each image once there, twice in padded rows (TRL's layout).
@@ -52,10 +78,11 @@ def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family,
     tokenizer = processor.tokenizer
     tokenizer.vision = Vision.of(processor)
     rows = colour_rows(tmp_path, 4, image_size=image_size)
+    rows = with_two_images(rows) if images == 2 else rows
     data = write_jsonl(tmp_path / "pairs.jsonl", rows)
     pairs = parse_rows(read_file_rows(data), "t", tokenizer)
     for row, pair in zip(rows, pairs):  # the images read from the files the rows name
-        assert pair.images == ((tmp_path / row["images"][0]).read_bytes(),)
+        assert pair.images == tuple((tmp_path / name).read_bytes() for name in row["images"])
     examples = tokenize_pairs(pairs, tokenizer, Tokenization(256, 192, sft=False)).take(range(4))
     encoded = []  # the images (Idefics3: tiles) each forward of the vision tower encodes
 
@@ -63,10 +90,14 @@ def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family,
         encoded.append((args[0] if args else kwargs["pixel_values"]).shape[0])
 
     vision_tower(model).register_forward_pre_hook(count, with_kwargs=True)
-    tiles = processor.image_processor(images=[image_at(tmp_path, rows[0])], return_tensors="pt")["pixel_values"]
-    # what the tower takes for one image: an image (LLaVA, Gemma 3), its tiles (Idefics3: 4 and a global one), or
-    # its patches (Qwen2-VL: 16, flattened)
-    tiles = tiles.shape[0] * (tiles.shape[1] if tiles.dim() == 5 else 1)
+
+    def tiles(row: dict, pair) -> int:
+        # what the tower takes for a prompt's images, as the processor gives them: each image (LLaVA, Gemma 3), its
+        # tiles (Idefics3: 4 and a global one), or its patches (Qwen2-VL: 16, flattened)
+        pixels = processor(text=[pair.prompt], images=[images_at(tmp_path, row)], return_tensors="pt")["pixel_values"]
+        return pixels.shape[0] * (pixels.shape[1] if pixels.dim() == 5 else 1)
+
+    per_pair = sum(tiles(row, pair) for row, pair in zip(rows, pairs))
     topology, results = Topology.create("BasicTrainer"), {}
     for layout in ("packed", "padded"):
         settings = configuration.load(vlm_overrides(tmp_path, tmp_path, data, f"layout={layout}", "max_length=256"))
@@ -82,12 +113,12 @@ def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family,
         if layout == "packed":
             assert scorer.layout == expected_path, scorer.fallbacks
         times = {"packed": 1, "padded": 2}[scorer.layout]  # each image, per pair
-        assert encoded == [len(examples) * tiles * times], (scorer.layout, encoded)
+        assert encoded == [per_pair * times], (scorer.layout, encoded)
     model.zero_grad()
     plain = []
     for response in ("chosen", "rejected"):
         for row, pair in zip(rows, pairs):
-            text, images = [pair.prompt], [image_at(tmp_path, row)]
+            text, images = [pair.prompt], [images_at(tmp_path, row)]
             prompt = processor(text=text, images=images, add_special_tokens=False, return_tensors="pt")
             answer = tokenizer(getattr(pair, response), add_special_tokens=False, return_tensors="pt").input_ids
             if family == "paligemma":  # the suffix: the answer and the EOS the processor ends it with (causal: no
@@ -101,10 +132,11 @@ def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family,
                 assert inputs["input_ids"][0].tolist() == prefix + suffix
                 assert inputs["token_type_ids"][0].tolist() == [0] * len(prefix) + [1] * len(suffix)
             else:
-                inputs = {name: value for name, value in prompt.items() if name != "attention_mask"}
-                for name in ("input_ids", "token_type_ids", "mm_token_type_ids"):  # per token: the answer's are text
+                inputs = dict(prompt)  # per token: the answer's are text, attended (Qwen2.5-Omni's 3-D positions ask)
+                extended = {"input_ids": answer, "attention_mask": torch.ones_like(answer)}
+                for name in ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"):
                     if name in inputs:
-                        inputs[name] = torch.cat([inputs[name], answer if name == "input_ids" else 0 * answer], dim=1)
+                        inputs[name] = torch.cat([inputs[name], extended.get(name, 0 * answer)], dim=1)
             ids = inputs["input_ids"]
             logits = model(**inputs).logits[0, :-1].float()
             token_logps = logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
@@ -121,6 +153,24 @@ def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family,
         for name, grad in trainable.items():
             error = (grads[name] - grad).norm() / grad.norm().clamp_min(floor)
             assert error < 1e-4, f"{layout} {name}: relative gradient error {error:.2g}"
+
+
+# Families refused by the inputs probe, and the line that says why
+REFUSED = {
+    "mllama": "MllamaForConditionalGeneration's processor gives cross_attention_mask with an image, which this trainer "
+    "does not build: this model cannot train on pairs with images here (docs/vision.md)",
+}
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_a_family_whose_processor_gives_inputs_this_trainer_does_not_build_is_refused_in_one_line(family, tmp_path):
+    from utils import UserError
+
+    model, processor = tiny_vlm(family)
+    settings = configuration.load(vlm_overrides(tmp_path, tmp_path, tmp_path / "pairs.jsonl"))
+    with pytest.raises(UserError) as refused:
+        Scorer.create(model, settings, 0, Topology.create("BasicTrainer"), False, None, vision=Vision.of(processor))
+    assert str(refused.value) == REFUSED[family]
 
 
 def test_the_packed_mask_lets_an_images_tokens_see_each_other_and_nothing_else_changes():
