@@ -460,7 +460,7 @@ def vision_problem(
         with torch.no_grad(), exact_float32():
             text = [vision.placeholder + " a"]  # the probe prompt's text, as probe_examples expands it
             own = vision.processor(text=text, images=[[image]], add_special_tokens=False, return_tensors="pt")
-            unbuilt = sorted(set(own) - {"input_ids", "attention_mask", *padded.image_inputs})
+            unbuilt = sorted(set(own) - {"input_ids", "attention_mask", "labels", *padded.image_inputs})
             if unbuilt:
                 inputs = ", ".join(unbuilt)
                 return f"{name}'s processor gives {inputs} with an image, which this trainer does not build"
@@ -472,7 +472,8 @@ def vision_problem(
             theirs = []
             for response in example["responses"]:
                 rest, answer = torch.tensor([PROBE_EXAMPLES[0]["prompt"]]), torch.tensor([response])
-                inputs = dict(own)  # the rest is attended (Qwen2.5-Omni's 3-D positions ask for the mask)
+                # the rest is attended (Qwen2.5-Omni's 3-D positions ask for the mask); labels are no input
+                inputs = {key: value for key, value in own.items() if key != "labels"}
                 inputs["input_ids"] = torch.cat([inputs["input_ids"], rest, answer], dim=1)
                 inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
                 for key in MARK_INPUTS:  # per token: the rest of the prompt is its text
