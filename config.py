@@ -199,6 +199,7 @@ class Config:
     tensor_parallel_size: Optional[int] = ranged(
         Range(0, low_open=True, null="for the trainer's default"), expected="a positive integer, or null"
     )
+    sequence_parallel_size: int = ranged(POSITIVE)
     distributed_timeout_secs: float = ranged(Range(0, TIMEOUT_LIMIT_SECS, low_open=True))
     optimizer: str = MISSING
     optimizer_kwargs: dict[str, Any] = MISSING
@@ -337,7 +338,12 @@ class Config:
 
     def check_batches(self, world_size: int) -> None:
         """Batches split evenly over data-parallel ranks and accumulation steps; evals fall on step boundaries."""
-        data_ranks, tp = mesh_shape(self.trainer, world_size, self.tensor_parallel_size)
+        data_ranks, sp, tp = mesh_shape(self.trainer, world_size, self.tensor_parallel_size, self.sequence_parallel_size)
+        if sp > 1 and self.layout != "packed":
+            raise UserError(
+                f"sequence_parallel_size={sp} cuts packed rows into slices, each rank given the whole rows' mask; "
+                "layout=padded rows take masks built from a rank's own tokens: use layout=packed"
+            )
         if self.lora.enabled and tp > 1:
             raise UserError(
                 f"lora.enabled=true with {tp}-way tensor parallelism: peft's LoRA layers have no tensor-parallel "

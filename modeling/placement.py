@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from modeling import weights
 from modeling.distributed import Topology
+from modeling.sequence_parallel import check_sequence_parallel
 from modeling.vision import vision_tower
 from utils import UserError
 
@@ -163,10 +164,12 @@ def parallelize(
     With gradient accumulation FSDP reduce-scatters after every micro-batch (FSDP2's default, kept): skipping the
     reduction until the last micro-batch would hold every block's whole unsharded gradient on every rank meanwhile
     (for a 7B model, 14 GB in bfloat16, 28 GB in float32), for one reduction's worth of communication saved."""
+    if topology.sp_size > 1:
+        check_sequence_parallel(model, topology.sp_size, topology.tp_size)
     if topology.tp_size > 1:
         apply_tensor_parallel(model, topology.mesh["tp"], topology.trainer)
     if activation_checkpointing:
         checkpoint_blocks(model, block_name)
     if topology.fsdp:
-        return apply_fsdp(model, topology.mesh["dp"], block_name, compute_dtype, reduce_dtype)
+        return apply_fsdp(model, topology.fsdp_mesh, block_name, compute_dtype, reduce_dtype)
     return model if weights.is_empty(model) else model.to(topology.device)

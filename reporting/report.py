@@ -179,8 +179,8 @@ class Workload:
     live_reference: bool
 
 
-def memory_plan(work: Workload, trainer: str, mesh: tuple[int, int], on_gpu: bool) -> MemoryPlan:
-    """One rank's memory on a (data-parallel, tensor-parallel) mesh, from the policy's shapes (meta_policy) and the
+def memory_plan(work: Workload, trainer: str, mesh: tuple[int, int, int], on_gpu: bool) -> MemoryPlan:
+    """One rank's memory on a (data-parallel, sequence-parallel, tensor-parallel) mesh, from the policy's shapes (meta_policy) and the
     run's largest micro-batch. Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
     Transformer Models"): 34 x hidden bytes per token and layer in 16-bit compute, without the attention scores
     (scaled dot-product attention does not keep them); activation checkpointing keeps each layer's input and one
@@ -188,21 +188,21 @@ def memory_plan(work: Workload, trainer: str, mesh: tuple[int, int], on_gpu: boo
     counted: the framework itself (CUDA context, Python and torch: ~0.5-3 GiB)."""
     training = device_memory(work, trainer, mesh, on_gpu)
     config, policy, precision = work.config, work.policy, work.precision
-    dp, tp = mesh
+    dp, sp, tp = mesh
     fsdp = TRAINERS[trainer].fsdp
     element = torch.finfo(precision.policy_weights).bits // 8
     largest = max(p.numel() for p in policy.parameters()) * element
-    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad) * element / (dp * tp if fsdp else tp)
+    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad) * element / (dp * sp * tp if fsdp else tp)
     # DCP serialises each safetensors file of a rank in memory, after staging a GPU's tensors on the host
     rank_file = min(rank_file_bytes(trainable), trainable) * (2 if on_gpu else 1)
-    load = {"a weight's shard, read at a time": largest / (dp if fsdp else 1)}
+    load = {"a weight's shard, read at a time": largest / (dp * sp if fsdp else 1)}
     save = {"a checkpoint file, serialised": rank_file, "the export: one whole weight at a time": largest}
     n_parameters = sum(p.numel() for p in policy.parameters())
     n_trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     compute = precision.policy_compute or precision.policy_weights
     header = (
         f"{count(n_parameters)} parameters, {count(n_trainable)} trainable; {precision.policy_weights} "
-        f"weights, {compute} compute; {trainer} dp {dp} x tp {tp}; {config.layout} layout"
+        f"weights, {compute} compute; {trainer} dp {dp}{f' x sp {sp}' if sp > 1 else ''} x tp {tp}; {config.layout} layout"
         + (", activation checkpointing" if config.activation_checkpointing else "")
     )
     return MemoryPlan(header, training, load, save, on_gpu)
@@ -212,7 +212,7 @@ def count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
-def device_memory(work: Workload, trainer: str, mesh: tuple[int, int], on_gpu: bool) -> dict[str, float]:
+def device_memory(work: Workload, trainer: str, mesh: tuple[int, int, int], on_gpu: bool) -> dict[str, float]:
     """{part: bytes} one rank's device holds while training."""
     config, policy, train, schedule, precision = work.config, work.policy, work.train, work.schedule, work.precision
     model_config = policy.config.get_text_config()  # a vision-language model's: its language model's
@@ -223,19 +223,20 @@ def device_memory(work: Workload, trainer: str, mesh: tuple[int, int], on_gpu: b
     block, n_layers, hidden = blocks[0], len(blocks), model_config.hidden_size
 
     parallelism = TRAINERS[trainer]
-    dp, tp = mesh
-    shards = dp * tp if parallelism.fsdp else tp  # tensor parallelism splits the blocks only: an upper bound below
+    dp, sp, tp = mesh
+    shards = dp * sp * tp if parallelism.fsdp else tp  # tensor parallelism splits the blocks only: an upper bound below
     element = torch.finfo(weights_dtype).bits // 8
     compute = precision.policy_compute or weights_dtype
     compute_bytes = torch.finfo(compute).bits // 8
 
     micro = max(1, config.batch_size // (config.gradient_accumulation_steps * dp))
     shapes = [
-        batch_shape(config.layout, train.lengths[indices[start : start + micro]])
+        batch_shape(config.layout, train.lengths[indices[start : start + micro]], multiple=sp)
         for indices in schedule
         for start in range(0, len(indices), micro)
     ]
-    rows = max(n_rows * length for n_rows, length in shapes)
+    # each rank of an sp group holds its slice of the rows' tokens; the mask stays whole on every one
+    rows = max(n_rows * length for n_rows, length in shapes) // sp
     # packed rows on a CPU take a dense [R, 1, T, T] mask: bool, and the additive one in the compute dtype, one per
     # layer type (full and sliding-window layers: Gemma 2 and 3, GPT-OSS); on CUDA the block mask holds a few integers
     # per 128 x 128 block instead
@@ -267,17 +268,17 @@ def device_memory(work: Workload, trainer: str, mesh: tuple[int, int], on_gpu: b
         else 0,
         # autocast keeps a compute-dtype copy of each weight it casts, for the whole forward and backward pass
         "autocast weight copies": n_parameters * compute_bytes / tp if autocast_copies else 0,
-        f"activations ({rows} token positions)": activations,
+        f"activations ({rows} token positions{' a rank' if sp > 1 else ''})": activations,
         "attention mask (packed, dense)": mask if dense_masks else 0,
         "full logits": logits,
     }
 
 
-def fit_verdict(work: Workload, hardware: Hardware, mesh: tuple[int, int]) -> tuple[MemoryPlan, str | None]:
+def fit_verdict(work: Workload, hardware: Hardware, mesh: tuple[int, int, int]) -> tuple[MemoryPlan, str | None]:
     """(the run's memory plan on its mesh, why it does not fit `hardware` with the smallest mesh that would, or
     None). Checked before any weight is read; a lower bound, so a run it refuses could not have fitted."""
 
-    def plan(trainer: str, candidate: tuple[int, int]) -> MemoryPlan:
+    def plan(trainer: str, candidate: tuple[int, int, int]) -> MemoryPlan:
         return memory_plan(work, trainer, candidate, on_gpu=hardware.gpu_bytes is not None)
 
     current = plan(work.config.trainer, mesh)
@@ -292,22 +293,29 @@ MAX_NODES = 256
 
 
 def smallest_mesh(config: DictConfig, hardware: Hardware, policy: torch.nn.Module, plan) -> str:
-    """The fewest nodes of hardware's kind (then the smallest tensor-parallel size within a node) on which
-    FSDPTrainer fits the run, by plan(trainer, (dp, tp))."""
+    """The fewest nodes of hardware's kind (then the smallest tensor-parallel size within a node, then the smallest
+    sequence-parallel size in what is left of it) on which FSDPTrainer fits the run, by plan(trainer, (dp, sp, tp))."""
     per_node = hardware.ranks_per_node
-    sizes = [1] if config.lora.enabled else [tp for tp in range(1, per_node + 1) if per_node % tp == 0]
+    divisors = [size for size in range(1, per_node + 1) if per_node % size == 0]
+    sizes = [1] if config.lora.enabled else divisors
     sizes = [tp for tp in sizes if tp == 1 or splits_heads(policy, tp)]
+    heads = policy.config.get_text_config().num_attention_heads
+    packed = config.layout == "packed"
     for nodes in range(1, MAX_NODES + 1):
-        for tp in sizes:
-            dp = nodes * per_node // tp
-            candidate = plan("FSDPTrainer", (dp, tp))
+        for tp, sp in [(tp, sp) for tp in sizes for sp in divisors if per_node % (tp * sp) == 0]:
+            if sp > 1 and (not packed or heads % (sp * tp)):
+                continue
+            dp = nodes * per_node // (tp * sp)
+            candidate = plan("FSDPTrainer", (dp, sp, tp))
             fitting = hardware.with_nodes(nodes)
             if candidate.fit_problem(fitting) is None:
                 step = config.gradient_accumulation_steps * dp
                 unit = "GPU" if candidate.on_gpu else "process"
+                sequence = f" sequence_parallel_size={sp}" if sp > 1 else ""
+                shape = f"dp {dp}{f' x sp {sp}' if sp > 1 else ''} x tp {tp}"
                 return (
                     f"the smallest mesh that fits: {fitting.describe(host=False)}, trainer=FSDPTrainer "
-                    f"tensor_parallel_size={tp} (dp {dp} x tp {tp}: {candidate.device_peak() / GIB:.1f} GiB a {unit}; "
+                    f"tensor_parallel_size={tp}{sequence} ({shape}: {candidate.device_peak() / GIB:.1f} GiB a {unit}; "
                     f"batch_size a multiple of {step})"
                 )
     return f"none of up to {hardware.with_nodes(MAX_NODES).describe(host=False)} fits it"
