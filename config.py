@@ -338,7 +338,9 @@ class Config:
 
     def check_batches(self, world_size: int) -> None:
         """Batches split evenly over data-parallel ranks and accumulation steps; evals fall on step boundaries."""
-        data_ranks, sp, tp = mesh_shape(self.trainer, world_size, self.tensor_parallel_size, self.sequence_parallel_size)
+        data_ranks, sp, tp = mesh_shape(
+            self.trainer, world_size, self.tensor_parallel_size, self.sequence_parallel_size
+        )
         if sp > 1 and self.layout != "packed":
             raise UserError(
                 f"sequence_parallel_size={sp} cuts packed rows into slices, each rank given the whole rows' mask; "

@@ -69,7 +69,7 @@ class ModelBatch:
     image_inputs:     a vision-language model's image inputs of those images (pixel_values, ...), or None
     image_blocks:     [R, T] (packed) the image each token belongs to, numbered by row, -1 for text: where a model
                       lets an image's tokens see each other (Gemma 3), or None
-    sequence_part:    with sequence parallelism, this rank's slice of the rows (sequence_slice), or None
+    sequence_part:    with sequence parallelism, this rank's slice of the rows (SequenceSlice), or None
     """
 
     input_ids: torch.Tensor
@@ -88,7 +88,7 @@ class ModelBatch:
     prompt_examples: list[int] | None = None
     image_inputs: dict[str, torch.Tensor] | None = None
     image_blocks: torch.Tensor | None = None
-    sequence_part: "ModelBatch | None" = None
+    sequence_part: "SequenceSlice | None" = None
 
     def to(self, device: torch.device) -> "ModelBatch":
         moved = {name: to_device(v, device) if torch.is_tensor(v) else v for name, v in vars(self).items()}
@@ -309,26 +309,36 @@ def dense_mask(batch: ModelBatch, span: AttentionSpan = FULL_ATTENTION) -> torch
     return mask_mod(b, None, q, k)[:, None]
 
 
-def sequence_slice(batch: ModelBatch, rank: int, size: int) -> ModelBatch:
-    """Slice `rank` of `size` of a packed batch whose row length divides by `size`: its [R, T / size] contiguous
-    tokens and positions, and the scored tokens whose predicting position lies in it, as a ModelBatch of those rows
-    (sequence parallelism, modeling/sequence_parallel.py). The target of a slice's last token is the next slice's
-    first: each scored token's id is listed with the position that predicts it, so no token crosses ranks.
-    sequence_lengths and shared_lengths count each sequence's tokens scored here ([S], zeros where none are), in
-    order, so that response_sums of the slices' log-probs add up to the whole rows'; first_positions and
-    last_positions stay the whole rows'."""
+@dataclass
+class SequenceSlice:
+    """One rank's slice of a packed batch's rows (sequence parallelism, modeling/sequence_parallel.py): its [R, T / n]
+    contiguous tokens and positions, and the scored tokens whose predicting position lies in it, laid out as
+    ModelBatch lays out the whole batch's (keep_positions [R, K'], score_rows, score_positions and score_targets
+    [M], on the slice's tokens), with their index among the whole batch's [N] scored tokens (score_index)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    keep_positions: torch.Tensor
+    score_rows: torch.Tensor
+    score_positions: torch.Tensor
+    score_targets: torch.Tensor
+    score_index: torch.Tensor
+
+    def to(self, device: torch.device) -> "SequenceSlice":
+        return SequenceSlice(**{name: to_device(value, device) for name, value in vars(self).items()})
+
+
+def sequence_slice(batch: ModelBatch, rank: int, size: int) -> SequenceSlice:
+    """Slice `rank` of `size` of a packed batch whose row length divides by `size`. The target of a slice's last
+    token is the next slice's first: each scored token's id is listed with the position that predicts it, so no
+    token crosses ranks."""
     rows, length = batch.input_ids.shape
     width = length // size
     start = rank * width
     row, column = batch.score_positions // length, batch.score_positions % length
-    here = ((column >= start) & (column < start + width)).nonzero().squeeze(1)  # in order: grouped by sequence
-    lengths = batch.sequence_lengths
-    sequence = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    index_in_sequence = torch.arange(len(sequence)) - (lengths.cumsum(0) - lengths)[sequence]
-    shared = index_in_sequence[here] < batch.shared_lengths[sequence[here]]
-    row, column = row[here], column[here] - start
-    # the kept positions of each row: each position that predicts a token here once, in order
-    flat = row * width + column
+    here = ((column >= start) & (column < start + width)).nonzero().squeeze(1)
+    flat = row[here] * width + column[here] - start
+    # each row's kept positions: every position that predicts a token here, once, in order
     kept = torch.unique(flat)
     kept_rows = kept // width
     counts = torch.bincount(kept_rows, minlength=rows)
@@ -338,20 +348,13 @@ def sequence_slice(batch: ModelBatch, rank: int, size: int) -> ModelBatch:
     keep_positions[kept_rows, index_in_row] = kept % width
     # a short row repeats its last kept position, as scored_fields lays them out
     repeat = torch.minimum(torch.arange(keep_width)[None, :], (counts - 1).clamp(min=0)[:, None])
-    keep_positions = keep_positions.gather(1, repeat)
     found = torch.searchsorted(kept, flat)
-    return ModelBatch(
+    return SequenceSlice(
         input_ids=batch.input_ids[:, start : start + width],
         position_ids=batch.position_ids[:, start : start + width],
-        attention_mask=None,
-        segment_ids=batch.segment_ids[:, start : start + width],
-        branch_ids=batch.branch_ids[:, start : start + width],
-        keep_positions=keep_positions,
+        keep_positions=keep_positions.gather(1, repeat),
         score_rows=kept_rows[found] * keep_width + index_in_row[found],
         score_positions=flat,
         score_targets=batch.score_targets[here],
-        sequence_lengths=torch.bincount(sequence[here], minlength=len(lengths)),
-        shared_lengths=torch.bincount(sequence[here][shared], minlength=len(lengths)),
-        first_positions=batch.first_positions,
-        last_positions=batch.last_positions,
+        score_index=here,
     )

@@ -22,6 +22,7 @@ from core.layouts import (
     FULL_ATTENTION,
     AttentionSpan,
     ModelBatch,
+    SequenceSlice,
     dense_mask,
     image_runs,
     make_batch,
@@ -223,7 +224,9 @@ def sequence_logps(
     with_sum_sq: also [S] sums of log sum_v p_v^2 over each sequence's scored tokens (WPO), no gradient, from the
     same logits: (logps, log_sum_sq).
     sequence: this rank's sp group (sequence parallelism): the model reads this rank's slice of the rows
-    (batch.sequence_part) with the whole rows' mask, and the slices' sums are summed over the group."""
+    (batch.sequence_part) with the whole rows' mask, and scores the tokens its slice predicts; summed over the
+    group, in their places among the batch's scored tokens (the others zeros), every rank has every token's
+    log-prob, and sums them in the order one process does: an sp run's sums do not depend on where a slice ends."""
     inputs, flex = model_inputs(batch, mask_dtype, attention, spans)
     scored, flex = sequence_inputs(inputs, batch, flex) if sequence is not None else (batch, flex)
     with forward_context(model, batch.input_ids.device, autocast_dtype, flex):
@@ -236,14 +239,21 @@ def sequence_logps(
             logits = model(**inputs).logits.flatten(0, 1)
             out = token_logps_from_logits(logits, scored.score_positions, scored.score_targets, with_sum_sq)
             token_logps, log_sum_sq = out if with_sum_sq else (out, None)
-    logps = response_sums(token_logps.float().view(-1), scored, tail_weight)
-    sums_sq = response_sums(log_sum_sq.view(-1), scored) if with_sum_sq else None
-    if sequence is not None:
-        logps, sums_sq = sequence.sum(logps), sequence.sum(sums_sq) if with_sum_sq else None
-    return (logps, sums_sq) if with_sum_sq else logps
+    token_logps = token_logps.float().view(-1)
+    if sequence is not None:  # every rank's tokens in their places, the rest zeros: summed, the whole batch's
+        token_logps = sequence.sum(scattered(token_logps, scored.score_index, batch.score_targets.numel()))
+        if with_sum_sq:
+            log_sum_sq = sequence.sum(scattered(log_sum_sq.view(-1), scored.score_index, batch.score_targets.numel()))
+    logps = response_sums(token_logps, batch, tail_weight)
+    return (logps, response_sums(log_sum_sq.view(-1), batch)) if with_sum_sq else logps
 
 
-def sequence_inputs(inputs: dict, batch: ModelBatch, flex: bool) -> tuple[ModelBatch, bool]:
+def scattered(values: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+    """[size] zeros with `values` at `index`."""
+    return values.new_zeros(size).index_copy(0, index, values)
+
+
+def sequence_inputs(inputs: dict, batch: ModelBatch, flex: bool) -> tuple[SequenceSlice, bool]:
     """The model's inputs made this rank's slice of the rows (its tokens and positions; the mask stays the whole
     rows'), and (the slice, whether the forward switches to FlexAttention: never, as the sequence-parallel attention
     runs it itself for a block mask)."""
@@ -710,5 +720,5 @@ def sequence_group(topology, layout: str, notes: list[str], vision: Vision | Non
         why = next((note for note in notes if note.startswith("layout:")), "layout=padded")
         raise UserError(f"sequence_parallel_size={size} cuts packed rows into slices; {why}")
     if vision is not None:
-        raise UserError(f"sequence_parallel_size={size}: a vision-language model's image tokens are not cut into slices")
+        raise UserError(f"sequence_parallel_size={size}: a vision-language model's images are not cut into slices")
     return SequenceGroup(topology.mesh["sp"].get_group(), size, topology.sp_rank)

@@ -180,19 +180,22 @@ class Workload:
 
 
 def memory_plan(work: Workload, trainer: str, mesh: tuple[int, int, int], on_gpu: bool) -> MemoryPlan:
-    """One rank's memory on a (data-parallel, sequence-parallel, tensor-parallel) mesh, from the policy's shapes (meta_policy) and the
-    run's largest micro-batch. Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-    Transformer Models"): 34 x hidden bytes per token and layer in 16-bit compute, without the attention scores
-    (scaled dot-product attention does not keep them); activation checkpointing keeps each layer's input and one
-    layer's activations. The weights are read sharded (weights.py) and written by every rank (checkpoint.py). Not
-    counted: the framework itself (CUDA context, Python and torch: ~0.5-3 GiB)."""
+    """One rank's memory on a (data-parallel, sequence-parallel, tensor-parallel) mesh, from the policy's shapes
+    (meta_policy) and the run's largest micro-batch. Activations follow Korthikanti et al. 2022 ("Reducing Activation
+    Recomputation in Large Transformer Models"): 34 x hidden bytes per token and layer in 16-bit compute, without the
+    attention scores (scaled dot-product attention does not keep them); activation checkpointing keeps each layer's
+    input and one layer's activations; sequence parallelism leaves a rank 1 / sp of each row's tokens. The weights
+    are read sharded (weights.py) and written by every rank (checkpoint.py). Not counted: the framework itself (CUDA
+    context, Python and torch: ~0.5-3 GiB)."""
     training = device_memory(work, trainer, mesh, on_gpu)
     config, policy, precision = work.config, work.policy, work.precision
     dp, sp, tp = mesh
     fsdp = TRAINERS[trainer].fsdp
     element = torch.finfo(precision.policy_weights).bits // 8
     largest = max(p.numel() for p in policy.parameters()) * element
-    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad) * element / (dp * sp * tp if fsdp else tp)
+    trainable = (
+        sum(p.numel() for p in policy.parameters() if p.requires_grad) * element / (dp * sp * tp if fsdp else tp)
+    )
     # DCP serialises each safetensors file of a rank in memory, after staging a GPU's tensors on the host
     rank_file = min(rank_file_bytes(trainable), trainable) * (2 if on_gpu else 1)
     load = {"a weight's shard, read at a time": largest / (dp * sp if fsdp else 1)}
@@ -202,8 +205,8 @@ def memory_plan(work: Workload, trainer: str, mesh: tuple[int, int, int], on_gpu
     compute = precision.policy_compute or precision.policy_weights
     header = (
         f"{count(n_parameters)} parameters, {count(n_trainable)} trainable; {precision.policy_weights} "
-        f"weights, {compute} compute; {trainer} dp {dp}{f' x sp {sp}' if sp > 1 else ''} x tp {tp}; {config.layout} layout"
-        + (", activation checkpointing" if config.activation_checkpointing else "")
+        f"weights, {compute} compute; {trainer} dp {dp}{f' x sp {sp}' if sp > 1 else ''} x tp {tp}; "
+        f"{config.layout} layout" + (", activation checkpointing" if config.activation_checkpointing else "")
     )
     return MemoryPlan(header, training, load, save, on_gpu)
 

@@ -211,7 +211,9 @@ def test_a_plan_fits_or_names_what_is_short(make_config, tiny_tokenizer):
 def test_the_smallest_mesh_fits_and_none_with_a_node_fewer_does(make_config, tiny_tokenizer):
     # GPUs too small for one node of 2 of them: the search names the fewest nodes (then the smallest tensor-parallel
     # size) that fit, and every mesh of fewer nodes does not.
-    work, one_node = tiny_plan(make_config, tiny_tokenizer, "trainer=FSDPTrainer", "nproc=2", mesh=(2, 1, 1), on_gpu=True)
+    work, one_node = tiny_plan(
+        make_config, tiny_tokenizer, "trainer=FSDPTrainer", "nproc=2", mesh=(2, 1, 1), on_gpu=True
+    )
     hardware = report.Hardware(1, 2, one_node.device_peak() * 0.3, None)
     plan, problem = report.fit_verdict(work, hardware, (2, 1, 1))
     assert problem.startswith("this run does not fit 1 node x 2 GPUs of 0 GiB: a GPU needs") and plan is not None
