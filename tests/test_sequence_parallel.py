@@ -2,11 +2,15 @@
 tokens, attention all-to-alls heads for tokens, and the per-sequence sums are summed over the group. On 2 and 4 CPU
 processes (gloo), every run reproduces one padded process (transformers' own masks, all logits, a live reference)."""
 
+import re
+
 import pytest
 import torch
 
 from conftest import (
     PADDED_BASELINE,
+    REPO_ROOT,
+    TINY_DIR,
     arithmetic_pairs,
     assert_same_metrics,
     assert_same_weights,
@@ -147,3 +151,35 @@ def test_other_losses_match_one_padded_process(tmp_path, pairs_file, launch, los
     padded, sp = read_jsonl(tmp_path / "padded" / "metrics.jsonl"), read_jsonl(tmp_path / "sp" / "metrics.jsonl")
     assert_same_metrics(padded, sp)
     assert_same_weights(tmp_path / "padded", tmp_path / "sp")
+
+
+def test_a_65k_token_pair_of_llama7b_fits_8_gpus_of_80_gb_with_sp_8_and_not_without(tmp_path, run_main):
+    # The dry run's plan for Llama-7B (its published shapes, assets/configs/llama-7b) on 8 x 80 GB, one pair of 65k
+    # tokens a micro-batch: each of 8 sp ranks holds 1/8 of the pair's activations (47 GiB a GPU, fits); 8
+    # data-parallel ranks would each hold all of them (285 GiB a GPU, refused).
+    pairs = [
+        {"prompt": f"reasoning {i} " * 2730 + "A:", "chosen": " yes" * 4095, "rejected": " no!" * 4095}
+        for i in range(10)
+    ]
+    pairs_file = write_jsonl(tmp_path / "long.jsonl", pairs)
+    plan = (
+        "dry_run=true", "model=llama7b", f"model.name_or_path={REPO_ROOT / 'assets' / 'configs' / 'llama-7b'}",
+        f"model.tokenizer_name_or_path={TINY_DIR}", "trainer=FSDPTrainer", "plan.gpus_per_node=8",
+        "plan.gpu_memory_gib=80", "plan.host_memory_gib=2048", f"datasets=[{pairs_file}]", "max_length=65536",
+        "max_prompt_length=32768", "batch_size=8", "eval_batch_size=8", "eval_every=8", "n_eval_examples=2",
+        "wandb.enabled=false", f"local_dirs=[{tmp_path}]",
+    )  # fmt: skip
+    sequence = run_main(*plan, "sequence_parallel_size=8", "gradient_accumulation_steps=8")
+    assert sequence.returncode == 0, sequence.stderr[-2000:]
+    assert "FSDPTrainer dp 1 x sp 8 x tp 1; packed layout" in sequence.stdout and "\nfits: " in sequence.stdout
+    data = run_main(*plan)
+    assert data.returncode == 2
+    error = data.stderr.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("error: this run does not fit 1 node x 8 GPUs of 80 GiB")
+
+    def activations(output: str) -> tuple[int, float]:
+        found = re.search(r"activations \((\d+) token positions(?: a rank)?\)\s+([\d.]+) GiB", output)
+        return int(found[1]), float(found[2])
+
+    (sliced, sliced_bytes), (whole, whole_bytes) = activations(sequence.stdout), activations(data.stdout)
+    assert sliced == -(-whole // 8) and sliced_bytes == pytest.approx(whole_bytes / 8, rel=1e-3)
