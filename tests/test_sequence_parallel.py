@@ -183,3 +183,33 @@ def test_a_65k_token_pair_of_llama7b_fits_8_gpus_of_80_gb_with_sp_8_and_not_with
 
     (sliced, sliced_bytes), (whole, whole_bytes) = activations(sequence.stdout), activations(data.stdout)
     assert sliced == -(-whole // 8) and sliced_bytes == pytest.approx(whole_bytes / 8, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "overrides,line",
+    [
+        (("trainer=BasicTrainer",), "sequence_parallel_size=2 with BasicTrainer: sequence parallelism is a dimension"),
+        (("trainer=TensorParallelTrainer", "nproc=2"), "sequence_parallel_size=2 with TensorParallelTrainer"),
+        (("trainer=FSDPTrainer", "nproc=2", "layout=padded"), "layout=padded rows take masks built from a rank's"),
+        (("trainer=FSDPTrainer", "nproc=6", "tensor_parallel_size=2"), "x tensor_parallel_size=2 must divide the"),
+    ],
+)
+def test_what_sequence_parallelism_does_not_take_is_one_line(make_config, overrides, line):
+    from utils import UserError
+
+    with pytest.raises(UserError, match=re.escape(line)):
+        make_config("sequence_parallel_size=2", *overrides)
+
+
+def test_query_heads_that_do_not_divide_over_the_ranks_are_refused():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from modeling.sequence_parallel import check_sequence_parallel
+    from utils import UserError
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_DIR))  # 4 query heads
+    check_sequence_parallel(model, 2, 2)
+    check_sequence_parallel(model, 4, 1)
+    with pytest.raises(UserError, match="num_attention_heads=4, not a multiple of 8"):
+        check_sequence_parallel(model, 4, 2)
