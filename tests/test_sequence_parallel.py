@@ -127,18 +127,24 @@ def test_a_sequence_parallel_checkpoint_resumes_on_one_process_and_on_data_paral
         assert_same_weights(padded_dir, tmp_path / name)
 
 
-def test_a_sliding_window_model_matches_one_padded_process(tmp_path, pairs_file, launch):
-    # A Qwen2 with a 4-token window on its second layer and full attention on its first: each layer type's mask,
-    # whole, reaches its layers on every rank, and windows cross the slices' boundary.
-    window = dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)
-    model_dir = save_tiny_lm(tmp_path / "qwen2-window", "qwen2", **window)
+@pytest.mark.parametrize(
+    "model_type,window",
+    [
+        ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+        ("gemma2", dict(sliding_window=4, final_logit_softcapping=0.5)),
+    ],
+)
+def test_a_sliding_window_model_matches_one_padded_process(tmp_path, pairs_file, launch, model_type, window):
+    # A Qwen2 with a 4-token window on its second layer and full attention on its first; a Gemma 2 with a 4-token
+    # window on its first, eager attention (its attention scores are soft-capped) and a soft-capped head. Each layer
+    # type's mask, whole, reaches its layers on every rank, and windows cross the slices' boundary.
+    model_dir = save_tiny_lm(tmp_path / model_type, model_type, **window)
     model = ("model=blank_model", f"model.name_or_path={model_dir}", "model.fsdp_policy_mp=null")
     launch(tmp_path / "padded", pairs_file, *model, "trainer=BasicTrainer", *PADDED_BASELINE)
     result = launch(tmp_path / "sp", pairs_file, *model, "trainer=FSDPTrainer", "sequence_parallel_size=2")
     assert "full_attention full, sliding_attention window 4" in result.stdout
-    assert_same_metrics(
-        read_jsonl(tmp_path / "padded" / "metrics.jsonl"), read_jsonl(tmp_path / "sp" / "metrics.jsonl")
-    )
+    padded, sp = read_jsonl(tmp_path / "padded" / "metrics.jsonl"), read_jsonl(tmp_path / "sp" / "metrics.jsonl")
+    assert_same_metrics(padded, sp)
     assert_same_weights(tmp_path / "padded", tmp_path / "sp")
 
 
