@@ -228,7 +228,9 @@ def sequence_logps(
     group, in their places among the batch's scored tokens (the others zeros), every rank has every token's
     log-prob, and sums them in the order one process does: an sp run's sums do not depend on where a slice ends."""
     inputs, flex = model_inputs(batch, mask_dtype, attention, spans)
-    scored, flex = sequence_inputs(inputs, batch, flex) if sequence is not None else (batch, flex)
+    scored = batch
+    if sequence is not None:  # the sequence-parallel attention runs FlexAttention itself for a block mask
+        scored, flex = sequence_inputs(inputs, batch), False
     with forward_context(model, batch.input_ids.device, autocast_dtype, flex):
         if scored_head:
             rows, targets = scored.score_rows, scored.score_targets
@@ -253,13 +255,12 @@ def scattered(values: torch.Tensor, index: torch.Tensor, size: int) -> torch.Ten
     return values.new_zeros(size).index_copy(0, index, values)
 
 
-def sequence_inputs(inputs: dict, batch: ModelBatch, flex: bool) -> tuple[SequenceSlice, bool]:
+def sequence_inputs(inputs: dict, batch: ModelBatch) -> SequenceSlice:
     """The model's inputs made this rank's slice of the rows (its tokens and positions; the mask stays the whole
-    rows'), and (the slice, whether the forward switches to FlexAttention: never, as the sequence-parallel attention
-    runs it itself for a block mask)."""
+    rows'); the slice."""
     part = batch.sequence_part
     inputs.update(input_ids=part.input_ids, position_ids=part.position_ids)
-    return part, False
+    return part
 
 
 def reward_positions(batch: ModelBatch, eos_token_id: int) -> torch.Tensor:
@@ -313,7 +314,8 @@ def sequence_rewards(
     inputs, flex = model_inputs(batch, mask_dtype, attention, spans)
     positions = reward_positions(batch, eos_token_id)
     if sequence is not None:
-        _, flex = sequence_inputs(inputs, batch, flex)
+        sequence_inputs(inputs, batch)
+        flex = False
         length, width = batch.input_ids.shape[1], batch.sequence_part.input_ids.shape[1]
         column = positions % length - sequence.rank * width
         here = (column >= 0) & (column < width)  # no host round trip: a reward elsewhere is read, then zeroed
