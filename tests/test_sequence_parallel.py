@@ -88,9 +88,9 @@ def test_each_scored_token_is_scored_once_by_the_slice_that_predicts_it():
     "mesh,nproc",
     [
         pytest.param(("sequence_parallel_size=2",), 2, id="sp2"),
-        pytest.param(("sequence_parallel_size=4",), 4, id="sp4"),
+        pytest.param(("sequence_parallel_size=4",), 4, id="sp4", marks=pytest.mark.slow),  # slow: 4 processes
         pytest.param(("sequence_parallel_size=2",), 4, id="dp2xsp2"),
-        pytest.param(("sequence_parallel_size=2", "tensor_parallel_size=2"), 4, id="sp2xtp2"),
+        pytest.param(("sequence_parallel_size=2", "tensor_parallel_size=2"), 4, id="sp2xtp2", marks=pytest.mark.slow),
     ],
 )
 def test_sequence_parallel_matches_one_padded_process(padded_run, tmp_path, launch, mesh, nproc):
@@ -130,8 +130,8 @@ def test_a_sequence_parallel_checkpoint_resumes_on_one_process_and_on_data_paral
 @pytest.mark.parametrize(
     "model_type,window",
     [
-        ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
-        ("gemma2", dict(sliding_window=4, final_logit_softcapping=0.5)),
+        pytest.param("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1), id="qwen2"),
+        pytest.param("gemma2", dict(sliding_window=4, final_logit_softcapping=0.5), id="gemma2", marks=pytest.mark.slow),
     ],
 )
 def test_a_sliding_window_model_matches_one_padded_process(tmp_path, pairs_file, launch, model_type, window):
@@ -148,7 +148,9 @@ def test_a_sliding_window_model_matches_one_padded_process(tmp_path, pairs_file,
     assert_same_weights(tmp_path / "padded", tmp_path / "sp")
 
 
-@pytest.mark.parametrize("loss", ["kto", "sft", "reward"])
+@pytest.mark.parametrize(
+    "loss", [pytest.param("kto", marks=pytest.mark.slow), pytest.param("sft", marks=pytest.mark.slow), "reward"]
+)  # slow: two runs each
 def test_other_losses_match_one_padded_process(tmp_path, pairs_file, launch, loss):
     # kto: the KL estimate over mismatched examples, scored by both ranks of each sp group; sft: one response a
     # segment; reward: each sequence's reward read on the rank whose slice holds its last token.
