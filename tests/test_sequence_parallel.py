@@ -22,6 +22,7 @@ from core.layouts import pack, segment_lengths, sequence_slice
 from test_distributed import SAMPLING, run_args
 
 pytestmark = pytest.mark.xdist_group("processes")  # see pyproject.toml
+SLOW = pytest.mark.slow  # two runs, or 4 processes: the default suite keeps sp 2, dp 2 x sp 2 and a windowed Qwen2
 
 
 @pytest.fixture
@@ -88,9 +89,9 @@ def test_each_scored_token_is_scored_once_by_the_slice_that_predicts_it():
     "mesh,nproc",
     [
         pytest.param(("sequence_parallel_size=2",), 2, id="sp2"),
-        pytest.param(("sequence_parallel_size=4",), 4, id="sp4", marks=pytest.mark.slow),  # slow: 4 processes
+        pytest.param(("sequence_parallel_size=4",), 4, id="sp4", marks=SLOW),  # slow: 4 processes
         pytest.param(("sequence_parallel_size=2",), 4, id="dp2xsp2"),
-        pytest.param(("sequence_parallel_size=2", "tensor_parallel_size=2"), 4, id="sp2xtp2", marks=pytest.mark.slow),
+        pytest.param(("sequence_parallel_size=2", "tensor_parallel_size=2"), 4, id="sp2xtp2", marks=SLOW),
     ],
 )
 def test_sequence_parallel_matches_one_padded_process(padded_run, tmp_path, launch, mesh, nproc):
@@ -131,7 +132,7 @@ def test_a_sequence_parallel_checkpoint_resumes_on_one_process_and_on_data_paral
     "model_type,window",
     [
         pytest.param("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1), id="qwen2"),
-        pytest.param("gemma2", dict(sliding_window=4, final_logit_softcapping=0.5), id="gemma2", marks=pytest.mark.slow),
+        pytest.param("gemma2", dict(sliding_window=4, final_logit_softcapping=0.5), id="gemma2", marks=SLOW),
     ],
 )
 def test_a_sliding_window_model_matches_one_padded_process(tmp_path, pairs_file, launch, model_type, window):
@@ -149,7 +150,7 @@ def test_a_sliding_window_model_matches_one_padded_process(tmp_path, pairs_file,
 
 
 @pytest.mark.parametrize(
-    "loss", [pytest.param("kto", marks=pytest.mark.slow), pytest.param("sft", marks=pytest.mark.slow), "reward"]
+    "loss", [pytest.param("kto", marks=SLOW), pytest.param("sft", marks=SLOW), "reward"]
 )  # slow: two runs each
 def test_other_losses_match_one_padded_process(tmp_path, pairs_file, launch, loss):
     # kto: the KL estimate over mismatched examples, scored by both ranks of each sp group; sft: one response a
