@@ -69,7 +69,7 @@ def mesh_shape(
             f"sequence_parallel_size={sp} with {trainer}: sequence parallelism is a dimension of FSDPTrainer's mesh "
             "(its gradients reduce over data x sequence ranks); use trainer=FSDPTrainer"
         )
-    default = world_size // sp if parallelism.tensor_parallel_by_default else 1
+    default = world_size if parallelism.tensor_parallel_by_default else 1
     tp = default if tensor_parallel_size is None else tensor_parallel_size
     if tp <= 0 or world_size % tp:
         raise UserError(f"tensor_parallel_size={tp} must be a positive divisor of the world size {world_size}")

@@ -108,11 +108,11 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None,
 ):
     """Shard each transformer block (a vision-language model's vision tower's layers too: _no_split_modules names
-    them), then the root, over the dp ranks (FSDP2's `fully_shard`); a frozen tower's units hold no gradient, and
-    the root mixes frozen and trained parameters, which FSDP2 reduces only where they train. Parameters are
-    gathered in compute_dtype (None: the weights' dtype); gradients are reduce-scattered in reduce_dtype (None: the
-    compute dtype) and accumulated into the sharded float32 gradients; buffers, e.g. Llama's rotary frequencies,
-    keep their dtype."""
+    them), then the root, over dp_mesh (FSDP2's `fully_shard`; the dp ranks, or the dp x sp ranks:
+    Topology.fsdp_mesh); a frozen tower's units hold no gradient, and the root mixes frozen and trained parameters,
+    which FSDP2 reduces only where they train. Parameters are gathered in compute_dtype (None: the weights' dtype);
+    gradients are reduce-scattered in reduce_dtype (None: the compute dtype) and accumulated into the sharded float32
+    gradients; buffers, e.g. Llama's rotary frequencies, keep their dtype."""
     mixed_precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype or compute_dtype)
     if vision_tower(model) is not None:
         # LLaVA's forward returns its image features (image_hidden_states) as views of the projector's output, one

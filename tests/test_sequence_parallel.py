@@ -89,7 +89,7 @@ def test_each_scored_token_is_scored_once_by_the_slice_that_predicts_it():
     "mesh,nproc",
     [
         pytest.param(("sequence_parallel_size=2",), 2, id="sp2"),
-        pytest.param(("sequence_parallel_size=4",), 4, id="sp4", marks=SLOW),  # slow: 4 processes
+        pytest.param(("sequence_parallel_size=4",), 4, id="sp4", marks=SLOW),
         pytest.param(("sequence_parallel_size=2",), 4, id="dp2xsp2"),
         pytest.param(("sequence_parallel_size=2", "tensor_parallel_size=2"), 4, id="sp2xtp2", marks=SLOW),
     ],
@@ -149,12 +149,11 @@ def test_a_sliding_window_model_matches_one_padded_process(tmp_path, pairs_file,
     assert_same_weights(tmp_path / "padded", tmp_path / "sp")
 
 
-@pytest.mark.parametrize(
-    "loss", [pytest.param("kto", marks=SLOW), pytest.param("sft", marks=SLOW), "reward"]
-)  # slow: two runs each
+@pytest.mark.parametrize("loss", [pytest.param(loss, marks=SLOW) for loss in ("kto", "sft", "wpo")] + ["reward"])
 def test_other_losses_match_one_padded_process(tmp_path, pairs_file, launch, loss):
     # kto: the KL estimate over mismatched examples, scored by both ranks of each sp group; sft: one response a
-    # segment; reward: each sequence's reward read on the rank whose slice holds its last token.
+    # segment; wpo: the head's second output (log sum_v p_v^2), summed over the group like the log-probs; reward:
+    # each sequence's reward read on the rank whose slice holds its last token.
     launch(tmp_path / "padded", pairs_file, "trainer=BasicTrainer", f"loss={loss}", *PADDED_BASELINE)
     launch(tmp_path / "sp", pairs_file, "trainer=FSDPTrainer", "sequence_parallel_size=2", f"loss={loss}")
     padded, sp = read_jsonl(tmp_path / "padded" / "metrics.jsonl"), read_jsonl(tmp_path / "sp" / "metrics.jsonl")
