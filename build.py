@@ -175,6 +175,11 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
         if config.reference_sync_steps is not None:  # before placement: sharded like the policy's own adapters
             add_reference_adapter(policy)
     routers = find_routers(model_class(policy), config.loss.router_aux_loss_coef)
+    if routers is not None and topology.sp_size > 1:
+        raise UserError(
+            f"the router loss counts each expert's tokens per micro-batch, which sequence_parallel_size="
+            f"{topology.sp_size} cuts over ranks: set loss.router_aux_loss_coef=0 or sequence_parallel_size=1"
+        )
     if routers is not None:
         print(f"router loss: {routers.describe()} (aux_loss)")
     if config.resume_from is not None:  # fail now rather than after tokenizing and the reference pass
@@ -292,7 +297,7 @@ def build_reference(config, topology, data, objective, precision, policy, scorer
 def check_fit(config: DictConfig, topology: Topology, policy, data: Data, precision: Precision, live: bool) -> None:
     """Stop in one line, before any weight is read, where the run cannot fit this machine's memory (report.py)."""
     hardware = Hardware.here(topology.world_size)
-    mesh = (topology.dp_size, topology.tp_size)
+    mesh = (topology.dp_size, topology.sp_size, topology.tp_size)
     work = Workload(config, policy, data.train_examples, data.schedule, precision, live)
     _, problem = fit_verdict(work, hardware, mesh)
     if problem is not None:
@@ -402,7 +407,7 @@ def dry_run(config: DictConfig, world_size: int) -> None:
         checkpoint.preflight(Path(resume), policy, config.batch_size, config.fsdp_cpu_offload)
         print(f"resume: {resume} fits this run")
     hardware = planned or Hardware.here(world_size)
-    mesh = mesh_shape(config.trainer, world_size, config.tensor_parallel_size)
+    mesh = mesh_shape(config.trainer, world_size, config.tensor_parallel_size, config.sequence_parallel_size)
     live = live_reference_model(config, objective.needs_reference)
     work = Workload(config, policy, data.train_examples, data.schedule, precision, live)
     plan, problem = fit_verdict(work, hardware, mesh)

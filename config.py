@@ -200,6 +200,7 @@ class Config:
     tensor_parallel_size: Optional[int] = ranged(
         Range(0, low_open=True, null="for the trainer's default"), expected="a positive integer, or null"
     )
+    sequence_parallel_size: int = ranged(POSITIVE)
     distributed_timeout_secs: float = ranged(Range(0, TIMEOUT_LIMIT_SECS, low_open=True))
     fsdp_cpu_offload: bool = MISSING
     optimizer: str = MISSING
@@ -299,7 +300,7 @@ class Config:
             self.check_plan()
         self.check_batches(self.plan.world_size if self.plan.active else planned_world_size(self.trainer, self.nproc))
         if self.rounds.n:
-            self.check_rounds()
+            check_rounds(self)
 
     def check_plan(self) -> None:
         """plan.* stands for the machines a dry run plans for: a run runs on the machine it is on."""
@@ -316,34 +317,16 @@ class Config:
                 "trainer=FSDPTrainer"
             )
 
-    def check_rounds(self) -> None:
-        """What rounds (rounds.py) take: a pair loss, each round's reference computed once from the policy that
-        starts it (cached: no second model), and sampling."""
-        n = f"rounds.n={self.rounds.n}"
-        trains = {"sft": "the policy on sft targets", "reward": "a reward model"}.get(LOSSES[self.loss.name].objective)
-        if trains:
-            raise UserError(f"{n} trains the policy on generated pairs; loss={self.loss.name} trains {trains}")
-        if self.loss.needs_reference() and not self.reference_cache:
-            raise UserError(
-                f"{n}: each round's reference is the policy that starts it, its log-probs computed once and cached: "
-                "set reference_cache=true"
-            )
-        if self.loss.needs_reference() and self.model.reference_dtype != "auto":
-            raise UserError(
-                f"{n}: each round's reference is the policy that starts it, computing like it: "
-                f"model.reference_dtype={self.model.reference_dtype} must be auto"
-            )
-        if self.sample_during_eval:
-            raise UserError(
-                f"{n}: sample_during_eval=true samples the first reference, not a round's; each round's completions "
-                "and rewards are in the run directory's rounds/ instead"
-            )
-        if not self.generation.do_sample:
-            raise UserError(f"{n} samples {self.rounds.completions} completions a prompt: generation.do_sample=true")
-
     def check_batches(self, world_size: int) -> None:
         """Batches split evenly over data-parallel ranks and accumulation steps; evals fall on step boundaries."""
-        data_ranks, tp = mesh_shape(self.trainer, world_size, self.tensor_parallel_size)
+        data_ranks, sp, tp = mesh_shape(
+            self.trainer, world_size, self.tensor_parallel_size, self.sequence_parallel_size
+        )
+        if sp > 1 and self.layout != "packed":
+            raise UserError(
+                f"sequence_parallel_size={sp} cuts packed rows into slices, each rank given the whole rows' mask; "
+                "layout=padded rows take masks built from a rank's own tokens: use layout=packed"
+            )
         if self.lora.enabled and tp > 1:
             raise UserError(
                 f"lora.enabled=true with {tp}-way tensor parallelism: peft's LoRA layers have no tensor-parallel "
@@ -367,6 +350,32 @@ class Config:
                 value,
                 f"a positive multiple of batch_size={self.batch_size}" + (", or null" if key == "save_every" else ""),
             )
+
+
+def check_rounds(config: Config) -> None:
+    """What rounds (rounds.py) take: a pair loss, each round's reference computed once from the policy that
+    starts it (cached: no second model), and sampling."""
+    n = f"rounds.n={config.rounds.n}"
+    trains = {"sft": "the policy on sft targets", "reward": "a reward model"}.get(LOSSES[config.loss.name].objective)
+    if trains:
+        raise UserError(f"{n} trains the policy on generated pairs; loss={config.loss.name} trains {trains}")
+    if config.loss.needs_reference() and not config.reference_cache:
+        raise UserError(
+            f"{n}: each round's reference is the policy that starts it, its log-probs computed once and cached: "
+            "set reference_cache=true"
+        )
+    if config.loss.needs_reference() and config.model.reference_dtype != "auto":
+        raise UserError(
+            f"{n}: each round's reference is the policy that starts it, computing like it: "
+            f"model.reference_dtype={config.model.reference_dtype} must be auto"
+        )
+    if config.sample_during_eval:
+        raise UserError(
+            f"{n}: sample_during_eval=true samples the first reference, not a round's; each round's completions "
+            "and rewards are in the run directory's rounds/ instead"
+        )
+    if not config.generation.do_sample:
+        raise UserError(f"{n} samples {config.rounds.completions} completions a prompt: generation.do_sample=true")
 
 
 def check_loss(loss, sample_during_eval: bool) -> None:

@@ -125,7 +125,7 @@ def build_trainer(config: DictConfig, topology: Topology, run_dir: Path, wandb_r
 
 def run(config: DictConfig) -> None:
     """One rank's whole run (the only rank, for BasicTrainer), on a checked config (config.load)."""
-    topology = Topology.create(config.trainer, config.tensor_parallel_size)
+    topology = Topology.create(config.trainer, config.tensor_parallel_size, config.sequence_parallel_size)
     set_seed(config.seed)
     with contextlib.ExitStack() as lock:  # rank 0 holds the run directory's lock until the run ends, however it ends
         run_dir, config.resume_from = topology.broadcast(

@@ -71,6 +71,7 @@ class ModelBatch:
                       each other both ways, where a model's attention lets them (Gemma 3: each image's tokens,
                       image_runs; PaliGemma: each prompt, prompt_blocks), or None
     blocks_within_span: whether a layer's window or chunks bound the blocks too (packed_mask_mod)
+    sequence_part:    with sequence parallelism, this rank's slice of the rows (SequenceSlice), or None
     """
 
     input_ids: torch.Tensor
@@ -90,11 +91,14 @@ class ModelBatch:
     image_inputs: dict[str, torch.Tensor] | None = None
     bidirectional_blocks: torch.Tensor | None = None
     blocks_within_span: bool = True
+    sequence_part: "SequenceSlice | None" = None
 
     def to(self, device: torch.device) -> "ModelBatch":
         moved = {name: to_device(v, device) if torch.is_tensor(v) else v for name, v in vars(self).items()}
         if self.image_inputs is not None:
             moved["image_inputs"] = {name: to_device(v, device) for name, v in self.image_inputs.items()}
+        if self.sequence_part is not None:
+            moved["sequence_part"] = self.sequence_part.to(device)
         return ModelBatch(**moved)
 
     @property
@@ -332,3 +336,54 @@ def dense_mask(batch: ModelBatch, span: AttentionSpan = FULL_ATTENTION) -> torch
         batch.blocks_within_span,
     )  # fmt: skip
     return mask_mod(b, None, q, k)[:, None]
+
+
+@dataclass
+class SequenceSlice:
+    """One rank's slice of a packed batch's rows (sequence parallelism, modeling/sequence_parallel.py): its [R, T / n]
+    contiguous tokens and positions, and the scored tokens whose predicting position lies in it, laid out as
+    ModelBatch lays out the whole batch's (keep_positions [R, K'], score_rows, score_positions and score_targets
+    [M], on the slice's tokens), with their index among the whole batch's [N] scored tokens (score_index)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    keep_positions: torch.Tensor
+    score_rows: torch.Tensor
+    score_positions: torch.Tensor
+    score_targets: torch.Tensor
+    score_index: torch.Tensor
+
+    def to(self, device: torch.device) -> "SequenceSlice":
+        return SequenceSlice(**{name: to_device(value, device) for name, value in vars(self).items()})
+
+
+def sequence_slice(batch: ModelBatch, rank: int, size: int) -> SequenceSlice:
+    """Slice `rank` of `size` of a packed batch whose row length divides by `size`. The target of a slice's last
+    token is the next slice's first: each scored token's id is listed with the position that predicts it, so no
+    token crosses ranks."""
+    rows, length = batch.input_ids.shape
+    width = length // size
+    start = rank * width
+    row, column = batch.score_positions // length, batch.score_positions % length
+    here = ((column >= start) & (column < start + width)).nonzero().squeeze(1)
+    flat = row[here] * width + column[here] - start
+    # each row's kept positions: every position that predicts a token here, once, in order
+    kept = torch.unique(flat)
+    kept_rows = kept // width
+    counts = torch.bincount(kept_rows, minlength=rows)
+    keep_width = max(1, int(counts.max())) if len(kept) else 1
+    index_in_row = torch.arange(len(kept)) - (counts.cumsum(0) - counts)[kept_rows]
+    keep_positions = torch.zeros((rows, keep_width), dtype=torch.long)
+    keep_positions[kept_rows, index_in_row] = kept % width
+    # a short row repeats its last kept position, as scored_fields lays them out
+    repeat = torch.minimum(torch.arange(keep_width)[None, :], (counts - 1).clamp(min=0)[:, None])
+    found = torch.searchsorted(kept, flat)
+    return SequenceSlice(
+        input_ids=batch.input_ids[:, start : start + width],
+        position_ids=batch.position_ids[:, start : start + width],
+        keep_positions=keep_positions.gather(1, repeat),
+        score_rows=kept_rows[found] * keep_width + index_in_row[found],
+        score_positions=flat,
+        score_targets=batch.score_targets[here],
+        score_index=here,
+    )

@@ -173,7 +173,10 @@ class _ChunkedHeadLogps(torch.autograd.Function):
         dtype, logit_map = ctx.compute_dtype, ctx.logit_map
         step = chunk_rows(weight.shape[0], weight.device)
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = grad_bias = None  # float32 sums over the chunks
+        # float32 sums over the chunks; zeros where there are no rows (a sequence-parallel slice of prompt tokens),
+        # as every rank that FSDP reduces the head's gradient over must hold one
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if ctx.needs_input_grad[2] else None
         weight_c, bias_c = cast(weight, dtype), cast(bias, dtype)  # once, not per chunk
         starts = range(0, rows.numel(), step)
         for start in starts:
@@ -195,16 +198,13 @@ class _ChunkedHeadLogps(torch.autograd.Function):
                 grad_hidden.index_add_(0, rows[start:end], from_probs.add_(from_targets).to(hidden.dtype))
             if ctx.needs_input_grad[1]:
                 scaled = chunk_hidden * -grad[:, None].to(dtype)  # [C, H]: the row scale, on the small operand
-                if grad_weight is None:
-                    grad_weight = torch.zeros_like(weight, dtype=torch.float32)
                 if dtype == torch.float32:  # summed inside the GEMM: no [V, H] product to write, read and add
                     grad_weight.addmm_(probs.T, scaled)
                 else:  # a [V, H] product in the compute dtype, summed in float32
                     grad_weight.add_(torch.mm(probs.T, scaled))
                 grad_weight.index_add_(0, chunk_targets, chunk_hidden.float() * target_grad[:, None])
             if ctx.needs_input_grad[2]:
-                chunk_bias = torch.mv(probs.T.float(), -grad)
-                grad_bias = chunk_bias if grad_bias is None else grad_bias.add_(chunk_bias)
+                grad_bias.add_(torch.mv(probs.T.float(), -grad))
                 grad_bias.index_add_(0, chunk_targets, target_grad.float())
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None

@@ -13,6 +13,7 @@ that a policy and its cached reference agree to the last bit on any device.
 import contextlib
 import inspect
 import io
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from core.layouts import (
     FULL_ATTENTION,
     AttentionSpan,
     ModelBatch,
+    SequenceSlice,
     dense_mask,
     image_runs,
     make_batch,
@@ -30,9 +32,11 @@ from core.layouts import (
     prompt_blocks,
     prompt_tokens,
     segment_lengths,
+    sequence_slice,
 )
 from core.logprobs import IDENTITY, LogitMap, token_logps_from_hidden, token_logps_from_logits
 from modeling.models import reward_head
+from modeling.sequence_parallel import SequenceGroup
 from modeling.vision import MARK_INPUTS, Vision, decode, pack_images, unpack_images, vision_tower
 from utils import UserError, first_line
 
@@ -210,6 +214,7 @@ def sequence_logps(
     with_sum_sq: bool = False,
     spans: dict[str, AttentionSpan] | None = None,
     logit_map: LogitMap = IDENTITY,
+    sequence: SequenceGroup | None = None,
 ):
     """[S] float32 summed log-probs of each sequence's scored tokens, in one forward pass of `model`.
 
@@ -222,23 +227,48 @@ def sequence_logps(
     additive mask, SDPA) or "block" (FlexAttention), and each layer type's span (packed_mask).
     tail_weight: the weight of the tokens beyond the example's shortest response (response_sums).
     with_sum_sq: also [S] sums of log sum_v p_v^2 over each sequence's scored tokens (WPO), no gradient, from the
-    same logits: (logps, log_sum_sq)."""
+    same logits: (logps, log_sum_sq).
+    sequence: this rank's sp group (sequence parallelism): the model reads this rank's slice of the rows
+    (batch.sequence_part) with the whole rows' mask, and scores the tokens its slice predicts; summed over the
+    group, in their places among the batch's scored tokens (the others zeros), every rank has every token's
+    log-prob, and sums them in the order one process does: an sp run's sums do not depend on where a slice ends."""
     inputs, flex = model_inputs(batch, mask_dtype, attention, spans)
+    scored = batch
+    if sequence is not None:  # the sequence-parallel attention runs FlexAttention itself for a block mask
+        scored, flex = sequence_inputs(inputs, batch), False
     with (
         forward_context(model, batch.input_ids.device, autocast_dtype, flex),
         language_model_masks(model, inputs) as inputs,
     ):
         if scored_head:
-            rows, targets = batch.score_rows, batch.score_targets
+            rows, targets = scored.score_rows, scored.score_targets
             with head_returns_token_logps(model, rows, targets, with_sum_sq, logit_map) as extras:
-                token_logps = model(**inputs, logits_to_keep=batch.keep_positions).logits
+                token_logps = model(**inputs, logits_to_keep=scored.keep_positions).logits
             log_sum_sq = extras.get("log_sum_sq")
         else:
             logits = model(**inputs).logits.flatten(0, 1)
-            out = token_logps_from_logits(logits, batch.score_positions, batch.score_targets, with_sum_sq)
+            out = token_logps_from_logits(logits, scored.score_positions, scored.score_targets, with_sum_sq)
             token_logps, log_sum_sq = out if with_sum_sq else (out, None)
-    logps = response_sums(token_logps.float().view(-1), batch, tail_weight)
+    token_logps = token_logps.float().view(-1)
+    if sequence is not None:  # every rank's tokens in their places, the rest zeros: summed, the whole batch's
+        token_logps = sequence.sum(scattered(token_logps, scored.score_index, batch.score_targets.numel()))
+        if with_sum_sq:
+            log_sum_sq = sequence.sum(scattered(log_sum_sq.view(-1), scored.score_index, batch.score_targets.numel()))
+    logps = response_sums(token_logps, batch, tail_weight)
     return (logps, response_sums(log_sum_sq.view(-1), batch)) if with_sum_sq else logps
+
+
+def scattered(values: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+    """[size] zeros with `values` at `index`."""
+    return values.new_zeros(size).index_copy(0, index, values)
+
+
+def sequence_inputs(inputs: dict, batch: ModelBatch) -> SequenceSlice:
+    """The model's inputs made this rank's slice of the rows (its tokens and positions; the mask stays the whole
+    rows'); the slice."""
+    part = batch.sequence_part
+    inputs.update(input_ids=part.input_ids, position_ids=part.position_ids)
+    return part
 
 
 def reward_positions(batch: ModelBatch, eos_token_id: int) -> torch.Tensor:
@@ -284,14 +314,23 @@ def sequence_rewards(
     eos_token_id: int,
     attention: str = "dense",
     spans: dict[str, AttentionSpan] | None = None,
+    sequence: SequenceGroup | None = None,
 ) -> torch.Tensor:
     """[S] float32 rewards of a reward model (a sequence classifier with one output) on each sequence, read at its
     response's last token (reward_positions), in one forward pass; the head runs on those S hidden states only.
-    The other arguments as sequence_logps'."""
+    The other arguments as sequence_logps'; with sequence parallelism each rank reads the rewards in its slice."""
     inputs, flex = model_inputs(batch, mask_dtype, attention, spans)
     positions = reward_positions(batch, eos_token_id)
+    if sequence is not None:
+        sequence_inputs(inputs, batch)
+        flex = False
+        length, width = batch.input_ids.shape[1], batch.sequence_part.input_ids.shape[1]
+        column = positions % length - sequence.rank * width
+        here = (column >= 0) & (column < width)  # no host round trip: a reward elsewhere is read, then zeroed
+        positions = positions // length * width + column.clamp(0, width - 1)
     with forward_context(model, batch.input_ids.device, autocast_dtype, flex), head_returns_rewards(model, positions):
-        return model(**inputs, labels=positions).loss
+        rewards = model(**inputs, labels=positions).loss
+    return rewards if sequence is None else sequence.sum(rewards * here)
 
 
 def model_inputs(batch: ModelBatch, mask_dtype: torch.dtype, attention: str, spans) -> tuple[dict, bool]:
@@ -624,6 +663,7 @@ class Scorer:
     reward_eos: int | None = None  # a reward model's: rewards read before this EOS id (sequence_rewards)
     fallbacks: tuple[str, ...] = ()  # each lever the run asked for and did not get, and why (printed by create)
     vision: Vision | None = None  # a vision-language model's processor: the batches' image inputs
+    sequence: SequenceGroup | None = None  # this rank's sp group: each rank computes a slice of every row
 
     @classmethod
     def create(
@@ -671,12 +711,15 @@ class Scorer:
             notes.append(f"logits: computed at every position, not only where a token is scored: {problem}")
             scored_head = False
         layout, attention, scored_head, notes = topology.broadcast((layout, attention, scored_head, notes))
+        sequence = None
+        if topology.sp_size > 1:
+            sequence = sequence_group(topology, layout, notes, vision)
         spans = attention_spans(model) if layout == "packed" else None
         logit_map = head_logit_map(model) if scored_head else IDENTITY
         row_tokens = settings.pack_row_tokens
         scorer = cls(
             layout, attention, scored_head, pad_token_id, device, autocast, row_tokens, tail_weight, spans, logit_map,
-            reward_eos, tuple(notes), vision,
+            reward_eos, tuple(notes), vision, sequence,
         )  # fmt: skip
         for note in notes:
             print(note)
@@ -692,7 +735,8 @@ class Scorer:
             head = "reward head on each response's last token"
         elif not self.scored_head:
             head = "all logits"
-        return f"{self.layout} layout{attention}, {head}{tails}"
+        sequence = f", each row's tokens over {self.sequence.size} sequence-parallel ranks" if self.sequence else ""
+        return f"{self.layout} layout{attention}, {head}{tails}{sequence}"
 
     def row_budget(self, examples: list[dict]) -> int | None:
         """Tokens per packed row: `pack_row_tokens` when set; with a block mask the whole micro-batch in one row
@@ -706,8 +750,13 @@ class Scorer:
         """The examples in this run's layout, on this rank's device, a packed batch with its attention mask built
         (once: the policy and a live reference share it)."""
         multiple = FLEX_BLOCK if self.attention == "block" else 1
+        if self.sequence is not None:  # rows cut into equal slices
+            multiple = math.lcm(multiple, self.sequence.size)
         batch = make_batch(self.layout, examples, self.pad_token_id, self.row_budget(examples), multiple)
-        batch = with_image_inputs(batch, examples, self.vision).to(self.device)
+        batch = with_image_inputs(batch, examples, self.vision)
+        if self.sequence is not None:
+            batch.sequence_part = sequence_slice(batch, self.sequence.rank, self.sequence.size)
+        batch = batch.to(self.device)
         if self.layout == "packed":
             batch.attention_mask = packed_mask(batch, self.attention, self.spans)
         return batch
@@ -718,8 +767,12 @@ class Scorer:
         weights'. with_sum_sq: and their sums of log sum_v p_v^2 (sequence_logps)."""
         autocast = compute if self.autocast else None
         mask_dtype = compute or next(model.parameters()).dtype
+        if self.sequence is not None:
+            self.sequence.install(model)  # the policy's and a live reference's, at their first forward
         if self.reward_eos is not None:
-            return sequence_rewards(model, batch, autocast, mask_dtype, self.reward_eos, self.attention, self.spans)
+            return sequence_rewards(
+                model, batch, autocast, mask_dtype, self.reward_eos, self.attention, self.spans, self.sequence
+            )
         return sequence_logps(
             model,
             batch,
@@ -730,4 +783,17 @@ class Scorer:
             self.tail_weight,
             with_sum_sq,
             logit_map=self.logit_map,
+            sequence=self.sequence,
         )
+
+
+def sequence_group(topology, layout: str, notes: list[str], vision: Vision | None) -> SequenceGroup:
+    """This rank's sp group, where the run can cut its rows: packed rows, whose mask is given whole to every layer
+    (padded rows' masks are transformers' own, built from the tokens a rank holds), and no images."""
+    size = topology.sp_size
+    if layout != "packed":
+        why = next((note for note in notes if note.startswith("layout:")), "layout=padded")
+        raise UserError(f"sequence_parallel_size={size} cuts packed rows into slices; {why}")
+    if vision is not None:
+        raise UserError(f"sequence_parallel_size={size}: a vision-language model's images are not cut into slices")
+    return SequenceGroup(topology.mesh["sp"].get_group(), size, topology.sp_rank)

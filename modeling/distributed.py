@@ -1,11 +1,13 @@
 """Everything about processes: who this process is (`Topology`) and how the processes are started (`launch`);
 placement.py puts models on the topology's device mesh.
 
-The mesh is 2-D, data parallel x tensor parallel ("dp", "tp"), laid out row-major, so that the ranks of one tp
-group are neighbours (on one node under torchrun). The ranks of a tp group split every attention and MLP
-projection and see the same examples; each dp group trains on its own slice of every batch, with parameters,
-gradients and optimizer state sharded over the dp ranks by FSDP2. This is the arrangement of torchtitan and
-Megatron-LM: tensor parallelism inside a node, FSDP across nodes. A trainer name is a choice of these two."""
+The mesh is 3-D, data parallel x sequence parallel x tensor parallel ("dp", "sp", "tp"), laid out row-major, so
+that the ranks of one tp group are neighbours (on one node under torchrun), and those of one sp group next. The ranks
+of a tp group split every attention and MLP projection and see the same examples; the ranks of an sp group see the
+same examples too, each holding a contiguous slice of every row's tokens (modeling/sequence_parallel.py); each dp
+group trains on its own slice of every batch. Parameters, gradients and optimizer state are sharded by FSDP2 over
+the dp x sp ranks, flattened into one dimension. This is the arrangement of torchtitan and Megatron-LM: tensor
+parallelism inside a node, FSDP across nodes. A trainer name is a choice of FSDP and tensor parallelism."""
 
 import contextlib
 import ctypes
@@ -57,9 +59,16 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def mesh_shape(trainer: str, world_size: int, tensor_parallel_size: int | None) -> tuple[int, int]:
-    """(data-parallel size, tensor-parallel size) of a `trainer` run on world_size ranks."""
-    parallelism = TRAINERS[trainer]
+def mesh_shape(
+    trainer: str, world_size: int, tensor_parallel_size: int | None, sequence_parallel_size: int = 1
+) -> tuple[int, int, int]:
+    """(data-parallel size, sequence-parallel size, tensor-parallel size) of a `trainer` run on world_size ranks."""
+    parallelism, sp = TRAINERS[trainer], sequence_parallel_size
+    if sp > 1 and not parallelism.fsdp:
+        raise UserError(
+            f"sequence_parallel_size={sp} with {trainer}: sequence parallelism is a dimension of FSDPTrainer's mesh "
+            "(its gradients reduce over data x sequence ranks); use trainer=FSDPTrainer"
+        )
     default = world_size if parallelism.tensor_parallel_by_default else 1
     tp = default if tensor_parallel_size is None else tensor_parallel_size
     if tp <= 0 or world_size % tp:
@@ -69,12 +78,16 @@ def mesh_shape(trainer: str, world_size: int, tensor_parallel_size: int | None) 
             f"tensor_parallel_size={tp} with {trainer} on {world_size} ranks: use trainer=FSDPTrainer "
             "for data parallel x tensor parallel"
         )
-    return world_size // tp, tp
+    if sp <= 0 or world_size % (sp * tp):
+        raise UserError(
+            f"sequence_parallel_size={sp} x tensor_parallel_size={tp} must divide the world size {world_size}"
+        )
+    return world_size // (sp * tp), sp, tp
 
 
 @dataclass
 class Topology:
-    """Who this process is: ranks, the 2-D mesh, and the collectives the run needs. Without a process group
+    """Who this process is: ranks, the 3-D mesh, and the collectives the run needs. Without a process group
     (BasicTrainer) it is rank 0 of 1, and every helper is the identity."""
 
     trainer: str = "BasicTrainer"
@@ -86,26 +99,28 @@ class Topology:
     tp_size: int = 1
     mesh: DeviceMesh | None = None
     device: torch.device = torch.device("cpu")
+    sp_rank: int = 0
+    sp_size: int = 1
+    dp_sp_mesh: DeviceMesh | None = None  # with sequence parallelism, the dp x sp ranks flattened (fsdp_mesh)
 
     @classmethod
-    def create(cls, trainer: str, tensor_parallel_size: int | None = None) -> "Topology":
+    def create(cls, trainer: str, tensor_parallel_size: int | None = None, sequence_parallel_size: int = 1):
         device = default_device()
         if not dist.is_initialized():
             return cls(trainer=trainer, device=device)
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        dp, tp = mesh_shape(trainer, world_size, tensor_parallel_size)
-        mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-        return cls(
-            trainer,
-            rank,
-            world_size,
-            int(os.environ.get("LOCAL_RANK", 0)),
-            mesh["dp"].get_local_rank(),
-            dp,
-            tp,
-            mesh,
-            device,
-        )
+        dp, sp, tp = mesh_shape(trainer, world_size, tensor_parallel_size, sequence_parallel_size)
+        mesh = init_device_mesh(device.type, (dp, sp, tp), mesh_dim_names=("dp", "sp", "tp"))
+        flat = mesh["dp", "sp"]._flatten("dp_sp") if sp > 1 else None  # made once: it makes a process group
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        dp_rank, sp_rank = mesh["dp"].get_local_rank(), mesh["sp"].get_local_rank()
+        return cls(trainer, rank, world_size, local_rank, dp_rank, dp, tp, mesh, device, sp_rank, sp, flat)
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """What FSDP shards over and reduces gradients over: the dp ranks, and with sequence parallelism the dp x sp
+        ranks as one dimension (an sp group's ranks hold one model, each a slice of the tokens)."""
+        return self.dp_sp_mesh if self.sp_size > 1 else self.mesh["dp"]
 
     @property
     def is_main(self) -> bool:
@@ -116,7 +131,8 @@ class Topology:
         return TRAINERS[self.trainer].fsdp
 
     def describe(self) -> str:
-        return f"{self.trainer} x{self.world_size} (dp {self.dp_size} x tp {self.tp_size})"
+        sequence = f" x sp {self.sp_size}" if self.sp_size > 1 else ""
+        return f"{self.trainer} x{self.world_size} (dp {self.dp_size}{sequence} x tp {self.tp_size})"
 
     def shard(self, items: list) -> tuple[list, int]:
         """This data-parallel rank's contiguous share of `items` and how many of it are real: a short share is
@@ -159,7 +175,8 @@ class Topology:
         return {name: [v for part in parts for v in part[name]] for name in parts[0]}
 
     def sum_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` summed over the data-parallel ranks (every rank of a tensor-parallel group holds the same)."""
+        """`tensor` summed over the data-parallel ranks (every rank of a tensor- or sequence-parallel group holds the
+        same)."""
         if self.dp_size > 1:
             tensor = tensor.clone()
             dist.all_reduce(tensor, group=self.mesh.get_group("dp"))

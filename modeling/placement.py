@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from modeling import weights
 from modeling.distributed import Topology
+from modeling.sequence_parallel import check_sequence_parallel
 from modeling.vision import vision_tower
 from utils import UserError
 
@@ -108,11 +109,11 @@ def apply_fsdp(
     offload: bool = False,
 ):
     """Shard each transformer block (a vision-language model's vision tower's layers too: _no_split_modules names
-    them), then the root, over the dp ranks (FSDP2's `fully_shard`); a frozen tower's units hold no gradient, and
-    the root mixes frozen and trained parameters, which FSDP2 reduces only where they train. Parameters are
-    gathered in compute_dtype (None: the weights' dtype); gradients are reduce-scattered in reduce_dtype (None: the
-    compute dtype) and accumulated into the sharded float32 gradients; buffers, e.g. Llama's rotary frequencies,
-    keep their dtype.
+    them), then the root, over dp_mesh (FSDP2's `fully_shard`; the dp ranks, or the dp x sp ranks:
+    Topology.fsdp_mesh); a frozen tower's units hold no gradient, and the root mixes frozen and trained parameters,
+    which FSDP2 reduces only where they train. Parameters are gathered in compute_dtype (None: the weights' dtype);
+    gradients are reduce-scattered in reduce_dtype (None: the compute dtype) and accumulated into the sharded float32
+    gradients; buffers, e.g. Llama's rotary frequencies, keep their dtype.
 
     offload (fsdp_cpu_offload): the sharded parameters, their gradients and so the optimizer's state live in pinned
     host memory (FSDP2's CPUOffloadPolicy): each unit's shards are copied to the GPU for its all-gather, its
@@ -173,10 +174,12 @@ def parallelize(
     With gradient accumulation FSDP reduce-scatters after every micro-batch (FSDP2's default, kept): skipping the
     reduction until the last micro-batch would hold every block's whole unsharded gradient on every rank meanwhile
     (for a 7B model, 14 GB in bfloat16, 28 GB in float32), for one reduction's worth of communication saved."""
+    if topology.sp_size > 1:
+        check_sequence_parallel(model, topology.sp_size, topology.tp_size)
     if topology.tp_size > 1:
         apply_tensor_parallel(model, topology.mesh["tp"], topology.trainer)
     if activation_checkpointing:
         checkpoint_blocks(model, block_name)
     if topology.fsdp:
-        return apply_fsdp(model, topology.mesh["dp"], block_name, compute_dtype, reduce_dtype, offload)
+        return apply_fsdp(model, topology.fsdp_mesh, block_name, compute_dtype, reduce_dtype, offload)
     return model if weights.is_empty(model) else model.to(topology.device)

@@ -188,28 +188,31 @@ class Workload:
 
 
 def memory_plan(
-    work: Workload, trainer: str, mesh: tuple[int, int], on_gpu: bool, offload: bool | None = None
+    work: Workload, trainer: str, mesh: tuple[int, int, int], on_gpu: bool, offload: bool | None = None
 ) -> MemoryPlan:
-    """One rank's memory on a (data-parallel, tensor-parallel) mesh, from the policy's shapes (meta_policy) and the
-    run's largest micro-batch. Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-    Transformer Models"): 34 x hidden bytes per token and layer in 16-bit compute, without the attention scores
-    (scaled dot-product attention does not keep them); activation checkpointing keeps each layer's input and one
-    layer's activations. The weights are read sharded (weights.py) and written by every rank (checkpoint.py). Not
-    counted: the framework itself (CUDA context, Python and torch: ~0.5-3 GiB). offload: FSDP's state on the host
-    (offloaded); None: as the config says (fsdp_cpu_offload)."""
+    """One rank's memory on a (data-parallel, sequence-parallel, tensor-parallel) mesh, from the policy's shapes
+    (meta_policy) and the run's largest micro-batch. Activations follow Korthikanti et al. 2022 ("Reducing Activation
+    Recomputation in Large Transformer Models"): 34 x hidden bytes per token and layer in 16-bit compute, without the
+    attention scores (scaled dot-product attention does not keep them); activation checkpointing keeps each layer's
+    input and one layer's activations; sequence parallelism leaves a rank 1 / sp of each row's tokens. The weights
+    are read sharded (weights.py) and written by every rank (checkpoint.py). Not counted: the framework itself (CUDA
+    context, Python and torch: ~0.5-3 GiB). offload: FSDP's state on the host (offloaded); None: as the config says
+    (fsdp_cpu_offload)."""
     training = device_memory(work, trainer, mesh, on_gpu)
     config, policy, precision = work.config, work.policy, work.precision
-    dp, tp = mesh
+    dp, sp, tp = mesh
     fsdp = TRAINERS[trainer].fsdp
     offload = fsdp and (config.fsdp_cpu_offload if offload is None else offload)
     training, host_training = offloaded(training, work, mesh) if offload else (training, {})
     element = torch.finfo(precision.policy_weights).bits // 8
     largest = max(p.numel() for p in policy.parameters()) * element
-    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad) * element / (dp * tp if fsdp else tp)
+    trainable = (
+        sum(p.numel() for p in policy.parameters() if p.requires_grad) * element / (dp * sp * tp if fsdp else tp)
+    )
     # DCP serialises each safetensors file of a rank in memory, after staging a GPU's tensors on the host (offloaded
     # ones are there already)
     rank_file = min(rank_file_bytes(trainable), trainable) * (2 if on_gpu and not offload else 1)
-    load = {"a weight's shard, read at a time": largest / (dp if fsdp else 1)}
+    load = {"a weight's shard, read at a time": largest / (dp * sp if fsdp else 1)}
     save = {"a checkpoint file, serialised": rank_file, "the export: one whole weight at a time": largest}
     if config.save_async:  # the copy a step-N checkpoint is written from while training goes on (checkpoint.py)
         saved = training["gradients"] if config.lora.enabled else training["policy weights"]  # LoRA: its adapters
@@ -219,14 +222,15 @@ def memory_plan(
     compute = precision.policy_compute or precision.policy_weights
     header = (
         f"{count(n_parameters)} parameters, {count(n_trainable)} trainable; {precision.policy_weights} "
-        f"weights, {compute} compute; {trainer} dp {dp} x tp {tp}; {config.layout} layout"
+        f"weights, {compute} compute; {trainer} dp {dp}{f' x sp {sp}' if sp > 1 else ''} x tp {tp}; "
+        f"{config.layout} layout"
         + (", activation checkpointing" if config.activation_checkpointing else "")
         + (", CPU offload" if offload else "")
     )
     return MemoryPlan(header, training, load, save, on_gpu, host_training)
 
 
-def offloaded(training: dict[str, float], work: Workload, mesh: tuple[int, int]) -> tuple[dict, dict]:
+def offloaded(training: dict[str, float], work: Workload, mesh: tuple[int, int, int]) -> tuple[dict, dict]:
     """(the device's parts, the host's) of an offloaded FSDP rank's training memory (fsdp_cpu_offload): the shards of
     the weights, gradients and optimizer state are on the host, where the optimizer steps; the device keeps the
     gathered blocks, the activations, masks and logits, and the shards of the two blocks on their way between host
@@ -236,17 +240,20 @@ def offloaded(training: dict[str, float], work: Workload, mesh: tuple[int, int])
     optimizer = (f"{config.optimizer} state", "optimizer step intermediates")
     host_parts = ("policy weights", "gradients", *optimizer, "reference weights")
     device = {name: value for name, value in training.items() if name not in host_parts}
-    dp, tp = mesh
+    dp, sp, tp = mesh
+    shards = dp * sp  # FSDP shards over the dp x sp ranks
     element = torch.finfo(precision.policy_weights).bits // 8
     block = language_blocks(policy, config.model.block_name)[0]
-    device["two blocks' shards, host <-> device"] = 2 * sum(p.numel() for p in block.parameters()) * element / dp / tp
+    device["two blocks' shards, host <-> device"] = (
+        2 * sum(p.numel() for p in block.parameters()) * element / shards / tp
+    )
     parameters = list(policy.parameters())
     trainable = [p for p in parameters if p.requires_grad]
     reference_element = torch.finfo(precision.reference_weights).bits // 8
-    reference = pinned_shards(parameters, dp, tp, reference_element) if work.live_reference else 0
+    reference = pinned_shards(parameters, shards, tp, reference_element) if work.live_reference else 0
     host = {
-        "policy weights (pinned)": pinned_shards(parameters, dp, tp, element),
-        "gradients (pinned)": pinned_shards(trainable, dp, tp, element),
+        "policy weights (pinned)": pinned_shards(parameters, shards, tp, element),
+        "gradients (pinned)": pinned_shards(trainable, shards, tp, element),
         **{name: training[name] for name in optimizer},
         "reference weights (pinned)": reference,
     }
@@ -268,7 +275,7 @@ def count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
-def device_memory(work: Workload, trainer: str, mesh: tuple[int, int], on_gpu: bool) -> dict[str, float]:
+def device_memory(work: Workload, trainer: str, mesh: tuple[int, int, int], on_gpu: bool) -> dict[str, float]:
     """{part: bytes} one rank's device holds while training."""
     config, policy, train, schedule, precision = work.config, work.policy, work.train, work.schedule, work.precision
     model_config = policy.config.get_text_config()  # a vision-language model's: its language model's
@@ -279,19 +286,20 @@ def device_memory(work: Workload, trainer: str, mesh: tuple[int, int], on_gpu: b
     block, n_layers, hidden = blocks[0], len(blocks), model_config.hidden_size
 
     parallelism = TRAINERS[trainer]
-    dp, tp = mesh
-    shards = dp * tp if parallelism.fsdp else tp  # tensor parallelism splits the blocks only: an upper bound below
+    dp, sp, tp = mesh
+    shards = dp * sp * tp if parallelism.fsdp else tp  # tensor parallelism splits the blocks only: an upper bound below
     element = torch.finfo(weights_dtype).bits // 8
     compute = precision.policy_compute or weights_dtype
     compute_bytes = torch.finfo(compute).bits // 8
 
     micro = max(1, config.batch_size // (config.gradient_accumulation_steps * dp))
     shapes = [
-        batch_shape(config.layout, train.lengths[indices[start : start + micro]])
+        batch_shape(config.layout, train.lengths[indices[start : start + micro]], multiple=sp)
         for indices in schedule
         for start in range(0, len(indices), micro)
     ]
-    rows = max(n_rows * length for n_rows, length in shapes)
+    # each rank of an sp group holds its slice of the rows' tokens; the mask stays whole on every one
+    rows = max(n_rows * length for n_rows, length in shapes) // sp
     # packed rows on a CPU take a dense [R, 1, T, T] mask: bool, and the additive one in the compute dtype, one per
     # layer type (full and sliding-window layers: Gemma 2 and 3, GPT-OSS); on CUDA the block mask holds a few integers
     # per 128 x 128 block instead
@@ -323,7 +331,7 @@ def device_memory(work: Workload, trainer: str, mesh: tuple[int, int], on_gpu: b
         else 0,
         # autocast keeps a compute-dtype copy of each weight it casts, for the whole forward and backward pass
         "autocast weight copies": n_parameters * compute_bytes / tp if autocast_copies else 0,
-        f"activations ({rows} token positions)": activations,
+        f"activations ({rows} token positions{' a rank' if sp > 1 else ''})": activations,
         "vision tower and projector activations": vision_activations(work, micro, compute_bytes),
         "attention mask (packed, dense)": mask if dense_masks else 0,
         "full logits": logits,
@@ -410,11 +418,11 @@ def positions_per_image_token(config) -> int:
     return 1
 
 
-def fit_verdict(work: Workload, hardware: Hardware, mesh: tuple[int, int]) -> tuple[MemoryPlan, str | None]:
+def fit_verdict(work: Workload, hardware: Hardware, mesh: tuple[int, int, int]) -> tuple[MemoryPlan, str | None]:
     """(the run's memory plan on its mesh, why it does not fit `hardware` with the smallest mesh that would, or
     None). Checked before any weight is read; a lower bound, so a run it refuses could not have fitted."""
 
-    def plan(trainer: str, candidate: tuple[int, int]) -> MemoryPlan:
+    def plan(trainer: str, candidate: tuple[int, int, int]) -> MemoryPlan:
         return memory_plan(work, trainer, candidate, on_gpu=hardware.gpu_bytes is not None)
 
     current = plan(work.config.trainer, mesh)
@@ -425,7 +433,7 @@ def fit_verdict(work: Workload, hardware: Hardware, mesh: tuple[int, int]) -> tu
     return current, f"this run does not fit {hardware.describe()}: {problem} ({current.header}); {found}"
 
 
-def offload_instead(work: Workload, hardware: Hardware, mesh: tuple[int, int]) -> str:
+def offload_instead(work: Workload, hardware: Hardware, mesh: tuple[int, int, int]) -> str:
     """Where an FSDP run on GPUs does not fit but would with fsdp_cpu_offload=true, on the same GPUs and a host
     memory that is known: a clause that says so, with its memory; else ""."""
     config = work.config
@@ -447,22 +455,29 @@ MAX_NODES = 256
 
 
 def smallest_mesh(config: DictConfig, hardware: Hardware, policy: torch.nn.Module, plan) -> str:
-    """The fewest nodes of hardware's kind (then the smallest tensor-parallel size within a node) on which
-    FSDPTrainer fits the run, by plan(trainer, (dp, tp))."""
+    """The fewest nodes of hardware's kind (then the smallest tensor-parallel size within a node, then the smallest
+    sequence-parallel size in what is left of it) on which FSDPTrainer fits the run, by plan(trainer, (dp, sp, tp))."""
     per_node = hardware.ranks_per_node
-    sizes = [1] if config.lora.enabled else [tp for tp in range(1, per_node + 1) if per_node % tp == 0]
+    divisors = [size for size in range(1, per_node + 1) if per_node % size == 0]
+    sizes = [1] if config.lora.enabled else divisors
     sizes = [tp for tp in sizes if tp == 1 or splits_heads(policy, tp)]
+    heads = policy.config.get_text_config().num_attention_heads
+    packed = config.layout == "packed"
     for nodes in range(1, MAX_NODES + 1):
-        for tp in sizes:
-            dp = nodes * per_node // tp
-            candidate = plan("FSDPTrainer", (dp, tp))
+        for tp, sp in [(tp, sp) for tp in sizes for sp in divisors if per_node % (tp * sp) == 0]:
+            if sp > 1 and (not packed or heads % (sp * tp)):
+                continue
+            dp = nodes * per_node // (tp * sp)
+            candidate = plan("FSDPTrainer", (dp, sp, tp))
             fitting = hardware.with_nodes(nodes)
             if candidate.fit_problem(fitting) is None:
                 step = config.gradient_accumulation_steps * dp
                 unit = "GPU" if candidate.on_gpu else "process"
+                sequence = f" sequence_parallel_size={sp}" if sp > 1 else ""
+                shape = f"dp {dp}{f' x sp {sp}' if sp > 1 else ''} x tp {tp}"
                 return (
                     f"the smallest mesh that fits: {fitting.describe(host=False)}, trainer=FSDPTrainer "
-                    f"tensor_parallel_size={tp} (dp {dp} x tp {tp}: {candidate.device_peak() / GIB:.1f} GiB a {unit}; "
+                    f"tensor_parallel_size={tp}{sequence} ({shape}: {candidate.device_peak() / GIB:.1f} GiB a {unit}; "
                     f"batch_size a multiple of {step})"
                 )
     return f"none of up to {hardware.with_nodes(MAX_NODES).describe(host=False)} fits it"

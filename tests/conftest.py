@@ -128,7 +128,9 @@ def build_trainer(config, run_dir=None):
     from modeling.distributed import Topology
 
     run_dir = run_dir or train.prepare_run_dir(config)
-    return train.build_trainer(config, Topology.create(config.trainer, config.tensor_parallel_size), run_dir)
+    return train.build_trainer(
+        config, Topology.create(config.trainer, config.tensor_parallel_size, config.sequence_parallel_size), run_dir
+    )
 
 
 def records(run_dir, split):

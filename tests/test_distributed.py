@@ -397,11 +397,13 @@ def test_a_stopped_run_lets_go_of_what_it_held():
 
 
 def test_mesh_shape_of_each_trainer_name():
-    assert mesh_shape("BasicTrainer", 1, None) == (1, 1)
-    assert mesh_shape("FSDPTrainer", 4, None) == (4, 1)
-    assert mesh_shape("FSDPTrainer", 4, 2) == (2, 2)
-    assert mesh_shape("FSDPTrainer", 4, 4) == (1, 4)
-    assert mesh_shape("TensorParallelTrainer", 4, None) == (1, 4)
+    assert mesh_shape("BasicTrainer", 1, None) == (1, 1, 1)
+    assert mesh_shape("FSDPTrainer", 4, None) == (4, 1, 1)
+    assert mesh_shape("FSDPTrainer", 4, 2) == (2, 1, 2)
+    assert mesh_shape("FSDPTrainer", 4, 4) == (1, 1, 4)
+    assert mesh_shape("TensorParallelTrainer", 4, None) == (1, 1, 4)
+    assert mesh_shape("FSDPTrainer", 8, 2, 2) == (2, 2, 2)
+    assert mesh_shape("FSDPTrainer", 4, None, 4) == (1, 4, 1)
 
 
 def test_shards_pad_short_shares_and_micro_batches_cut_them():

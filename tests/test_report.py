@@ -68,7 +68,7 @@ def test_the_estimate_and_the_run_read_reference_dtype_alike(make_config, tiny_t
     policy = build.meta_policy(config, parts.precision, Path(config.local_dirs[0]))
     live = build.live_reference_model(config, needs_reference=True)
     work = report.Workload(config, policy, examples, [list(range(8))], parts.precision, live)
-    assert report.memory_plan(work, config.trainer, (1, 1), on_gpu=False).training["reference weights"] == held
+    assert report.memory_plan(work, config.trainer, (1, 1, 1), on_gpu=False).training["reference weights"] == held
 
 
 def test_dry_run_reports_and_exits_without_weights_or_a_run(tmp_path, pairs_file, monkeypatch, capsys):
@@ -120,7 +120,7 @@ def test_memory_estimate_counts_the_real_model(
     precision = precision_of(config)
     policy = build.meta_policy(config, precision, Path(config.local_dirs[0]))
     work = report.Workload(config, policy, examples, [list(range(8))], precision, False)
-    parts = report.memory_plan(work, config.trainer, (shards, 1), on_gpu=False).training
+    parts = report.memory_plan(work, config.trainer, (shards, 1, 1), on_gpu=False).training
     assert parts["policy weights"] == n_parameters * 4 / shards  # float32
     assert parts["gradients"] == n_parameters * 4 / shards
     assert parts[f"{config.optimizer} state"] == optimizer_states * n_parameters * 4 / shards
@@ -142,7 +142,7 @@ def test_memory_estimate_counts_a_dense_mask_per_layer_type(make_config, tiny_to
     for layer_types in (None, ["sliding_attention", "full_attention"]):
         policy.config.layer_types = layer_types
         work = report.Workload(config, policy, examples, [list(range(8))], precision, False)
-        masks.append(report.memory_plan(work, config.trainer, (1, 1), on_gpu=False).training)
+        masks.append(report.memory_plan(work, config.trainer, (1, 1, 1), on_gpu=False).training)
     assert [parts["attention mask (packed, dense)"] for parts in masks] == [8 * 16 * 16 * 5, 2 * 8 * 16 * 16 * 5]
 
 
@@ -154,7 +154,7 @@ def test_tensor_parallel_memory_estimate_counts_the_unfused_step(make_config, ti
     policy = build.meta_policy(config, precision, Path(config.local_dirs[0]))
     examples = eight_examples(tiny_tokenizer, "q", "a", "b")
     work = report.Workload(config, policy, examples, [list(range(8))], precision, False)
-    plan = report.memory_plan(work, config.trainer, (1, 2), on_gpu=False)
+    plan = report.memory_plan(work, config.trainer, (1, 1, 2), on_gpu=False)
     assert plan.training["optimizer step intermediates"] == n_parameters * 4 / 2
 
 
@@ -168,7 +168,7 @@ def test_memory_estimate_of_lora_counts_the_adapters(make_config, tiny_tokenizer
     precision = precision_of(config)
     policy = build.meta_policy(config, precision, Path(config.local_dirs[0]))
     work = report.Workload(config, policy, examples, [list(range(8))], precision, False)
-    plan = report.memory_plan(work, config.trainer, (1, 1), on_gpu=False)
+    plan = report.memory_plan(work, config.trainer, (1, 1, 1), on_gpu=False)
     assert plan.training["gradients"] == trainable * 4
     assert f"{trainable / 1e6:.2f}M trainable" in plan.header
 
@@ -209,7 +209,7 @@ def activations_against_kept(config, parts) -> tuple[dict[str, float], dict[str,
     kept = kept_for_backward(parts.policy, lambda: parts.scorer(parts.policy, batch, parts.precision.policy_compute))
     policy = build.meta_policy(config, parts.precision, Path(config.local_dirs[0]))
     work = report.Workload(config, policy, parts.data.train_examples, parts.data.schedule, parts.precision, False)
-    planned = report.memory_plan(work, config.trainer, (1, 1), on_gpu=False).training
+    planned = report.memory_plan(work, config.trainer, (1, 1, 1), on_gpu=False).training
     trainable = sum(p.numel() * p.element_size() for p in parts.policy.parameters() if p.requires_grad)
     assert planned["gradients"] == trainable  # the dry run's policy trains what the run's does
     activations = sum(
@@ -248,7 +248,7 @@ def test_the_planned_activations_are_a_lower_bound_of_what_a_forward_keeps(make_
         config = OmegaConf.merge(trained, {"layout": layout})
         policy = build.meta_policy(config, parts.precision, Path(config.local_dirs[0]))
         work = report.Workload(config, policy, parts.data.train_examples, parts.data.schedule, parts.precision, False)
-        planned.append(report.memory_plan(work, config.trainer, (1, 1), on_gpu=False).training)
+        planned.append(report.memory_plan(work, config.trainer, (1, 1, 1), on_gpu=False).training)
     packed, padded = (terms["vision tower and projector activations"] for terms in planned)
     assert packed > 0 and padded == 2 * packed
 
@@ -256,7 +256,7 @@ def test_the_planned_activations_are_a_lower_bound_of_what_a_forward_keeps(make_
 GIB = 2**30
 
 
-def tiny_plan(make_config, tiny_tokenizer, *overrides, mesh=(1, 1), on_gpu=False):
+def tiny_plan(make_config, tiny_tokenizer, *overrides, mesh=(1, 1, 1), on_gpu=False):
     """(the tiny model's Workload on eight 16-token pairs, its memory plan on `mesh`)."""
     config = make_config(*overrides)
     precision = precision_of(config)
@@ -271,7 +271,7 @@ def test_each_moment_of_the_plan_counts_what_a_rank_holds(make_config, tiny_toke
     # Reading: one weight's shard at a time (FSDP shards each over the data-parallel ranks). Saving: a rank's share of
     # the weights serialised in memory by DCP (after a copy to the host, from a GPU), and the export's whole tensors
     # one at a time. A GPU rank's host holds the larger of the two; a CPU rank's holds its training state too.
-    work, plan = tiny_plan(make_config, tiny_tokenizer, "trainer=FSDPTrainer", "nproc=2", mesh=(2, 1), on_gpu=on_gpu)
+    work, plan = tiny_plan(make_config, tiny_tokenizer, "trainer=FSDPTrainer", "nproc=2", mesh=(2, 1, 1), on_gpu=on_gpu)
     largest = max(p.numel() for p in work.policy.parameters()) * 4  # float32
     weights_share = sum(p.numel() for p in work.policy.parameters()) * 4 / 2
     assert plan.load == {"a weight's shard, read at a time": largest / 2}
@@ -294,15 +294,17 @@ def test_a_plan_fits_or_names_what_is_short(make_config, tiny_tokenizer):
 def test_the_smallest_mesh_fits_and_none_with_a_node_fewer_does(make_config, tiny_tokenizer):
     # GPUs too small for one node of 2 of them: the search names the fewest nodes (then the smallest tensor-parallel
     # size) that fit, and every mesh of fewer nodes does not.
-    work, one_node = tiny_plan(make_config, tiny_tokenizer, "trainer=FSDPTrainer", "nproc=2", mesh=(2, 1), on_gpu=True)
+    work, one_node = tiny_plan(
+        make_config, tiny_tokenizer, "trainer=FSDPTrainer", "nproc=2", mesh=(2, 1, 1), on_gpu=True
+    )
     hardware = report.Hardware(1, 2, one_node.device_peak() * 0.3, None)
-    plan, problem = report.fit_verdict(work, hardware, (2, 1))
+    plan, problem = report.fit_verdict(work, hardware, (2, 1, 1))
     assert problem.startswith("this run does not fit 1 node x 2 GPUs of 0 GiB: a GPU needs") and plan is not None
     found = re.search(r"fits: (\d+) nodes? x 2 GPUs .* tensor_parallel_size=(\d)", problem)
     nodes, tp = int(found[1]), int(found[2])
 
     def fits(n: int, t: int) -> bool:
-        candidate = report.memory_plan(work, "FSDPTrainer", (n * 2 // t, t), on_gpu=True)
+        candidate = report.memory_plan(work, "FSDPTrainer", (n * 2 // t, 1, t), on_gpu=True)
         return candidate.fit_problem(hardware.with_nodes(n)) is None
 
     assert fits(nodes, tp) and not any(fits(n, t) for n in range(1, nodes) for t in (1, 2))
@@ -421,8 +423,8 @@ def test_offload_moves_the_sharded_state_to_the_host_and_keeps_the_rest_on_the_d
     policy = build.meta_policy(config, precision, Path(config.local_dirs[0]))
     examples = eight_examples(tiny_tokenizer, "q", "a", "b")
     work = report.Workload(config, policy, examples, [list(range(8))], precision, True)
-    on_gpus = report.memory_plan(work, "FSDPTrainer", (2, 1), on_gpu=True)
-    offloaded = report.memory_plan(work, "FSDPTrainer", (2, 1), on_gpu=True, offload=True)
+    on_gpus = report.memory_plan(work, "FSDPTrainer", (2, 1, 1), on_gpu=True)
+    offloaded = report.memory_plan(work, "FSDPTrainer", (2, 1, 1), on_gpu=True, offload=True)
     moved = ("policy weights", "gradients", "AdamW state", "optimizer step intermediates", "reference weights")
     assert not on_gpus.host_training and "CPU offload" in offloaded.header
     assert {k: v for k, v in on_gpus.training.items() if k not in moved} == {
