@@ -40,6 +40,10 @@ One module per campaign:
   synchronous ones: the 286M Llama of --scale on one process, 8 steps of 4 HH pairs with a checkpoint every 2,
   alternating fresh processes (2 rounds unless told): how long training stands still at a save, a step's time with
   and without a checkpoint being written, the loop's whole time (--async-save --smoke: tiny sizes, one round).
+- long.py: --long: each rank's peak resident memory while it trains on one 8160-token pair a step at
+  sequence_parallel_size = 1, 2 and 4 (FSDPTrainer on as many CPU processes, gloo; a random 8-layer, hidden-256
+  Llama, float32, the dense mask), each size a fresh launch, beside the dry run's per-rank training estimate and its
+  activations, which sequence parallelism divides by sp (--long --smoke: tiny sizes, as the test suite runs it).
 - window.py: --window: a sliding-window model (a narrow Gemma 3: five 128-token-window layers to one global, and
   Gemma 2's final soft cap of 30) at max_length 512 x 8 HH pairs, the default configuration (packed rows with a
   windowed mask per layer type, the scored head soft-capping itself) against what such a model took before (padded

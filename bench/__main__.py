@@ -11,6 +11,7 @@ from bench import (
     gpu,
     kernels,
     levers,
+    long,
     profile,
     reward,
     scale,
@@ -55,11 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--async-save", action="store_true", help="checkpoints written in the background against synchronous ones"
     )
+    parser.add_argument(
+        "--long", action="store_true", help="each rank's memory on one long pair at sequence_parallel_size 1, 2, 4"
+    )
     parser.add_argument("--window", action="store_true", help="a sliding-window, soft-capped model: packed vs padded")
     parser.add_argument("--reward", action="store_true", help="reward modelling against TRL's RewardTrainer")
     parser.add_argument("--vision", action="store_true", help="vision-language DPO against TRL's DPOTrainer")
     parser.add_argument(
-        "--smoke", action="store_true", help="--gpu, --data, --scale, --reward, --vision or --async-save at tiny sizes"
+        "--smoke",
+        action="store_true",
+        help="--gpu, --data, --scale, --reward, --vision, --async-save or --long at tiny sizes",
     )
     parser.add_argument(
         "--warmup", type=int, default=2, help="--levers, --compile, --lora, --window, --reward, --vision: untimed steps"
@@ -90,6 +96,8 @@ def run(args: argparse.Namespace) -> None:
         return scale.bench_scale(args.smoke, args.versus)
     if args.async_save:
         return async_save.bench_async_save(args.smoke, args.rounds or 2)
+    if args.long:
+        return long.bench_long(args.smoke)
     if args.window:
         return window.bench_window(args.warmup, args.steps)
     if args.reward:

@@ -1,11 +1,12 @@
 """The bench package (`python -m bench`): the GPU campaign (--gpu), the scale campaign (--scale), reward modelling
-against TRL (--reward), vision-language DPO against TRL (--vision) and checkpoints written in the background
-(--async-save) in their smoke modes, so that they cannot rot between the sessions that run them; its command line;
-and the workers of --versus and --scale --versus found in another version's code, whether it is laid out in packages
-or flat."""
+against TRL (--reward), vision-language DPO against TRL (--vision), checkpoints written in the background
+(--async-save) and long pairs over sequence-parallel ranks (--long) in their smoke modes, so that they cannot rot
+between the sessions that run them; its command line; and the workers of --versus and --scale --versus found in
+another version's code, whether it is laid out in packages or flat."""
 
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -119,6 +120,29 @@ def test_scale_smoke_measures_every_rank_in_every_phase():
         peaks = [float(value) for value in row[3:8]]
         assert all(0 < peak for peak in peaks) and peaks[4] == max(peaks)
     assert result.stdout.count("at 4 ranks: the highest rank peak is ") == 2 and "twice as deep" in result.stdout
+
+
+@pytest.mark.slow  # 7 fresh processes over 3 launches and a dry run's: ~1 min
+def test_long_smoke_measures_every_rank_beside_the_dry_runs_halved_activations():
+    # --long at tiny sizes: each rank of sp = 1, 2 and 4 reports its resident memory as training starts and its peak
+    # while training, beside the dry run's training estimate; the plan gives a rank 1 / sp of the activations,
+    # exactly, as the byte counts of the ratio lines show.
+    result = run_bench("--long", "--smoke", timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("CPU: ") and " flags " in lines[0] and "torch " in lines[0], lines[0]
+    rows = [line.replace("|", " ").split() for line in lines if re.match(r" *\d+ +\d+ ", line)]
+    assert [(int(row[0]), int(row[1])) for row in rows] == [(1, 0), (2, 0), (2, 1), (4, 0), (4, 1), (4, 2), (4, 3)]
+    for row in rows:  # GiB: start, peak, growth | estimate, activations, mask | seconds
+        start, peak, _, estimate, *_, seconds = map(float, row[2:])
+        assert 0.1 < start <= peak and estimate > 0 and seconds > 0, row
+    ratios = {
+        int(sp): (float(ratio), int(one), int(many))
+        for sp, ratio, one, many in re.findall(r"sp 1 / sp (\d), per rank: the dry run's activations ([\d.]+)x "
+                                               r"\((\d+) / (\d+) bytes\)", result.stdout)
+    }  # fmt: skip
+    assert ratios.keys() == {2, 4}, result.stdout
+    assert ratios[2][1] == 2 * ratios[2][2] and ratios[4][1] == 4 * ratios[4][2] and ratios[2][0] == 2.0, ratios
 
 
 # A version's worker standing in for lever_worker: it writes what it was given and the file it lives in.
