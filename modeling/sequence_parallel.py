@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed._functional_collectives as funcol
+import torch.distributed.nn.functional as autograd_collectives
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
@@ -55,8 +56,10 @@ class SequenceGroup:
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` summed over the group, autograd-aware: the gradient of each rank's copy of the sum reaches every
-        rank's part (the backward is the same all-reduce)."""
-        return funcol.wait_tensor(funcol.all_reduce(tensor.contiguous(), "sum", self.group))
+        rank's part (the backward is the same all-reduce). torch.distributed.nn's all_reduce, which has had a backward
+        in every torch this runs on; the functional collectives' plain all_reduce has one in recent versions only
+        (as their all_to_all_single: the all-to-alls call its _autograd form)."""
+        return autograd_collectives.all_reduce(tensor.contiguous(), group=self.group)
 
     def install(self, model: torch.nn.Module) -> None:
         """The model's attention layers run `attention` from now on. Set for good, not for each forward: activation
@@ -110,12 +113,12 @@ class SequenceGroup:
         the slices come back in rank order, which is token order."""
         batch, heads, tokens, dim = x.shape
         send = x.reshape(batch, self.size, heads // self.size, tokens, dim).transpose(0, 1).contiguous()
-        received = funcol.wait_tensor(funcol.all_to_all_single(send, None, None, self.group))
+        received = funcol.wait_tensor(funcol.all_to_all_single_autograd(send, None, None, self.group))
         return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // self.size, self.size * tokens, dim)
 
     def heads_to_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, H / size, D] of this rank's heads -> [B, t, H, D] of its tokens (tokens_to_heads undone)."""
         batch, tokens, heads, dim = x.shape
         send = x.reshape(batch, self.size, tokens // self.size, heads, dim).transpose(0, 1).contiguous()
-        received = funcol.wait_tensor(funcol.all_to_all_single(send, None, None, self.group))
+        received = funcol.wait_tensor(funcol.all_to_all_single_autograd(send, None, None, self.group))
         return received.permute(1, 2, 0, 3, 4).reshape(batch, tokens // self.size, self.size * heads, dim)
