@@ -133,9 +133,9 @@ def test_long_smoke_measures_every_rank_beside_the_dry_runs_halved_activations()
     assert lines[0].startswith("CPU: ") and " flags " in lines[0] and "torch " in lines[0], lines[0]
     rows = [line.replace("|", " ").split() for line in lines if re.match(r" *\d+ +\d+ ", line)]
     assert [(int(row[0]), int(row[1])) for row in rows] == [(1, 0), (2, 0), (2, 1), (4, 0), (4, 1), (4, 2), (4, 3)]
-    for row in rows:  # GiB: start, peak, growth | estimate, activations, mask | seconds
-        start, peak, _, estimate, *_, seconds = map(float, row[2:])
-        assert 0.1 < start <= peak and estimate > 0 and seconds > 0, row
+    for row in rows:  # GiB: start, peak, growth | estimate, activations, mask | seconds (0.0 at tiny sizes)
+        start, peak, _, estimate, *_ = map(float, row[2:])
+        assert 0.1 < start <= peak and estimate > 0, row
     ratios = {
         int(sp): (float(ratio), int(one), int(many))
         for sp, ratio, one, many in re.findall(r"sp 1 / sp (\d), per rank: the dry run's activations ([\d.]+)x "
