@@ -120,7 +120,7 @@ def image_runs(is_image: torch.Tensor) -> torch.Tensor:
 
 def prompt_blocks(batch: ModelBatch) -> torch.Tensor:
     """[R, T] of packed rows: each prompt's tokens numbered by their example (its segment), -1 for the others."""
-    return torch.where((batch.branch_ids == 0) & (batch.segment_ids >= 0), batch.segment_ids, -1)
+    return torch.where(prompt_tokens(batch), batch.segment_ids, -1)
 
 
 def prompt_tokens(batch: ModelBatch) -> torch.Tensor:

@@ -120,6 +120,7 @@ class ModelReward:
             text_config.pad_token_id = self.pad_token_id
         self.model = model.to(device).eval()
         self.vision = None
+        self.image_tokens: dict[bytes, int] = {}  # a prompt's images -> the image tokens this model makes of them
         if processor is not None:
             processor.tokenizer = self.tokenizer  # one tokenizer: its pad token as set here
             self.vision = Vision.of(processor).for_model(model)
@@ -136,7 +137,7 @@ class ModelReward:
         examples = []
         for prompt, completion, packed in zip(self.encode(prompts), self.encode(completions), images):
             if packed:
-                self.check_image_tokens(prompt, unpack_images(packed))
+                self.check_image_tokens(prompt, packed)
             room = self.max_length - len(prompt) if packed else self.max_length  # a prompt with images stays whole
             if room < 1:
                 raise UserError(
@@ -154,16 +155,19 @@ class ModelReward:
             rewards += sequence_rewards(self.model, batch, None, torch.float32, self.eos_token_id).cpu().tolist()
         return rewards
 
-    def check_image_tokens(self, prompt: list[int], images: list[bytes]) -> None:
+    def check_image_tokens(self, prompt: list[int], packed: bytes) -> None:
         """A one-line error unless the prompt holds as many image tokens as this model's processor makes of its
-        images: a text model sees none, and another family's processor expands an image into other tokens."""
+        images (packed: pack_images), counted once per distinct images (a round scores k completions of each
+        prompt): a text model sees none, and another family's processor expands an image into other tokens."""
         if self.vision is None:
             raise UserError(
                 f"{self.setting} is a text model and the prompts have images: it would score their text alone"
             )
-        found = prompt.count(self.vision.image_token_id)
-        own = self.vision.prompt_ids(self.vision.placeholder * len(images), tuple(images))
-        expected = own.count(self.vision.image_token_id)
+        images = unpack_images(packed)
+        if packed not in self.image_tokens:
+            own = self.vision.prompt_ids(self.vision.placeholder * len(images), tuple(images))
+            self.image_tokens[packed] = own.count(self.vision.image_token_id)
+        found, expected = prompt.count(self.vision.image_token_id), self.image_tokens[packed]
         if found != expected:
             raise UserError(
                 f"{self.setting}: a prompt with {len(images)} image{'s' * (len(images) != 1)} holds {found} image "

@@ -198,12 +198,12 @@ class Topology:
         dist.all_gather_object(gathered, obj)
         return gathered
 
-    def broadcast(self, obj):
-        """Rank 0's `obj` on every rank."""
+    def broadcast(self, obj, group=None):
+        """Rank 0's `obj` on every rank (over `group`, of every rank; None: the default one)."""
         if self.world_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
         return box[0]
 
     def run_everywhere(self, fn: Callable):
@@ -219,16 +219,17 @@ class Topology:
             raise UserError(errors[0])
         return result
 
-    def run_on_main(self, fn: Callable):
+    def run_on_main(self, fn: Callable, group=None):
         """fn() on rank 0 only; its result there (None elsewhere). A UserError it raises is raised on every rank,
-        so that no rank is left waiting in a collective for one that stopped."""
+        so that no rank is left waiting in a collective for one that stopped. group: a process group of every rank
+        to agree over (None: the default one), such as the background saves' own."""
         result = error = None
         if self.is_main:
             try:
                 result = fn()
             except UserError as e:
                 error = str(e)
-        error = self.broadcast(error)
+        error = self.broadcast(error, group)
         if error is not None:
             raise UserError(error)
         return result

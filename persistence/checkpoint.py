@@ -252,7 +252,7 @@ def save_in_background(
     shards of each collective part to host memory (weights.staged, as async_save stages) and the small parts' states;
     a thread then writes them, every rank its shards with DCP's collectives over `process_group` (a group of the
     saves' own, None without one: training's collectives go on meanwhile on the others), rank 0 the config and
-    tokenizer. Only once every rank's writes are complete, which DCP's save and run_on_main agree on over that
+    tokenizer. Only once every rank's writes are complete, which DCP's save and Topology.run_on_main agree on over that
     group, does rank 0 write checkpoint.json and swap the directory in, then prune to keep_last. A failure is a
     WriteFailed on every rank, raised by the BackgroundSave's wait(), and leaves no temporary directory behind."""
     draft = Draft(output_dir, step, metrics, parts, loop_state, final=False, copied=True)
@@ -263,7 +263,7 @@ def save_in_background(
         remove(tmp_dir, topology)
         raise storage.as_final(error, tmp_dir, output_dir) from None
     staged = {name: weights.staged(part.state()) for name, part in parts.items() if collective(part)}
-    on_main = lambda write: run_on_main(process_group, lambda: written(output_dir, write))  # noqa: E731
+    on_main = lambda write: topology.run_on_main(lambda: written(output_dir, write), process_group)  # noqa: E731
 
     def finish() -> None:
         draft.finish()
@@ -278,7 +278,7 @@ def save_in_background(
             on_main(lambda: describe_model(tmp_dir, policy, tokenizer))
             on_main(finish)
         except UserError as error:
-            run_on_main(process_group, lambda: shutil.rmtree(tmp_dir, ignore_errors=True))
+            topology.run_on_main(lambda: shutil.rmtree(tmp_dir, ignore_errors=True), process_group)
             raise storage.as_final(error, tmp_dir, output_dir) from None
         print(f"saved {output_dir}")
 
@@ -319,24 +319,6 @@ def save_process_group(timeout_secs: float):
     if weights.one_process():
         return None
     return torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_secs))
-
-
-def run_on_main(process_group, fn: Callable) -> None:
-    """fn() on rank 0 of `process_group` only; a UserError it raises is raised on every rank of the group (as
-    Topology.run_on_main does over the default group), so that none goes on into a collective another has left."""
-    if process_group is None:
-        fn()
-        return
-    error = None
-    if torch.distributed.get_rank() == 0:
-        try:
-            fn()
-        except UserError as e:
-            error = str(e)
-    box = [error]
-    torch.distributed.broadcast_object_list(box, src=0, group=process_group)
-    if box[0] is not None:
-        raise UserError(box[0])
 
 
 def written(output_dir: Path, write) -> None:
