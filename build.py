@@ -150,6 +150,7 @@ def live_reference_model(config: DictConfig, needs_reference: bool) -> bool:
     to move towards the policy (reference_sync_steps), unless LoRA's base serves (the policy with its adapters
     disabled, or with its reference adapter)."""
     kept = not config.reference_cache or config.sample_during_eval or config.reference_sync_steps is not None
+    kept = kept or config.eval_winrate_prompts > 0  # to sample from
     return needs_reference and not config.lora.enabled and kept
 
 

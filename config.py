@@ -25,6 +25,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
 
+from core.generations import check_judge
 from core.layouts import LAYOUTS
 from core.losses import LOSSES
 from core.optim import build_optimizer
@@ -185,6 +186,9 @@ class Config:
     sample_during_eval: bool = MISSING
     n_eval_model_samples: int = ranged(POSITIVE)
     generation: GenerationConfig = MISSING
+    eval_winrate_prompts: int = ranged(NON_NEGATIVE)
+    judge: Optional[str] = MISSING
+    judge_template: Optional[str] = MISSING
     do_first_eval: bool = MISSING
     lr: float = ranged(POSITIVE)
     gradient_accumulation_steps: int = ranged(POSITIVE)
@@ -294,6 +298,8 @@ class Config:
                 "policy's base with its adapters disabled, so it computes like the policy (model.reference_dtype=auto)"
             )
         check_loss(self.loss, self.sample_during_eval)
+        if self.eval_winrate_prompts or self.judge is not None or self.judge_template is not None:
+            check_winrate(self)
         if self.reference_sync_steps is not None:
             check_reference_sync(self.reference_sync_steps, self.loss, self.rounds.n)
         if self.plan.active:
@@ -378,6 +384,25 @@ def check_rounds(config: Config) -> None:
         raise UserError(f"{n} samples {config.rounds.completions} completions a prompt: generation.do_sample=true")
 
 
+def check_winrate(config: Config) -> None:
+    """eval_winrate_prompts judges the policy's completions against the reference's: it takes a judge, a reference
+    to sample from, and a run of a policy that generates (not a reward model, not rounds, whose reference moves)."""
+    n = f"eval_winrate_prompts={config.eval_winrate_prompts}"
+    if not config.eval_winrate_prompts:
+        key = "judge" if config.judge is not None else "judge_template"
+        raise UserError(f"{key}={getattr(config, key)} judges the win rate at each eval, but eval_winrate_prompts=0")
+    if config.judge is None:
+        raise UserError(f"{n} needs judge=DIR (a reward model or an instruct model) or judge=module:function")
+    if LOSSES[config.loss.name].objective == "reward" or not config.loss.needs_reference():
+        raise UserError(
+            f"{n} compares the policy with its reference, and loss={config.loss.name} has none: compare its "
+            "checkpoints with the starting model by evaluate.py"
+        )
+    if config.rounds.n:
+        raise UserError(f"{n}: each round's reference is the policy that starts it; rounds log their own rewards")
+    check_judge(config.judge, config.judge_template)
+
+
 def check_loss(loss, sample_during_eval: bool) -> None:
     """The loss config is the named loss's, and what it trains can do what the run asks of it."""
     if loss.name not in LOSSES or type(loss) is not LOSSES[loss.name].schema:
@@ -449,6 +474,15 @@ def as_override(value) -> str:
 
 store = ConfigStore.instance()
 store.store(name="config_schema", node=Config)
+SCHEMAS = {"config": Config}  # each config file of config/ by name, and its schema: train.py's and evaluate.py's
+
+
+def register(name: str, schema: type) -> None:
+    """A command's own config file, config/<name>.yaml, over `schema` (its defaults list names <name>_schema)."""
+    store.store(name=f"{name}_schema", node=schema)
+    SCHEMAS[name] = schema
+
+
 for name, component in LOSSES.items():
     store.store(group="loss", name=f"{name}_schema", node=component.schema)
 
@@ -462,10 +496,11 @@ def group_options() -> dict[str, list[str]]:
     return {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in CONFIG_DIR.iterdir() if d.is_dir()}
 
 
-def schema_type(key: str, groups: dict[str, str]):
-    """The schema's type for a dotted key (loss keys: in the selected loss's schema), or None."""
-    kind, parts = Config, key.split(".")
-    if parts[0] == "loss":
+def schema_type(key: str, groups: dict[str, str], name: str = "config"):
+    """The schema's type for a dotted key of config file `name` (loss keys: in the selected loss's schema), or
+    None."""
+    kind, parts = SCHEMAS[name], key.split(".")
+    if parts[0] == "loss" and "loss" in groups:
         loss_name = OmegaConf.load(CONFIG_DIR / "loss" / f"{groups['loss']}.yaml").name  # the option's loss
         kind, parts = LOSSES[loss_name].schema, parts[1:]
     for part in parts:
@@ -476,11 +511,12 @@ def schema_type(key: str, groups: dict[str, str]):
     return kind
 
 
-def selected_options(args: list[str]) -> dict[str, str]:
-    """The option of each group that this command line selects (else config.yaml's default)."""
-    defaults = OmegaConf.load(CONFIG_DIR / "config.yaml").defaults
+def selected_options(args: list[str], name: str = "config") -> dict[str, str]:
+    """The option of each group that this command line selects (else the config file's default): the groups the
+    file's defaults list names."""
+    defaults = OmegaConf.load(CONFIG_DIR / f"{name}.yaml").defaults
     selected = {next(iter(entry)): entry[next(iter(entry))] for entry in defaults if isinstance(entry, DictConfig)}
-    groups = group_options()
+    groups = {group: options for group, options in group_options().items() if group in selected}
     for key, value in (arg.split("=", 1) for arg in args if "=" in arg):
         if key in groups:
             if value not in groups[key]:
@@ -491,7 +527,7 @@ def selected_options(args: list[str]) -> dict[str, str]:
     return selected
 
 
-def normalized(args: list[str], groups: dict[str, str]) -> list[str]:
+def normalized(args: list[str], groups: dict[str, str], name: str = "config") -> list[str]:
     """The command line as Hydra should read it: each value as `hydra_value` writes it (a list key given without
     brackets is a list, a string key's value the text given), boolean keys held to true or false (OmegaConf alone
     would take 1 or 'yes'); an argument that is no override is one line that says how to quote a value with spaces."""
@@ -499,8 +535,8 @@ def normalized(args: list[str], groups: dict[str, str]) -> list[str]:
     for position, arg in enumerate(args):
         key, equals, value = arg.partition("=")
         if not equals and not key.startswith("~"):  # ~key deletes a key; anything else takes key=value
-            raise UserError(not_an_override(args, position, groups))
-        kind = schema_type(key.lstrip("+"), groups) if equals and not key.startswith("~") else None
+            raise UserError(not_an_override(args, position, groups, name))
+        kind = schema_type(key.lstrip("+"), groups, name) if equals and not key.startswith("~") else None
         if kind is bool and value.lower() not in ("true", "false"):
             raise UserError(f"{key}={value} must be true or false")
         arg = f"{key}={hydra_value(value, kind)}" if equals else arg
@@ -514,11 +550,11 @@ def normalized(args: list[str], groups: dict[str, str]) -> list[str]:
     return result
 
 
-def not_an_override(args: list[str], position: int, groups: dict[str, str]) -> str:
+def not_an_override(args: list[str], position: int, groups: dict[str, str], name: str = "config") -> str:
     """The error for args[position], which holds no `=`: a key without its value, or most often the rest of a value
     with spaces that the shell split, so the line shows that value quoted whole."""
     arg = args[position]
-    if arg.lstrip("-") in groups or schema_type(arg.lstrip("-"), groups) is not None:
+    if arg.lstrip("-") in groups or schema_type(arg.lstrip("-"), groups, name) is not None:
         return f"the command line: {arg} has no value; give {arg.lstrip('-')}=VALUE"
     start = next((i for i in range(position - 1, -1, -1) if "=" in args[i]), None)
     if start is None:
@@ -602,14 +638,14 @@ TYPE_NAMES = {
 ITEM_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
-def item_type_name(key: str, groups: dict[str, str]) -> str | None:
+def item_type_name(key: str, groups: dict[str, str], name: str = "config") -> str | None:
     """What an item of a list key must be, for `key` naming one (datasets[1]), from the schema; else None."""
     base, indexed, _ = key.partition("[")
-    kind = optional_inner(schema_type(base, groups)) if indexed else None
+    kind = optional_inner(schema_type(base, groups, name)) if indexed else None
     return ITEM_NAMES.get(typing.get_args(kind)[0]) if typing.get_origin(kind) is list else None
 
 
-def explain(error: Exception, args: list[str], groups: dict[str, str]) -> str:
+def explain(error: Exception, args: list[str], groups: dict[str, str], name: str = "config") -> str:
     """One line for a composition error: the key, what it must be, and the valid keys."""
     cause = error.__cause__
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
@@ -635,7 +671,7 @@ def explain(error: Exception, args: list[str], groups: dict[str, str]) -> str:
         expected = (
             expected
             or TYPE_NAMES.get(type(cause.child_node))
-            or item_type_name(key, groups)
+            or item_type_name(key, groups, name)
             or f"of type {type(cause.child_node).__name__}"
         )
         return f"{key}={value} must be {expected}"
@@ -643,20 +679,20 @@ def explain(error: Exception, args: list[str], groups: dict[str, str]) -> str:
     return f"the command line: {text[0] if text else type(error).__name__}"
 
 
-def composed(args: list[str]) -> DictConfig:
-    """The command line (Hydra overrides, e.g. `loss.beta=0.1 model=tiny`) composed onto the schema: keys and types
-    checked, values not yet (`check`)."""
-    groups = selected_options(args)
+def composed(args: list[str], name: str = "config") -> DictConfig:
+    """The command line (Hydra overrides, e.g. `loss.beta=0.1 model=tiny`) composed onto config file `name`'s
+    schema: keys and types checked, values not yet (`check`)."""
+    groups = selected_options(args, name)
     try:
         with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-            return compose("config", overrides=normalized(args, groups))
+            return compose(name, overrides=normalized(args, groups, name))
     except (HydraException, OmegaConfBaseException) as error:
-        raise UserError(explain(error, args, groups)) from None  # the values as given
+        raise UserError(explain(error, args, groups, name)) from None  # the values as given
 
 
-def load(args: list[str]) -> DictConfig:
-    """The config of this command line, checked."""
-    config = composed(args)
+def load(args: list[str], name: str = "config") -> DictConfig:
+    """The config of this command line (config/<name>.yaml's: train.py's, or evaluate.py's), checked."""
+    config = composed(args, name)
     check(config)
     return config
 

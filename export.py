@@ -12,14 +12,9 @@ is written under a temporary name and renamed into place once whole."""
 import sys
 from pathlib import Path
 
-import torch
 import transformers
-from omegaconf import OmegaConf
 
-from build import place
-from core.losses import LOSSES
 from modeling import weights
-from modeling.adapters import apply_lora
 from modeling.distributed import (
     Topology,
     init_process_group,
@@ -27,11 +22,10 @@ from modeling.distributed import (
     leave_process_group,
     reported_errors,
 )
-from modeling.models import prepare_model
-from modeling.precision import parse_dtype
 from modeling.vision import has_processor
 from persistence import checkpoint, storage
-from utils import UserError, get_local_dir
+from trained import checkpoint_policy, run_config
+from utils import UserError
 
 
 def export_checkpoint(checkpoint_dir: Path, out_dir: Path, topology: Topology) -> None:
@@ -75,7 +69,7 @@ def write(checkpoint_dir: Path, directory: Path, legacy: bool, topology: Topolog
         state = checkpoint.read_file(checkpoint_dir / "policy.pt", "export", mmap=True)["state"]
     names = set(state) if legacy else set(weights.stored_shapes(checkpoint_dir / "policy"))
     if any(".lora_" in name for name in names):
-        checkpoint.export(directory, lora_policy(checkpoint_dir, topology), topology, None)
+        checkpoint.export(directory, checkpoint_policy(checkpoint_dir, topology), topology, None)
     elif legacy:
         weights.export_weights(state, directory, topology)
     else:
@@ -97,33 +91,6 @@ def describe(checkpoint_dir: Path, tmp_dir: Path, out_dir: Path) -> None:
     reader.from_pretrained(source).save_pretrained(tmp_dir)  # a processor holds the tokenizer too
     storage.sync(tmp_dir)
     storage.publish(tmp_dir, out_dir, "config.json")
-
-
-def run_config(checkpoint_dir: Path):
-    """The resolved config.yaml of the run the checkpoint belongs to (its parent directory)."""
-    path = checkpoint_dir.parent / "config.yaml"
-    if not path.exists():
-        raise UserError(f"{path} does not exist: a LoRA checkpoint is exported with its run's config, beside it")
-    return OmegaConf.load(path)
-
-
-def lora_policy(checkpoint_dir: Path, topology: Topology) -> torch.nn.Module:
-    """The run's LoRA policy, its base read as the run read it and sharded over this command's processes, with the
-    checkpoint's adapters."""
-    config = run_config(checkpoint_dir)
-    dtype = parse_dtype(config.model.policy_dtype, "model.policy_dtype")
-    cache_dir = get_local_dir(config.local_dirs)
-    reward = LOSSES[config.loss.name].objective == "reward"  # a reward model's base: a sequence classifier
-    with topology.main_first():
-        policy, initial = prepare_model(config.model, dtype, cache_dir, config.seed, reward=reward)
-    policy = apply_lora(policy, config.lora, config.seed)
-    policy = place(policy, config, topology, None, initial)
-    part = checkpoint.ModelWeights(policy)
-    if checkpoint.is_legacy(checkpoint_dir):
-        part.load_whole(checkpoint.read_file(checkpoint_dir / "policy.pt", "export")["state"], broadcast=False)
-    else:
-        part.load(checkpoint_dir / "policy")
-    return policy
 
 
 def main(args: list[str]) -> None:

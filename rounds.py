@@ -18,13 +18,13 @@ its first step, and every checkpoint notes its round (Trainer.round_state). A re
 a resume from the checkpoint that ends a round starts the next one afresh."""
 
 import base64
-import hashlib
 import json
 
 import numpy as np
 
 from build import fill_reference_cache, reference_computation
 from core.examples import Examples, from_ids
+from core.generations import sample_seed
 from core.rewards import load_reward
 from core.step import Data
 from modeling.vision import pack_images, unpack_images
@@ -36,13 +36,6 @@ from trainers import Trainer
 from utils import UserError
 
 DIRECTORY = "rounds"
-
-
-def completion_seed(seed: int, round_index: int, prompt_key: bytes, completion: int) -> int:
-    """The seed of one sampled completion: of the run's seed, the round, the prompt (its example key) and which of
-    its completions."""
-    digest = hashlib.blake2b(f"{seed}:{round_index}:{completion}:".encode() + prompt_key, digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1  # torch seeds are below 2^63 here
 
 
 def distinct_prompts(batches: list[list[dict]], n: int) -> tuple[list[list[int]], list[bytes]]:
@@ -137,7 +130,7 @@ class Rounds:
         prompts = [examples[i]["prompt"] for i in range(len(examples))]
         images = [examples[i].get("images", b"") for i in range(len(examples))]
         seeds = [
-            completion_seed(self.config.seed, round_index, examples.keys[i].tobytes(), j)
+            sample_seed(examples.keys[i].tobytes(), self.config.seed, round_index, j)
             for i in range(len(examples))
             for j in range(k)
         ]
@@ -149,21 +142,10 @@ class Rounds:
         )
 
     def complete(self, prompts: list[list[int]], images: list[bytes], seeds: list[int] | None) -> list[list[int]]:
-        """Completions of `prompts` by the policy, which sees their `images` (pack_images; b"": none), sampled from
-        `seeds` (greedy where None), each data-parallel rank generating its share in batches of eval_batch_size,
-        gathered in order on every rank."""
-        evaluator, policy = self.trainer.evaluator, self.trainer.policy
-        policy.eval()
-        local, n_real = self.topology.shard(list(range(len(prompts))))
-        completions = []
-        for start in range(0, len(local), self.config.eval_batch_size):
-            rows = local[start : start + self.config.eval_batch_size]
-            batch, batch_images = [prompts[i] for i in rows], [images[i] for i in rows]
-            if seeds is None:
-                completions += evaluator.complete(policy, batch, batch_images, do_sample=False)
-            else:
-                completions += evaluator.complete_seeded(policy, batch, [seeds[i] for i in rows], batch_images)
-        return self.topology.gather({"completions": completions[:n_real]})["completions"]
+        """Completions of `prompts` by the policy, which sees their `images` (pack_images; b"": none), sampled as
+        generation.* says from `seeds` (greedy where None), gathered in order on every rank."""
+        g, sampler = self.config.generation, self.trainer.evaluator.sampler
+        return sampler.sample(self.trainer.policy, prompts, images, seeds, g.temperature, g.top_p)
 
     def score(self, round_index: int, prompts: list[list[int]], images: list[bytes], groups: list[int], completions):
         """(rank 0) The round's lines (`round_lines`), written to rounds/round-R.jsonl whole; the reward sees each

@@ -24,6 +24,7 @@ from typing import Callable
 import tqdm
 
 from build import RunParts
+from core.evaluation import HeldOutWinRate
 from core.optim import clip_grad_norm
 from core.step import Data
 from modeling.reference_sync import SyncedReference
@@ -51,6 +52,7 @@ class Trainer:
         self.flops, self.peak_flops, self.precision = parts.flops, parts.peak_flops, parts.precision
         self.synced = parts.reference if isinstance(parts.reference, SyncedReference) else None  # TR-DPO's
         self.log = RunLog(run_dir, wandb_run, self.topology.is_main, self.throughput)
+        self.evals = Evals(self.config, self.topology, self.evaluator, self.tokenizer, run_dir, self.log)
         self.cadence = Cadence(
             self.config.eval_every, self.config.save_every or self.config.eval_every, self.config.do_first_eval
         )
@@ -212,16 +214,8 @@ class Trainer:
             self.save(self.run_dir / f"step-{self.example_counter}", {}, wait=wait)
 
     def evaluate(self) -> dict[str, float]:
-        """Evaluate (and sample), log it and redraw the plots; the eval metrics."""
-        metrics = self.evaluator.evaluate(self.policy)
-        self.log.metrics(metrics, *self.counters())
-        if self.config.plots and self.topology.is_main:
-            self.log.write(lambda: write_plots(self.run_dir))
-        print(f"eval at {self.example_counter} examples: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
-        if self.config.sample_during_eval:
-            self.log.samples(
-                self.evaluator.sample(self.policy, self.reference_model, self.example_counter), *self.counters()
-            )
+        """An eval (Evals) here; its metrics."""
+        metrics = self.evals(self.policy, self.reference_model, *self.counters())
         self.last_eval_at = self.example_counter
         return metrics
 
@@ -237,6 +231,31 @@ class Trainer:
     def stopped(self, error: UserError) -> UserError:
         """A write failure's line, with where the run stopped, what is safe and how to go on."""
         return self.checkpoints.stopped(error, self.example_counter)
+
+
+class Evals:
+    """What an eval does, apart from the loop that asks for it: the held-out metrics (evaluation.Evaluator), the
+    policy's win rate against the reference where eval_winrate_prompts asks for it (winrate/eval), samples where
+    sample_during_eval does, all logged; and plots.png redrawn."""
+
+    def __init__(self, config, topology, evaluator, tokenizer, run_dir: Path, log: "RunLog"):
+        self.config, self.topology, self.evaluator, self.run_dir, self.log = config, topology, evaluator, run_dir, log
+        self.winrate = None
+        if config.eval_winrate_prompts:
+            batches = evaluator.eval_batches
+            self.winrate = HeldOutWinRate(config, topology, tokenizer, evaluator.sampler, batches)
+
+    def __call__(self, policy, reference_model, examples: int, updates: int) -> dict[str, float]:
+        metrics = self.evaluator.evaluate(policy)
+        if self.winrate is not None:
+            metrics["winrate/eval"] = self.winrate(policy, reference_model)
+        self.log.metrics(metrics, examples, updates)
+        if self.config.plots and self.topology.is_main:
+            self.log.write(lambda: write_plots(self.run_dir))
+        print(f"eval at {examples} examples: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+        if self.config.sample_during_eval:
+            self.log.samples(self.evaluator.sample(policy, reference_model, examples), examples, updates)
+        return metrics
 
 
 def checkpoint_parts(parts: RunParts) -> dict:

@@ -24,15 +24,15 @@ def brevity(prompt: str, completion: str) -> float:
     return -float(len(completion))
 
 
-def check_reward(spec: str) -> None:
+def check_reward(spec: str, key: str = "rounds.reward") -> None:
     """A one-line error unless `spec` names a model directory or an importable function (config.py checks it before
-    anything starts)."""
+    anything starts); key: the setting that names it."""
     path = Path(spec)
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise UserError(f"rounds.reward={spec} is a directory without config.json: not a reward model")
+            raise UserError(f"{key}={spec} is a directory without config.json: not a reward model")
         return
-    reward_function(spec)
+    reward_function(spec, key)
 
 
 def reads_images(spec: str) -> bool:
@@ -46,33 +46,33 @@ def reads_images(spec: str) -> bool:
     return weights.is_vision_language(config) and weights.reads_images(config)
 
 
-def reward_function(spec: str):
+def reward_function(spec: str, key: str = "rounds.reward"):
     """The function `module:function` names; the module is looked up where the command runs, then on sys.path."""
     module_name, colon, name = spec.partition(":")
     if not colon or not module_name or not name:
-        raise UserError(f"rounds.reward={spec} is neither a directory nor module:function (e.g. my_rewards:brevity)")
+        raise UserError(f"{key}={spec} is neither a directory nor module:function (e.g. my_rewards:brevity)")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as error:  # an ImportError, or the module's own code failing
-        raise UserError(f"rounds.reward={spec}: cannot import {module_name} ({first_line(error)})") from None
+        raise UserError(f"{key}={spec}: cannot import {module_name} ({first_line(error)})") from None
     function = getattr(module, name, None)
     if not callable(function):
-        raise UserError(f"rounds.reward={spec}: {module_name} has no function {name}")
+        raise UserError(f"{key}={spec}: {module_name} has no function {name}")
     return function
 
 
-def load_reward(spec: str, device: torch.device, batch_size: int, max_length: int):
-    """rewards(prompts, completions) -> [float] for rounds.reward=`spec`."""
+def load_reward(spec: str, device: torch.device, batch_size: int, max_length: int, key: str = "rounds.reward"):
+    """rewards(prompts, completions) -> [float] for `key`=`spec` (rounds.reward, or a judge's)."""
     if Path(spec).is_dir():
-        return ModelReward(Path(spec), device, batch_size, max_length)
-    return FunctionReward(spec)
+        return ModelReward(Path(spec), device, batch_size, max_length, key)
+    return FunctionReward(spec, key)
 
 
 class FunctionReward:
-    def __init__(self, spec: str):
-        self.spec, self.function = spec, reward_function(spec)
+    def __init__(self, spec: str, key: str = "rounds.reward"):
+        self.setting, self.function = f"{key}={spec}", reward_function(spec, key)
 
     def __call__(self, prompts: list[str], completions: list[str], images: list[bytes] | None = None) -> list[float]:
         """The function of each prompt's and completion's text; a function reads no image (`images`, the prompts'
@@ -82,7 +82,7 @@ class FunctionReward:
             value = self.function(prompt, completion)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise UserError(
-                    f"rounds.reward={self.spec} returned {value!r} for the completion {completion[:40]!r}: expected "
+                    f"{self.setting} returned {value!r} for the completion {completion[:40]!r}: expected "
                     "a finite number"
                 )
             rewards.append(float(value))
@@ -97,10 +97,10 @@ class ModelReward:
     prompt's text holds each image's tokens as the policy's processor expanded them, and is kept whole (the
     completion's end kept within what it leaves of max_length)."""
 
-    def __init__(self, directory: Path, device: torch.device, batch_size: int, max_length: int):
+    def __init__(self, directory: Path, device: torch.device, batch_size: int, max_length: int, key="rounds.reward"):
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoProcessor, AutoTokenizer
 
-        self.setting = f"rounds.reward={directory}"
+        self.setting = f"{key}={directory}"
         try:
             config = AutoConfig.from_pretrained(directory)
             if config.num_labels != 1:

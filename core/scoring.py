@@ -215,6 +215,7 @@ def sequence_logps(
     spans: dict[str, AttentionSpan] | None = None,
     logit_map: LogitMap = IDENTITY,
     sequence: SequenceGroup | None = None,
+    temperature: float = 1.0,
 ):
     """[S] float32 summed log-probs of each sequence's scored tokens, in one forward pass of `model`.
 
@@ -231,7 +232,11 @@ def sequence_logps(
     sequence: this rank's sp group (sequence parallelism): the model reads this rank's slice of the rows
     (batch.sequence_part) with the whole rows' mask, and scores the tokens its slice predicts; summed over the
     group, in their places among the batch's scored tokens (the others zeros), every rank has every token's
-    log-prob, and sums them in the order one process does: an sp run's sums do not depend on where a slice ends."""
+    log-prob, and sums them in the order one process does: an sp run's sums do not depend on where a slice ends.
+    temperature: the log-probs of the model's logits divided by it (all logits only: sampled completions' log-probs,
+    core/generations.py)."""
+    if scored_head and temperature != 1.0:
+        raise ValueError("a temperature is applied to all logits (scored_head=False)")
     inputs, flex = model_inputs(batch, mask_dtype, attention, spans)
     scored = batch
     if sequence is not None:  # the sequence-parallel attention runs FlexAttention itself for a block mask
@@ -247,6 +252,7 @@ def sequence_logps(
             log_sum_sq = extras.get("log_sum_sq")
         else:
             logits = model(**inputs).logits.flatten(0, 1)
+            logits = logits / temperature if temperature != 1.0 else logits
             out = token_logps_from_logits(logits, scored.score_positions, scored.score_targets, with_sum_sq)
             token_logps, log_sum_sq = out if with_sum_sq else (out, None)
     token_logps = token_logps.float().view(-1)

@@ -38,6 +38,7 @@ PANELS = (  # (title, [(metric, label)]): train metrics dotted, eval metrics sol
         ],
     ),
     ("MFU (useful FLOPs / peak)", [("perf/mfu", "train")]),
+    ("win rate against the reference (eval_winrate_prompts)", [("winrate/eval", "eval, ties half")]),
     (
         "reward per round (rounds.n > 0)",
         [

@@ -52,11 +52,30 @@ def data_report(
         f"  truncated: {truncated} of {len(full)} examples (prompt + longest response over max_length="
         f"{max_length}; prompts cut to max_prompt_length={max_prompt_length})"
     )
+    if full.shape[1] == 3 and not train.labelled and len(train):
+        lines.append(length_bias(train.full_lengths[:, 1], train.full_lengths[:, 2]))
     example = train[0]
     lines.append("  first training example, token by token (| between tokens; the responses are scored):")
     for name, ids in zip(names, [example["prompt"], *example["responses"]]):
         lines.append(f"    {name:8} {len(ids):4d} tokens: {decoded_tokens(ids, tokenizer)}")
     return "\n".join(lines)
+
+
+LENGTH_BIAS = 2 / 3  # above it, the pairs teach length (Park et al. 2024, arXiv:2403.19159)
+
+
+def length_bias(chosen: np.ndarray, rejected: np.ndarray) -> str:
+    """The pairs' length bias: the share whose chosen response is longer (in tokens, before truncation) and the mean
+    ratio of chosen to rejected length; above LENGTH_BIAS, what DPO learns of it and the losses that control it."""
+    longer = float((chosen > rejected).mean())
+    ratio = float(np.mean(chosen / np.maximum(rejected, 1)))
+    line = f"  length bias: the chosen response is longer in {longer:.0%} of training pairs, {ratio:.2f}x on average"
+    if longer > LENGTH_BIAS:
+        line += (
+            "; DPO learns length from such data (its implicit reward rises with it): consider loss=ld_dpo or a "
+            "length-normalised loss (dpo_norm, simpo), and judge by length-controlled win rates (evaluate.py)"
+        )
+    return line
 
 
 def decoded_tokens(ids: list[int], tokenizer) -> str:

@@ -1,5 +1,7 @@
 """Rewards for the tests of iterative rounds (rounds.py), named as rounds.reward=tests.round_rewards:NAME."""
 
+import re
+
 
 def lowercase_letters(prompt: str, completion: str) -> float:
     """How many of the completion's characters are the lowercase letters a to z: a deterministic reward that a
@@ -14,3 +16,9 @@ def constant(prompt: str, completion: str) -> float:
 
 def not_a_number(prompt: str, completion: str):
     return "high"
+
+
+def not_an_answer(prompt: str, completion: str) -> float:
+    """0 for an arithmetic pair's chosen answer (" 12, glad to help."), 1 for anything else: it prefers a random
+    model's completions to the chosen answers by construction."""
+    return 0.0 if re.fullmatch(r" \d+, glad to help\.", completion) else 1.0

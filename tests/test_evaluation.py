@@ -5,7 +5,7 @@ import torch
 
 import train
 from conftest import build_trainer, read_jsonl
-from core.evaluation import SeededSampling
+from core.generations import SeededSampling
 
 
 def test_sampling_during_eval_strips_prompt(make_config):
@@ -45,12 +45,13 @@ def test_a_seeded_completion_is_the_same_whatever_is_batched_with_it(make_config
     trainer = build_trainer(make_config("generation.max_new_tokens=10", "generation.temperature=1.0"))
     prompts = [trainer.data.train_examples[i]["prompt"] for i in range(5)]
     seeds = [11, 12, 13, 14, 15]
-    batched = trainer.evaluator.complete_seeded(trainer.policy, prompts, seeds)
-    alone = [trainer.evaluator.complete_seeded(trainer.policy, [p], [s])[0] for p, s in zip(prompts, seeds)]
-    reversed_order = trainer.evaluator.complete_seeded(trainer.policy, prompts[::-1], seeds[::-1])[::-1]
+    complete = trainer.evaluator.sampler.complete_seeded
+    batched = complete(trainer.policy, prompts, seeds)
+    alone = [complete(trainer.policy, [p], [s])[0] for p, s in zip(prompts, seeds)]
+    reversed_order = complete(trainer.policy, prompts[::-1], seeds[::-1])[::-1]
     assert batched == alone == reversed_order
     assert len({tuple(c) for c in batched}) == 5  # five seeds, five different completions
-    again = trainer.evaluator.complete_seeded(trainer.policy, prompts, [seed + 100 for seed in seeds])
+    again = complete(trainer.policy, prompts, [seed + 100 for seed in seeds])
     assert again != batched
 
 

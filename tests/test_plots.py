@@ -15,7 +15,9 @@ def test_each_eval_draws_plots_png(make_config):
     assert not list(path.parent.glob("plots.*.tmp.png"))  # written whole
     panels = panel_points(read_jsonl(path.parent / "metrics.jsonl"))
     # no rounds, no reward model
-    assert list(panels) == [title for title, _ in PANELS if not title.startswith(("reward per round", "reward mean"))]
+    assert list(panels) == [
+        title for title, _ in PANELS if not title.startswith(("reward per round", "reward mean", "win rate"))
+    ]
     height, width, _ = matplotlib.image.imread(path).shape
     assert (width, height) == (1500, 700)  # its 6 panels in 2 rows of 3, nothing drawn empty
     assert [len(points) for points in panels["loss"].values()] == [2, 3]  # train at 8, 16; eval at 0, 8, 16

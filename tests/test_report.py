@@ -46,9 +46,11 @@ def test_data_report_gives_length_percentiles_truncation_and_the_tokens(tiny_tok
     assert lines[4].split() == ["rejected", "2", "2", "2", "2"]
     # 30 + 4 tokens exceed max_length=25 (20 + 3 do not): one example was cut
     assert lines[5].startswith("  truncated: 1 of 3 examples")
+    # chosen 1 + EOS and 2 + EOS tokens against rejected 1 + EOS: longer in one pair of two, (2/2 + 3/2) / 2 = 1.25x
+    assert lines[6] == "  length bias: the chosen response is longer in 50% of training pairs, 1.25x on average"
     eos = tiny_tokenizer.decode([tiny_tokenizer.eos_token_id])
-    assert lines[7] == f"    prompt     10 tokens: {'|'.join('p' * 10)}"
-    assert lines[8] == f"    chosen      2 tokens: c|{eos}"
+    assert lines[8] == f"    prompt     10 tokens: {'|'.join('p' * 10)}"
+    assert lines[9] == f"    chosen      2 tokens: c|{eos}"
 
 
 def precision_of(config):

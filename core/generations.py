@@ -1,0 +1,302 @@
+"""Completions of prompts sampled from a model, each drawn from a seed of its own, their tempered log-probs, and the
+judges that compare two completions of one prompt. Iterative rounds (rounds.py) sample and score with it;
+evaluate.py and the trainer's win rate (eval_winrate_prompts) sample, judge and compare with it.
+
+A completion drawn from its seed is the same whatever completions share its batch and however many ranks share the
+prompts (SeededSampling), so a result does not depend on batching or ranks. A judge answers, for each prompt and two
+completions of it, which is better: a reward (a reward model's, or a function's) by comparing the two rewards; a
+pairwise LLM judge by asking an instruct model, in both orders, and reading its next-token probabilities of "A" and
+"B" (a verdict that flips with the order is a tie: Zheng et al. 2023, arXiv:2306.05685)."""
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from core.layouts import left_padded_prompts, pad, to_device
+from core.rewards import check_reward, load_reward
+from core.scoring import sequence_logps, with_image_inputs
+from modeling.placement import root_gathered
+from modeling.vision import unpack_images
+from utils import REPO_ROOT, UserError, first_line
+
+DEFAULT_TEMPLATE = REPO_ROOT / "assets" / "judge_template.txt"
+PLACEHOLDERS = ("{prompt}", "{response_a}", "{response_b}")
+
+
+def sample_seed(prompt_key: bytes, *parts) -> int:
+    """The seed of one sampled completion: of the parts that name it (the run's seed, a round or a temperature,
+    which of the prompt's samples) and the prompt (its example key)."""
+    text = "".join(f"{part}:" for part in parts)
+    digest = hashlib.blake2b(text.encode() + prompt_key, digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # torch seeds are below 2^63 here
+
+
+class Sampler:
+    """Completions by a model of tokenized prompts, up to max_new_tokens each, and their log-probs, on this
+    process's share of a topology: every data-parallel rank computes its share in batches of batch_size and the
+    results are gathered in order on every rank. A vision-language model (the tokenizer's `vision`, as
+    modeling.models.load_tokenizer sets it) sees each prompt's images (pack_images; b"": none)."""
+
+    def __init__(self, tokenizer, topology, max_new_tokens: int, batch_size: int):
+        self.tokenizer, self.topology = tokenizer, topology
+        self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
+
+    def sample(self, model, prompts, images, seeds: list[int] | None, temperature=1.0, top_p=1.0) -> list[list[int]]:
+        """Completions of every prompt (token ids; images: each prompt's, or None), sampled at `temperature` from the
+        nucleus `top_p`, row i from seeds[i] (greedy where seeds is None); sharded over the ranks and gathered."""
+        model.eval()
+        images = images or [b""] * len(prompts)
+        local, n_real = self.topology.shard(list(range(len(prompts))))
+        completions = []
+        for start in range(0, len(local), self.batch_size):
+            rows = local[start : start + self.batch_size]
+            batch, batch_images = [prompts[i] for i in rows], [images[i] for i in rows]
+            if seeds is None:
+                completions += self.complete(model, batch, batch_images, do_sample=False)
+            else:
+                row_seeds = [seeds[i] for i in rows]
+                completions += self.complete_seeded(model, batch, row_seeds, batch_images, temperature, top_p)
+        return self.topology.gather({"completions": completions[:n_real]})["completions"]
+
+    @torch.no_grad()
+    def logps(
+        self, model, prompts: list[list[int]], completions: list[list[int]], images: list[bytes] | None, temperature
+    ) -> list[float]:
+        """Each completion's float32 log-probability under `model` sampling at `temperature` (its logits divided by
+        it: the distribution a completion sampled at that temperature, with top_p 1, was drawn from); sharded over
+        the ranks in padded batches and gathered."""
+        model.eval()
+        images = images or [b""] * len(prompts)
+        vision = getattr(self.tokenizer, "vision", None)
+        vision = vision.for_model(model) if vision is not None else None
+        examples = [{"prompt": p, "responses": [c], "images": i} for p, c, i in zip(prompts, completions, images)]
+        local, n_real = self.topology.shard(examples)
+        dtype, values = next(model.parameters()).dtype, []
+        for start in range(0, len(local), self.batch_size):
+            chunk = local[start : start + self.batch_size]
+            batch = with_image_inputs(pad(chunk, self.tokenizer.pad_token_id), chunk, vision).to(self.topology.device)
+            values += sequence_logps(model, batch, None, dtype, False, temperature=temperature).cpu().tolist()
+        return self.topology.gather({"logps": values[:n_real]})["logps"]
+
+    @torch.no_grad()
+    def complete(
+        self, model: torch.nn.Module, prompts: list[list[int]], images: list[bytes] | None = None, **settings
+    ) -> list[list[int]]:
+        """The generated ids of one batch of prompts, ending with the EOS where a completion stopped; settings:
+        model.generate's (do_sample, temperature, top_p, logits_processor). Every rank calls it with as many prompts
+        (synced_gpus: ranks done early join the sharded forward passes of the others)."""
+        pad_token_id, eos_token_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        prompt_ids, attention_mask = left_padded_prompts([{"prompt": p} for p in prompts], pad_token_id)
+        vision = getattr(self.tokenizer, "vision", None)
+        if vision is not None:  # the prompts' images, and their tokens marked where the model reads marks
+            vision = vision.for_model(model)
+            settings |= vision.pixel_inputs([unpack_images(packed) for packed in images or ()])
+            # images (Qwen-VL, Gemma 3) or the prefix (PaliGemma)
+            settings |= vision.marks(prompt_ids, attention_mask.bool())
+            # never an image's token in a completion: a round's pair holding one would ask for an image it lacks
+            settings["suppress_tokens"] = [vision.image_token_id]
+        device = self.topology.device
+        settings = {name: to_device(v, device) if torch.is_tensor(v) else v for name, v in settings.items()}
+        with root_gathered(model):
+            output = model.generate(
+                prompt_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                max_new_tokens=self.max_new_tokens,
+                pad_token_id=pad_token_id,
+                eos_token_id=eos_token_id,
+                synced_gpus=self.topology.world_size > 1,
+                **settings,
+            )
+        completions = []
+        for row in output[:, prompt_ids.shape[1] :].tolist():
+            end = row.index(eos_token_id) + 1 if eos_token_id in row else len(row)
+            completions.append(row[:end])
+        return completions
+
+    def complete_seeded(
+        self, model, prompts: list[list[int]], seeds: list[int], images=None, temperature=1.0, top_p=1.0
+    ) -> list[list[int]]:
+        """One batch's completions sampled at `temperature` from the nucleus `top_p`, row i from its own seeds[i]
+        alone: the same whatever rows share its batch and however many ranks there are (see SeededSampling)."""
+        uniforms = torch.stack(
+            [torch.rand(self.max_new_tokens, generator=torch.Generator().manual_seed(seed)) for seed in seeds]
+        )
+        width = max(map(len, prompts))
+        sampler = SeededSampling(uniforms.to(self.topology.device), width, temperature, top_p)
+        return self.complete(model, prompts, images, do_sample=False, logits_processor=LogitsProcessorList([sampler]))
+
+
+class SeededSampling(LogitsProcessor):
+    """Sampling at a temperature from the nucleus (the most likely tokens whose mass reaches top_p; Holtzman et al.
+    2020), each row driven by uniforms of its own: row i's token at step t is the nucleus distribution's inverse
+    CDF at uniforms[i, t]. transformers' sampler draws every row from one generator, so that a row's tokens would
+    depend on the rows batched with it; here they depend on its seed. It returns scores that leave the drawn token
+    the only finite one, for greedy decoding (do_sample=False) to pick.
+
+    uniforms: [B, max_new_tokens] in [0, 1); prompt_width: the padded prompts' length (where step 0 starts)."""
+
+    def __init__(self, uniforms: torch.Tensor, prompt_width: int, temperature: float, top_p: float):
+        self.uniforms, self.prompt_width, self.temperature, self.top_p = uniforms, prompt_width, temperature, top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.prompt_width
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        # stable: equal probabilities in the order of their token ids, on every device
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+        outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= self.top_p  # the mass before it reached top_p
+        outside[:, 0] = False
+        cdf = sorted_probs.masked_fill(outside, 0).cumsum(dim=-1)
+        target = self.uniforms[:, step : step + 1] * cdf[:, -1:]
+        index = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[-1] - 1)
+        drawn = order.gather(-1, index)
+        return torch.full_like(scores, -torch.inf).scatter_(-1, drawn, 0.0)
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Judges: which of two completions of a prompt is better
+
+
+@dataclass
+class Judgement:
+    """A judge's verdicts on pairs (first, second) of completions, each in both orders, from the first's side: 1 the
+    first is better, -1 the second, 0 neither. `first_shown_first`: with the first shown as A; `second_shown_first`:
+    with the second shown as A (a reward judges each completion alone: the same). rewards: each side's, where the
+    judge gives rewards; p_first: the judge's probability that the first is better, in each order (a pairwise
+    judge's)."""
+
+    first_shown_first: list[int]
+    second_shown_first: list[int]
+    rewards: tuple[list[float], list[float]] | None = None
+    p_first: tuple[list[float], list[float]] | None = None
+
+    @property
+    def outcomes(self) -> list[int]:
+        """1 (a win of the first), -1 (a loss) where both orders agree; else 0, a tie: the position bias removed."""
+        return [a if a == b else 0 for a, b in zip(self.first_shown_first, self.second_shown_first)]
+
+
+def sign(x: float) -> int:
+    return (x > 0) - (x < 0)
+
+
+class RewardJudge:
+    """A reward (core.rewards: a reward model's directory, or module:function) as a judge: the completion with the
+    higher reward is better, equal rewards tie."""
+
+    kind = "reward"
+
+    def __init__(self, reward):
+        self.reward = reward
+
+    def __call__(self, prompts: list[str], first: list[str], second: list[str], images=None) -> Judgement:
+        first_rewards, second_rewards = self.reward(prompts, first, images), self.reward(prompts, second, images)
+        verdicts = [sign(a - b) for a, b in zip(first_rewards, second_rewards)]
+        return Judgement(verdicts, list(verdicts), (first_rewards, second_rewards))
+
+
+class PairwiseJudge:
+    """An instruct model (a causal LM's directory) asked which of two responses is better, in the words of a template
+    file holding {prompt}, {response_a} and {response_b} (default: assets/judge_template.txt, after the DPO paper's
+    GPT-4 prompts, Rafailov et al. 2023, Appendix C), rendered as a user turn with the judge's chat template where
+    it has one. Its verdict is read from its next-token probabilities of "A" and "B" (each letter's tokens with and
+    without a leading space), not from free text: no answer goes unparsed, and each verdict has a probability."""
+
+    kind = "pairwise"
+
+    def __init__(self, directory: Path, template: Path | None, device: torch.device, batch_size: int):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.setting = f"judge={directory}"
+        self.template = read_template(template or DEFAULT_TEMPLATE)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(directory)
+            model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        except (OSError, ValueError, RuntimeError) as error:
+            raise UserError(f"{self.setting}: cannot load a causal language model ({first_line(error)})") from None
+        self.model, self.device, self.batch_size = model.to(device).eval(), device, batch_size
+        self.letters = [letter_tokens(self.tokenizer, letter) for letter in "AB"]
+        if not all(self.letters) or set(self.letters[0]) & set(self.letters[1]):
+            raise UserError(f"{self.setting}: its tokenizer has no single token for each of the letters A and B")
+        pad_id = self.tokenizer.pad_token_id
+        self.pad_token_id = pad_id if pad_id is not None else self.tokenizer.eos_token_id
+
+    def __call__(self, prompts: list[str], first: list[str], second: list[str], images=None) -> Judgement:
+        if images and any(images):
+            raise UserError(
+                f"{self.setting} reads text alone and the prompts have images: judge them with a vision-language "
+                "reward model (judge=DIR of a loss=reward run from Gemma 3, docs/reward_models.md)"
+            )
+        in_order = self.p_a(prompts, first, second)  # the first shown as A
+        swapped = [1.0 - p for p in self.p_a(prompts, second, first)]  # the first shown as B
+        verdicts = [[sign(p - 0.5) for p in ps] for ps in (in_order, swapped)]
+        return Judgement(*verdicts, p_first=(in_order, swapped))
+
+    def render(self, prompt: str, response_a: str, response_b: str) -> list[int]:
+        text = self.template
+        for placeholder, value in zip(PLACEHOLDERS, (prompt, response_a, response_b)):
+            text = text.replace(placeholder, value.strip())
+        if self.tokenizer.chat_template:
+            messages = [{"role": "user", "content": text}]
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+
+    @torch.no_grad()
+    def p_a(self, prompts: list[str], responses_a: list[str], responses_b: list[str]) -> list[float]:
+        """The judge's probability of "A" against "B" as its next token, for each prompt and pair of responses."""
+        encoded = [self.render(*texts) for texts in zip(prompts, responses_a, responses_b)]
+        probabilities = []
+        for start in range(0, len(encoded), self.batch_size):
+            rows = [{"prompt": ids} for ids in encoded[start : start + self.batch_size]]
+            input_ids, mask = left_padded_prompts(rows, self.pad_token_id)
+            logits = self.model(input_ids.to(self.device), attention_mask=mask.to(self.device), logits_to_keep=1)
+            logps = torch.log_softmax(logits.logits[:, -1].float(), dim=-1)
+            a, b = (logps[:, tokens].logsumexp(dim=-1) for tokens in self.letters)
+            probabilities += torch.sigmoid(a - b).cpu().tolist()
+        return probabilities
+
+
+def letter_tokens(tokenizer, letter: str) -> list[int]:
+    """The ids that spell `letter` alone as one token, with and without a leading space."""
+    found = {tuple(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in (letter, " " + letter)}
+    return sorted(ids[0] for ids in found if len(ids) == 1)
+
+
+def read_template(path: Path) -> str:
+    """A judging template's text, with each of its placeholders, or one line saying what is wrong."""
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise UserError(f"judge_template={path} cannot be read ({error.strerror or error})") from None
+    missing = [placeholder for placeholder in PLACEHOLDERS if placeholder not in text]
+    if missing:
+        raise UserError(f"judge_template={path} lacks {', '.join(missing)}: the judge would not see what it compares")
+    return text
+
+
+def is_reward_model(spec: str) -> bool:
+    """Whether judge=`spec` names a sequence classifier's directory (a reward model), not a causal LM's."""
+    from transformers import AutoConfig
+
+    architectures = AutoConfig.from_pretrained(spec).architectures or []
+    return any(name.endswith("ForSequenceClassification") for name in architectures)
+
+
+def check_judge(spec: str, template: str | None) -> None:
+    """A one-line error unless judge=`spec` names a model directory with a config, or an importable function; and
+    its template, where given, is readable and complete (the configs check it before anything starts)."""
+    check_reward(spec, "judge")
+    if template is not None:
+        read_template(Path(template))
+
+
+def load_judge(spec: str, template: str | None, device: torch.device, batch_size: int, max_length: int):
+    """The judge judge=`spec` names: a reward model's directory or module:function (RewardJudge), or a causal LM's
+    directory (PairwiseJudge, asking in the words of `template`)."""
+    if Path(spec).is_dir() and not is_reward_model(spec):
+        return PairwiseJudge(Path(spec), Path(template) if template else None, device, batch_size)
+    if template is not None:
+        raise UserError(f"judge_template={template} is for an LLM judge; judge={spec} is a reward")
+    return RewardJudge(load_reward(spec, device, batch_size, max_length, "judge"))

@@ -1,0 +1,321 @@
+"""python evaluate.py candidates=[DIR,...] judge=DIR_OR_FUNCTION [key=value ...]: did the model get better?
+
+Each candidate (a run's LATEST or step-N, a from_pretrained directory, a peft adapter) and the baseline (another
+model, e.g. the SFT model, or the dataset's own chosen responses) answer the first n_prompts distinct held-out
+prompts of the datasets at each temperature, samples_per_prompt times, every completion sampled from its own seed of
+(seed, prompt, sample, temperature) and side; a judge (a reward model, a pairwise LLM judge, or a function) says which
+of each two is better. Per candidate and temperature: win, tie and loss rates with 95% bootstrap intervals, the
+length-controlled win rate, each side's mean length, the judge's mean rewards (a reward's), and the sampled
+KL(candidate || reference) of the candidate's own completions: each temperature one point of the DPO paper's
+reward-against-KL figure (Rafailov et al. 2023, Figures 2 and 3). Written to the output directory: evaluation.json,
+samples.jsonl, winrate.png; a wandb table; and the results in each candidate's model card, where it has one.
+
+Under torchrun the prompts are shared out over the ranks and each model is sharded over them (FSDP) as training
+shards it; the result is the same as on one process. Config: config/evaluate.yaml (types and checks below)."""
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+import config as configuration
+from core.generations import Sampler, check_judge, load_judge, sample_seed
+from core.winrates import summarize
+from modeling.distributed import (
+    Topology,
+    init_process_group,
+    launched_by_torchrun,
+    leave_process_group,
+    reported_errors,
+)
+from persistence.tokenized import Tokenization, first_of_each_group, load_examples
+from preference_datasets import template_kwargs_problem
+from reporting import evaluation_report
+from trained import kind, load_trained, run_config, trained_tokenizer
+from utils import (
+    POSITIVE,
+    Range,
+    UserError,
+    check_ranges,
+    get_local_dir,
+    get_local_run_dir,
+    ranged,
+    release_free_memory,
+)
+
+CHOSEN = "chosen"  # baseline=chosen: the dataset's chosen responses
+
+
+@dataclass
+class EvaluateConfig:
+    """Every key of config/evaluate.yaml, in its order; comments and values are there."""
+
+    exp_name: str = MISSING
+    candidates: list[str] = MISSING
+    baseline: str = MISSING
+    reference: Optional[str] = MISSING
+    judge: str = MISSING
+    judge_template: Optional[str] = MISSING
+    datasets: Optional[list[str]] = MISSING
+    n_eval_examples: Optional[int] = ranged(Range(0, low_open=True, null="for a whole test split"))
+    max_length: int = ranged(POSITIVE)
+    max_prompt_length: int = ranged(POSITIVE)
+    chat_template_kwargs: dict[str, Any] = MISSING
+    n_prompts: int = ranged(POSITIVE)
+    samples_per_prompt: int = ranged(POSITIVE)
+    temperatures: list[float] = MISSING
+    max_new_tokens: int = ranged(POSITIVE)
+    seed: int = ranged(Range(0, 2**32 - 1))
+    batch_size: int = ranged(POSITIVE)
+    dtype: str = MISSING
+    bootstrap_resamples: int = ranged(Range(100), expected="100 or more")
+    output_dir: Optional[str] = MISSING
+    local_dirs: list[str] = MISSING
+    plots: bool = MISSING
+    wandb: configuration.WandbConfig = MISSING
+
+    def __post_init__(self):
+        check_ranges(self)
+        if not self.candidates:
+            raise UserError("candidates=[] names no model to evaluate; give at least one, e.g. candidates=[run/LATEST]")
+        named = [*((f"candidates[{i}]", spec) for i, spec in enumerate(self.candidates)), ("baseline", self.baseline)]
+        for key, spec in named:
+            if spec != CHOSEN and Path(spec).exists() and not Path(spec).is_dir():
+                raise UserError(f"{key}={spec} is a file; a model is a directory (or a Hub name)")
+        if self.reference == CHOSEN:
+            raise UserError("reference=chosen: the KL is measured against a model; name one, or null")
+        if not self.temperatures or any(not (isinstance(t, (int, float)) and t > 0) for t in self.temperatures):
+            raise UserError(f"temperatures={list(self.temperatures)} must be positive numbers, at least one")
+        configuration.expect(
+            0 < self.max_prompt_length < self.max_length,
+            "max_prompt_length",
+            self.max_prompt_length,
+            f"positive and below max_length={self.max_length}",
+        )
+        if self.datasets is not None and not self.datasets:
+            raise UserError("datasets=[] names no dataset; give one, or null for the first candidate's run's")
+        problem = template_kwargs_problem(self.chat_template_kwargs)
+        if problem:
+            raise UserError(f"chat_template_kwargs={configuration.as_override(self.chat_template_kwargs)} {problem}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise UserError(f"dtype={self.dtype} must be auto, float32 or bfloat16")
+        for i, directory in enumerate(self.local_dirs):
+            configuration.check_writable_dir(f"local_dirs[{i}]", directory)
+        if self.output_dir is not None:
+            configuration.check_writable_dir("output_dir", self.output_dir)
+        check_judge(self.judge, self.judge_template)
+
+
+configuration.register("evaluate", EvaluateConfig)
+
+
+def data_settings(config: DictConfig) -> DictConfig:
+    """What the held-out prompts come from: the keys as given, or with datasets=null the first candidate's run's
+    (its config.yaml beside the checkpoint): its datasets, held-out split (seed, n_eval_examples), lengths and
+    chat_template_kwargs, so that its held-out prompts are the ones it never trained on."""
+    keys = ("datasets", "seed", "n_eval_examples", "max_length", "max_prompt_length", "chat_template_kwargs")
+    if config.datasets is not None:
+        return OmegaConf.masked_copy(config, list(keys))
+    first = Path(config.candidates[0])
+    if not (first.parent / "config.yaml").exists():
+        raise UserError(
+            f"datasets=null takes the datasets of the first candidate's run, but {first} is not a run's checkpoint "
+            "(no config.yaml beside it): set datasets=[...]"
+        )
+    return OmegaConf.masked_copy(run_config(first), list(keys))
+
+
+def held_out_prompts(config: DictConfig, tokenizer, cache_dir: Path) -> list[dict]:
+    """The first n_prompts distinct held-out prompts, each the first example of its prompt: {"prompt", "responses"
+    (its chosen and rejected), "key", and "images" where it has any}."""
+    data = data_settings(config)
+    settings = Tokenization(data.max_length, data.max_prompt_length, False, dict(data.chat_template_kwargs))
+    splits = load_examples(list(data.datasets), tokenizer, settings, data.seed, data.n_eval_examples, cache_dir)
+    held_out = first_of_each_group(splits["test"])
+    if not len(held_out):
+        raise UserError(f"datasets={list(data.datasets)} hold no held-out prompt to evaluate on")
+    return held_out.take(range(min(config.n_prompts, len(held_out))))
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class Generations:
+    """Every side's completions of the prompts, [P * S] per temperature (prompt-major), and the candidates' log-probs
+    under themselves and under the reference (the sampled KL's two terms), computed one model at a time so that
+    one model is held at once; with the seconds and tokens spent generating."""
+
+    def __init__(self, config: DictConfig, topology: Topology, tokenizer, prompts: list[dict]):
+        self.config, self.topology, self.prompts = config, topology, prompts
+        self.sampler = Sampler(tokenizer, topology, config.max_new_tokens, config.batch_size)
+        self.dtype = compute_dtype(config.dtype, topology.device)
+        self.cache_dir = get_local_dir(config.local_dirs)
+        s = config.samples_per_prompt
+        self.prompt_ids = [ex["prompt"] for ex in prompts for _ in range(s)]
+        self.images = [ex.get("images", b"") for ex in prompts for _ in range(s)]
+        self.completions: dict[tuple[str, str], dict[float, list[list[int]]]] = {}  # by (side, model)
+        self.own_logps: dict[str, dict[float, list[float]]] = {}
+        self.reference_logps: dict[str, dict[float, list[float]]] = {}
+        self.seconds = self.tokens = 0.0
+
+    def seeds(self, side: str, temperature: float) -> list[int]:
+        """Each completion's seed: of the run's seed, the side (candidate or baseline), the temperature, which
+        sample, and the prompt."""
+        s = self.config.samples_per_prompt
+        return [sample_seed(ex["key"], self.config.seed, side, temperature, j) for ex in self.prompts for j in range(s)]
+
+    def load(self, spec: str) -> torch.nn.Module:
+        print(f"loading {spec} ({kind(spec)})")
+        return load_trained(spec, self.topology, self.dtype, self.cache_dir)
+
+    def generate(self, model, name: str, side: str, kl: bool) -> None:
+        """The model's completions as `side` (candidate or baseline) at every temperature (and, with kl, their
+        log-probs under it)."""
+        self.completions[side, name] = {}
+        for temperature in self.config.temperatures:
+            start = time.time()
+            seeds = self.seeds(side, temperature)
+            completions = self.sampler.sample(model, self.prompt_ids, self.images, seeds, temperature)
+            self.seconds += time.time() - start
+            self.tokens += sum(map(len, completions))
+            self.completions[side, name][temperature] = completions
+            if kl:
+                self.own_logps.setdefault(name, {})[temperature] = self.score(model, completions, temperature)
+
+    def score(self, model, completions: list[list[int]], temperature: float) -> list[float]:
+        return self.sampler.logps(model, self.prompt_ids, completions, self.images, temperature)
+
+    def run(self) -> None:
+        """Candidates first, then the baseline, then the reference where it is another model."""
+        c = self.config
+        reference = c.reference or (c.baseline if c.baseline != CHOSEN else None)
+        for name in c.candidates:
+            model = self.load(name)
+            self.generate(model, name, "candidate", kl=reference is not None)
+            del model
+            release_free_memory()
+        if c.baseline == CHOSEN:
+            chosen = [ex["responses"][0] for ex in self.prompts for _ in range(c.samples_per_prompt)]
+            self.completions["baseline", CHOSEN] = dict.fromkeys(c.temperatures, chosen)
+        else:
+            model = self.load(c.baseline)
+            self.generate(model, c.baseline, "baseline", kl=False)
+            if reference == c.baseline:
+                self.score_under_reference(model)
+            del model
+        if reference is not None and reference != c.baseline:
+            self.score_under_reference(self.load(reference))
+        release_free_memory()
+
+    def score_under_reference(self, reference: torch.nn.Module) -> None:
+        for name in self.config.candidates:
+            self.reference_logps[name] = {
+                t: self.score(reference, self.completions["candidate", name][t], t) for t in self.config.temperatures
+            }
+
+    def log_ratios(self, name: str, temperature: float) -> np.ndarray | None:
+        if name not in self.reference_logps:
+            return None
+        own, reference = self.own_logps[name][temperature], self.reference_logps[name][temperature]
+        return self.shaped(np.array(own) - np.array(reference))
+
+    def shaped(self, values) -> np.ndarray:
+        return np.asarray(values, dtype=np.float64).reshape(len(self.prompts), self.config.samples_per_prompt)
+
+
+def text_length(ids: list[int], eos_token_id: int) -> int:
+    """A completion's tokens without its closing EOS."""
+    return len(ids) - (1 if ids and ids[-1] == eos_token_id else 0)
+
+
+def judge_all(config: DictConfig, generations: Generations, tokenizer, device) -> tuple[dict, list[dict]]:
+    """(rank 0) Each candidate against the baseline at each temperature, judged: {candidate: {temperature: summary}}
+    and every judged pair as a line of samples.jsonl."""
+    judge = load_judge(config.judge, config.judge_template, device, config.batch_size, data_settings(config).max_length)
+    prompt_texts = [tokenizer.decode(ids) for ids in generations.prompt_ids]  # as the policy read it
+    baseline = config.baseline
+    decode = lambda batch: tokenizer.batch_decode(batch, skip_special_tokens=True)  # noqa: E731
+    lengths = lambda batch: generations.shaped([text_length(ids, tokenizer.eos_token_id) for ids in batch])  # noqa: E731
+    results, lines = {}, []
+    for name in config.candidates:
+        results[name] = {}
+        for temperature in config.temperatures:
+            ours = generations.completions["candidate", name][temperature]
+            theirs = generations.completions["baseline", baseline][temperature]
+            ours_text, theirs_text = decode(ours), decode(theirs)
+            judgement = judge(prompt_texts, ours_text, theirs_text, generations.images)
+            rewards = judgement.rewards and tuple(generations.shaped(r) for r in judgement.rewards)
+            log_ratios = generations.log_ratios(name, temperature)
+            summary = summarize(
+                generations.shaped(judgement.outcomes), lengths(ours), lengths(theirs), config.bootstrap_resamples,
+                config.seed, log_ratios, rewards,
+            )  # fmt: skip
+            results[name][temperature] = summary
+            lines += evaluation_report.sample_lines(
+                name, temperature, config.samples_per_prompt, prompt_texts, ours_text, theirs_text, judgement,
+                lengths(ours), lengths(theirs), log_ratios,
+            )  # fmt: skip
+    return results, lines
+
+
+def evaluate(config: DictConfig, topology: Topology) -> Path | None:
+    """The whole evaluation on this rank; the output directory (rank 0's; None on the others)."""
+    cache_dir = get_local_dir(config.local_dirs)
+    with topology.main_first():
+        tokenizer = trained_tokenizer(config.candidates[0], cache_dir)
+        for spec in [*config.candidates[1:], config.baseline, config.reference]:
+            if spec not in (None, CHOSEN):
+                check_same_vocabulary(tokenizer, trained_tokenizer(spec, cache_dir), config.candidates[0], spec)
+        prompts = held_out_prompts(config, tokenizer, cache_dir)
+    generations = Generations(config, topology, tokenizer, prompts)
+    generations.run()
+    rate = generations.tokens / max(generations.seconds, 1e-9)
+    print(f"generation: {int(generations.tokens)} tokens in {generations.seconds:.1f} s, {rate:.1f} tokens/s")
+
+    def report() -> Path:
+        results, lines = judge_all(config, generations, tokenizer, topology.device)
+        output = Path(config.output_dir) if config.output_dir else get_local_run_dir(config.exp_name, config.local_dirs)
+        speed = {"tokens": int(generations.tokens), "seconds": generations.seconds, "tokens_per_second": rate}
+        evaluation_report.write(output, config, results, lines, speed)
+        return output
+
+    return topology.run_on_main(report)
+
+
+def check_same_vocabulary(tokenizer, other, first: str, spec: str) -> None:
+    """The models must read and write the same token ids: a completion's ids are scored by the reference."""
+    if tokenizer.get_vocab() != other.get_vocab():
+        raise UserError(f"{spec} has another tokenizer than {first}: their completions cannot be compared as token ids")
+
+
+def main(args: list[str]) -> None:
+    if args and args[0] in ("-h", "--help"):
+        print(f"{__doc__}\nThe defaults (config/evaluate.yaml):\n")
+        print(OmegaConf.to_yaml(configuration.composed([], "evaluate")))
+        return
+    try:
+        config = configuration.load(args, "evaluate")
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    distributed = launched_by_torchrun()
+    if distributed:
+        init_process_group(timeout_secs=1800)
+    try:
+        with reported_errors():
+            evaluate(config, Topology.create("FSDPTrainer" if distributed else "BasicTrainer"))
+    finally:
+        if distributed:
+            leave_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

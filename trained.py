@@ -1,0 +1,117 @@
+"""A trained model loaded from wherever it was saved, placed on a topology as training places it (sharded over
+FSDP's ranks, each reading its shards): a run's checkpoint (`step-N`, its shards; `LATEST`, whose export is a
+from_pretrained directory), a from_pretrained directory or Hub name, or a peft adapter directory (its base loaded,
+the adapter merged in). evaluate.py loads its candidates, baseline and reference with it; export.py reads a LoRA
+checkpoint's policy with checkpoint_policy."""
+
+import json
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from build import place
+from core.losses import LOSSES
+from modeling import weights
+from modeling.adapters import apply_lora
+from modeling.distributed import Topology
+from modeling.models import load_model, load_tokenizer, prepare_model
+from modeling.precision import parse_dtype
+from persistence import checkpoint
+from utils import UserError, get_local_dir
+
+ADAPTER_CONFIG = "adapter_config.json"  # peft's
+
+
+def run_config(checkpoint_dir: Path) -> DictConfig:
+    """The resolved config.yaml of the run the checkpoint belongs to (its parent directory)."""
+    path = checkpoint_dir.parent / "config.yaml"
+    if not path.exists():
+        raise UserError(f"{path} does not exist: a checkpoint's shards are read with its run's config, beside it")
+    return OmegaConf.load(path)
+
+
+def checkpoint_policy(checkpoint_dir: Path, topology: Topology, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The policy of a run's checkpoint, its model built as the run built it (LoRA adapters included) in `dtype`
+    (None: the run's policy_dtype) and sharded over this command's processes, each reading its shards."""
+    config = run_config(checkpoint_dir)
+    dtype = dtype or parse_dtype(config.model.policy_dtype, "model.policy_dtype")
+    cache_dir = get_local_dir(config.local_dirs)
+    reward = LOSSES[config.loss.name].objective == "reward"  # a reward model's base: a sequence classifier
+    with topology.main_first():
+        policy, initial = prepare_model(config.model, dtype, cache_dir, config.seed, reward=reward)
+    if config.get("lora", {}).get("enabled", False):
+        policy = apply_lora(policy, config.lora, config.seed)
+    policy = place(policy, config, topology, None, initial)
+    part = checkpoint.ModelWeights(policy)
+    if checkpoint.is_legacy(checkpoint_dir):
+        part.load_whole(checkpoint.read_file(checkpoint_dir / "policy.pt", "export")["state"], broadcast=False)
+    else:
+        part.load(checkpoint_dir / "policy")
+    return policy
+
+
+def model_settings(name_or_path: str, dtype: torch.dtype) -> DictConfig:
+    """A `model:` config (config.py's ModelConfig) for a from_pretrained directory or Hub name."""
+    return OmegaConf.create(
+        dict(
+            name_or_path=str(name_or_path), tokenizer_name_or_path=None, archive=None, block_name=None,
+            policy_dtype=str(dtype).removeprefix("torch."), fsdp_policy_mp=None, reference_dtype=None,
+            fsdp_reduce_dtype="float32", random_init=False, trust_remote_code=False, freeze_vision=True,
+        )
+    )  # fmt: skip
+
+
+def placing(model_config: DictConfig) -> DictConfig:
+    """What build.place reads of a run's config, for a model placed to generate and score, not to train."""
+    return OmegaConf.create(dict(model=model_config, activation_checkpointing=False, fsdp_cpu_offload=False))
+
+
+def kind(spec: str) -> str:
+    """ "checkpoint" (a run's step-N: shards and no export), "adapter" (peft's) or "model" (a from_pretrained
+    directory, LATEST's export included, or a Hub name)."""
+    path = Path(spec)
+    if (path / checkpoint.MARKER).exists() and not weights.has_safetensors(path) or checkpoint.is_legacy(path):
+        return "checkpoint"
+    if (path / ADAPTER_CONFIG).exists():
+        return "adapter"
+    return "model"
+
+
+def adapter_base(directory: Path) -> str:
+    """The base model an adapter directory names (peft's base_model_name_or_path)."""
+    try:
+        base = json.loads((directory / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError) as error:
+        raise UserError(f"{directory / ADAPTER_CONFIG} cannot be read ({error})") from None
+    if not base:
+        raise UserError(f"{directory / ADAPTER_CONFIG} names no base_model_name_or_path: its base is unknown")
+    return base
+
+
+def load_trained(spec: str, topology: Topology, dtype: torch.dtype, cache_dir: Path) -> torch.nn.Module:
+    """The model `spec` names (see kind), in `dtype`, placed on the topology, in eval mode."""
+    if kind(spec) == "checkpoint":
+        model = checkpoint_policy(Path(spec), topology, dtype)
+    elif kind(spec) == "adapter":  # the base whole on each process, the adapter merged in, then placed
+        from peft import PeftModel
+
+        settings = model_settings(adapter_base(Path(spec)), dtype)
+        base = load_model(settings, dtype, cache_dir, seed=0)
+        merged = PeftModel.from_pretrained(base, spec).merge_and_unload()
+        model = place(merged, placing(settings), topology, None, None)
+    else:
+        settings = model_settings(spec, dtype)
+        with topology.main_first():
+            model, initial = prepare_model(settings, dtype, cache_dir, seed=0)
+        model = place(model, placing(settings), topology, None, initial)
+    return model.eval()
+
+
+def trained_tokenizer(spec: str, cache_dir: Path):
+    """The tokenizer (and processor) a model was trained with: a checkpoint's own copy, an adapter's base's, or the
+    model directory's."""
+    if kind(spec) == "checkpoint" and not (Path(spec) / "tokenizer_config.json").exists():
+        return load_tokenizer(run_config(Path(spec)).model, cache_dir)
+    source = adapter_base(Path(spec)) if kind(spec) == "adapter" else spec
+    return load_tokenizer(model_settings(source, torch.float32), cache_dir)
