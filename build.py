@@ -31,7 +31,7 @@ from modeling.adapters import (
     quantization_config,
 )
 from modeling.distributed import TRAINERS, Topology, mesh_shape
-from modeling.models import InitialWeights, load_tokenizer, prepare_model, transformers_config
+from modeling.models import InitialWeights, load_tokenizer, planned_model, prepare_model, transformers_config
 from modeling.placement import language_blocks, parallelize
 from modeling.precision import (
     Precision,
@@ -392,6 +392,7 @@ def dry_run(config: DictConfig, world_size: int) -> None:
     note = None if planned else slow_precision_note(config.model.fsdp_policy_mp, precision, device, cache_dir)
     if note:
         print(note)
+    planned_model(config.model, cache_dir)
     tokenizer = load_tokenizer(config.model, cache_dir)
     data = load_data(config, tokenizer, objective, cache_dir)
     n_evals = sum(map(len, data.eval_batches))

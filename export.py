@@ -24,6 +24,7 @@ from modeling.distributed import (
 )
 from modeling.vision import has_processor
 from persistence import checkpoint, storage
+from reporting.model_card import write_cards
 from trained import checkpoint_policy, run_config
 from utils import UserError
 
@@ -89,6 +90,8 @@ def describe(checkpoint_dir: Path, tmp_dir: Path, out_dir: Path) -> None:
         pass
     reader = transformers.AutoProcessor if has_processor(Path(source)) else transformers.AutoTokenizer
     reader.from_pretrained(source).save_pretrained(tmp_dir)  # a processor holds the tokenizer too
+    marker = checkpoint.describe(checkpoint_dir) or {}  # a legacy checkpoint has none: its card leaves it out
+    write_cards(tmp_dir, checkpoint_dir.parent, marker.get("step"), marker.get("metrics", {}), out_dir.name)
     storage.sync(tmp_dir)
     storage.publish(tmp_dir, out_dir, "config.json")
 

@@ -520,14 +520,14 @@ def text_lines(path: Path) -> Iterator[tuple[int, str]]:
 
 def with_image_paths(row: Any, base: Path) -> Any:
     """The row with the image paths of its `images` / `image` column made absolute: relative ones are relative to
-    the data file's directory (`base`)."""
-    from modeling.vision import IMAGE_COLUMNS
+    the data file's directory (`base`). URLs stay URLs."""
+    from modeling.vision import IMAGE_COLUMNS, is_url
 
     if not isinstance(row, dict) or not any(row.get(column) for column in IMAGE_COLUMNS):
         return row
 
     def resolved(cell):
-        if isinstance(cell, str) and cell and not Path(cell).is_absolute():
+        if isinstance(cell, str) and cell and not Path(cell).is_absolute() and not is_url(cell):
             return str(base / cell)
         if isinstance(cell, dict) and not cell.get("bytes") and isinstance(cell.get("path"), str):
             return {**cell, "path": resolved(cell["path"])}

@@ -23,9 +23,12 @@ from modeling.adapters import base_model_name
 from modeling.vision import Vision
 from persistence import storage
 from persistence.checkpoint import read_file
-from utils import UserError, first_line
+from utils import REPO_ROOT, UserError, first_line
 
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SHAPES_DIR = REPO_ROOT / "assets" / "configs"  # large models' published config.json, for dry runs without their files
+# the files one of which every tokenizer directory holds: a fast tokenizer's, a slow one's vocabulary or model
+TOKENIZER_FILES = ("tokenizer*", "vocab.*", "merges.txt", "*.model", "*.tiktoken")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HUB_CHECK_SECONDS = 2.0  # a Hub that answers at all answers within this
 
@@ -148,10 +151,53 @@ def written_model(target: Path):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def published_shapes(name_or_path: str) -> Path | None:
+    """assets/configs/NAME for a Hub id ORG/NAME whose published config.json the repository holds
+    (huggyllama/llama-7b: assets/configs/llama-7b), else None."""
+    shapes = SHAPES_DIR / name_or_path.rstrip("/").rsplit("/", 1)[-1].lower()
+    return shapes if (shapes / "config.json").is_file() else None
+
+
+def planned_model(model_config: DictConfig, cache_dir: Path) -> None:
+    """For a dry run, which needs a model's shapes and a tokenizer to count the data's tokens, not its weights: a Hub
+    model that is not downloaded is planned from its published shapes (assets/configs/), and a directory without a
+    tokenizer counts tokens with the default model's, each said in a line; offline, a model with neither its files
+    nor shapes here is one line naming where shapes are read from."""
+    name = model_config.name_or_path
+    if not os.path.isdir(name) and cached_snapshot(name, cache_dir) is None:
+        shapes = published_shapes(name)
+        if shapes is not None:
+            print(f"dry run: {name} is not downloaded; its shapes from {shapes} (the published config.json)")
+            model_config.name_or_path = str(shapes)
+        elif (offline := hub_unreachable()) is not None:
+            held = ", ".join(sorted(path.name for path in SHAPES_DIR.iterdir()))
+            raise UserError(
+                f"could not load model '{name}' ({offline}), and assets/configs/ holds no shapes for it (it holds "
+                f"{held}): give model.name_or_path=assets/configs/NAME or a directory holding the model's config.json"
+            )
+    directory = Path(model_config.name_or_path)
+    if model_config.tokenizer_name_or_path is None and directory.is_dir() and not has_tokenizer(directory):
+        print(
+            f"dry run: {directory} holds no tokenizer; the data's tokens are counted with {SMOLLM2_HUB_ID}'s "
+            "(model.tokenizer_name_or_path=... counts them with another)"
+        )
+        model_config.tokenizer_name_or_path = SMOLLM2_HUB_ID
+
+
+def has_tokenizer(directory: Path) -> bool:
+    return any(next(directory.glob(pattern), None) is not None for pattern in TOKENIZER_FILES)
+
+
 def load_tokenizer(model_config: DictConfig, cache_dir: Path):
     name = model_config.tokenizer_name_or_path or model_config.name_or_path
+    directory = resolve_model_dir(name, cache_dir)
+    if os.path.isdir(directory) and not has_tokenizer(Path(directory)):
+        raise UserError(
+            f"{directory} holds no tokenizer (no {', '.join(TOKENIZER_FILES)} file): add "
+            "model.tokenizer_name_or_path=ORG/NAME or the directory of one"
+        )
     tokenizer = transformers.AutoTokenizer.from_pretrained(
-        resolve_model_dir(name, cache_dir), cache_dir=str(cache_dir), trust_remote_code=model_config.trust_remote_code
+        directory, cache_dir=str(cache_dir), trust_remote_code=model_config.trust_remote_code
     )
     if tokenizer.eos_token_id is None:
         raise UserError(f"the tokenizer of '{name}' has no EOS token, which ends every response")

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed._functional_collectives as funcol
-import torch.distributed.nn.functional as autograd_collectives
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
@@ -44,6 +43,25 @@ def check_sequence_parallel(model: torch.nn.Module, sp: int, tp: int) -> None:
         )
 
 
+class GroupSum(torch.autograd.Function):
+    """An all-reduce (sum) over a process group whose backward all-reduces the gradients, on torch.distributed's
+    stable all_reduce: torch.distributed.nn's all_reduce warns that it is deprecated (torch 2.11 and later), and the
+    functional collectives' all_reduce gained a backward only in recent versions."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: torch.distributed.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        total = tensor.clone()
+        torch.distributed.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        total = grad.contiguous().clone()
+        torch.distributed.all_reduce(total, group=ctx.group)
+        return total, None
+
+
 @dataclass
 class SequenceGroup:
     """This rank's sp group: its process group, size and place in it; `install` puts the Ulysses attention into a
@@ -56,10 +74,8 @@ class SequenceGroup:
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` summed over the group, autograd-aware: the gradient of each rank's copy of the sum reaches every
-        rank's part (the backward is the same all-reduce). torch.distributed.nn's all_reduce, which has had a backward
-        in every torch this runs on; the functional collectives' plain all_reduce has one in recent versions only
-        (as their all_to_all_single: the all-to-alls call its _autograd form)."""
-        return autograd_collectives.all_reduce(tensor.contiguous(), group=self.group)
+        rank's part (the backward is the same all-reduce: GroupSum)."""
+        return GroupSum.apply(tensor.contiguous(), self.group)
 
     def install(self, model: torch.nn.Module) -> None:
         """The model's attention layers run `attention` from now on. Set for good, not for each forward: activation

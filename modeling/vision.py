@@ -1,5 +1,5 @@
-"""Images in preference pairs: reading them from a row (paths beside the data file, bytes, `datasets` Image
-features), a vision-language model's processor that expands each image placeholder of a prompt into the image's
+"""Images in preference pairs: reading them from a row (paths beside the data file, http(s) URLs, bytes, `datasets`
+Image features), a vision-language model's processor that expands each image placeholder of a prompt into the image's
 tokens, and the pixel inputs of a batch, decoded from the encoded bytes only when the batch is built.
 
 An example's images travel as their encoded files (PNG, JPEG, ...), packed into one byte string (pack_images):
@@ -9,7 +9,10 @@ no decoded image outlives the batch that needs it."""
 import dataclasses
 import inspect
 import io
+import os
 import struct
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,9 @@ ROPE_CONTEXT = ("mm_token_type_ids", "attention_mask")  # what Vision.sequence_p
 IMAGE_COLUMNS = ("images", "image")  # TRL's vision columns: a list of images, or one
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # beside a model with an image processor
 MARK_INPUTS = ("token_type_ids", "mm_token_type_ids")  # the per-token inputs that mark a VLM's tokens (Vision.marks)
+URL_SCHEMES = ("http://", "https://")
+FETCH_SECONDS = 30.0  # an image URL that sends nothing for this long is reported, not waited on
+OFFLINE_SETTINGS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")  # no network, as the HF libraries
 
 
 def has_processor(directory: Path) -> bool:
@@ -29,8 +35,9 @@ def has_processor(directory: Path) -> bool:
 
 def image_bytes(value: Any) -> bytes:
     """The encoded file of one image cell: a path (made absolute where the data file was read:
-    preference_datasets.with_image_paths), bytes, or a `datasets` Image feature ({"bytes": ..., "path": ...}, or the
-    PIL image a Hub dataset decodes it to). ValueError, saying which, for anything unreadable."""
+    preference_datasets.with_image_paths), an http(s) URL (fetched), bytes, or a `datasets` Image feature
+    ({"bytes": ..., "path": ...}, or the PIL image a Hub dataset decodes it to). ValueError, saying which, for
+    anything unreadable."""
     if isinstance(value, dict):
         value = value.get("bytes") or value.get("path")
     if hasattr(value, "save") and hasattr(value, "mode"):  # a PIL image: decoded already, so no check to make
@@ -39,6 +46,8 @@ def image_bytes(value: Any) -> bytes:
         return encoded.getvalue()
     if isinstance(value, (bytes, bytearray)):
         data = bytes(value)
+    elif is_url(value):
+        data = fetched(value)
     elif isinstance(value, str):
         try:
             data = Path(value).read_bytes()
@@ -48,6 +57,39 @@ def image_bytes(value: Any) -> bytes:
         raise ValueError(f"an image is a {type(value).__name__}, expected a path, bytes or {{'bytes': ...}}")
     decode(data, value if isinstance(value, str) else "an image given as bytes")  # unreadable: said now, not mid-run
     return data
+
+
+def is_url(value: Any) -> bool:
+    return isinstance(value, str) and value.lower().startswith(URL_SCHEMES)
+
+
+def offline_setting() -> str | None:
+    """The environment variable that tells the Hugging Face libraries to stay off the network, where one is set."""
+    return next(
+        (name for name in OFFLINE_SETTINGS if os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE")), None
+    )
+
+
+def fetched(url: str) -> bytes:
+    """An image URL's bytes, fetched once, while the data is tokenized: the tokenized cache keeps them, so reruns
+    fetch nothing. Offline (offline_setting), or when the URL does not answer within FETCH_SECONDS, a ValueError
+    naming it and how to give the file instead."""
+    instead = "download it and give its path (relative to the data file) in its place"
+    setting = offline_setting()
+    if setting is not None:
+        raise ValueError(
+            f"image {url} is a URL, and {setting} is set: nothing is fetched offline; {instead}, or unset {setting}"
+        )
+    try:
+        with urllib.request.urlopen(url, timeout=FETCH_SECONDS) as response:
+            return response.read()
+    except urllib.error.HTTPError as error:
+        reason = f"HTTP {error.code} {error.reason}"
+    except urllib.error.URLError as error:
+        reason = str(error.reason)
+    except (OSError, ValueError) as error:  # a timeout while reading, a connection reset, a malformed URL
+        reason = str(error) or type(error).__name__
+    raise ValueError(f"image {url} could not be fetched ({reason}); {instead}")
 
 
 def row_images(row: dict) -> tuple[bytes, ...]:

@@ -43,6 +43,7 @@ from modeling import weights
 from modeling.adapters import is_adapted, is_quantized, merged_weights
 from modeling.distributed import Topology
 from persistence import storage
+from reporting.model_card import write_cards
 from utils import UserError, first_line
 
 DESCRIPTION_BYTES = 16 << 20  # the config, tokenizer and small parts of a checkpoint: a few MiB, rarely more
@@ -228,6 +229,7 @@ def save(
         on_main(lambda: describe_model(tmp_dir, policy, tokenizer))
         if final:
             export(tmp_dir, policy, topology, tmp_dir / "policy")
+            on_main(lambda: write_cards(tmp_dir, output_dir.parent, step, metrics, output_dir.parent.name))
         on_main(draft.finish)
     except UserError as error:
         remove(tmp_dir, topology)

@@ -10,6 +10,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from persistence import storage
+from reporting.model_card import add_results
 
 SUMMARY, SAMPLES, FIGURE = "evaluation.json", "samples.jsonl", "winrate.png"
 
@@ -88,12 +89,9 @@ def write(output: Path, config: DictConfig, results: dict, lines: list[dict], sp
         write_figure(output / FIGURE, results)
     if config.wandb.enabled:
         log_to_wandb(output, config, results, lines)
-    for name in results:
-        if (Path(name) / "README.md").exists():  # an export's model card (model_card.py)
-            from reporting.model_card import add_results
-
-            if add_results(Path(name), card_results(config, results[name])):
-                print(f"model card: {Path(name) / 'README.md'} holds these results")
+    for name in results:  # an export's model card (model_card.py)
+        if add_results(Path(name), card_results(config, results[name])):
+            print(f"model card: {Path(name) / 'README.md'} holds these results")
     print(f"evaluation: {output / SUMMARY}, {output / SAMPLES}" + (f", {output / FIGURE}" if config.plots else ""))
 
 

@@ -203,3 +203,36 @@ def test_offline_a_model_downloaded_before_loads_from_the_cache(hub_at, tmp_path
         UserError, match=r"could not load model 'org/absent' .*the Hugging Face Hub is unreachable: .*refused"
     ):
         models.resolve_model_dir("org/absent", tmp_path)
+
+
+LLAMA_7B_SHAPES = models.SHAPES_DIR / "llama-7b"
+
+
+def test_a_dry_run_of_a_model_not_downloaded_plans_from_its_published_shapes_and_the_default_tokenizer(
+    hub_at, tmp_path, capsys
+):
+    # huggyllama/llama-7b (the llama7b preset) is neither a directory nor in the cache: its shapes are the repository's
+    # copy of its config.json, which holds no tokenizer, so the data's tokens are counted with the default model's.
+    hub_at(closed_port())
+    settings = model_config(name_or_path="huggyllama/llama-7b", random_init=False)
+    models.planned_model(settings, tmp_path)
+    assert settings.name_or_path == str(LLAMA_7B_SHAPES) and settings.tokenizer_name_or_path == SMOLLM2_HUB_ID
+    assert capsys.readouterr().out.splitlines() == [
+        f"dry run: huggyllama/llama-7b is not downloaded; its shapes from {LLAMA_7B_SHAPES} (the published "
+        "config.json)",
+        f"dry run: {LLAMA_7B_SHAPES} holds no tokenizer; the data's tokens are counted with {SMOLLM2_HUB_ID}'s "
+        "(model.tokenizer_name_or_path=... counts them with another)",
+    ]
+    given = model_config(name_or_path="huggyllama/llama-7b", tokenizer_name_or_path=str(TINY_DIR))
+    models.planned_model(given, tmp_path)
+    assert given.name_or_path == str(LLAMA_7B_SHAPES) and given.tokenizer_name_or_path == str(TINY_DIR)
+    with pytest.raises(UserError, match=r"'EleutherAI/pythia-2.8b' \(.*refused.*\), and assets/configs/ holds no "):
+        models.planned_model(model_config(name_or_path="EleutherAI/pythia-2.8b"), tmp_path)
+
+
+def test_a_model_directory_without_a_tokenizer_is_one_line_naming_the_override(tmp_path):
+    with pytest.raises(UserError, match=r"llama-7b holds no tokenizer .*: add model.tokenizer_name_or_path=ORG/NAME"):
+        load_tokenizer(model_config(name_or_path=str(LLAMA_7B_SHAPES)), tmp_path)
+    assert load_tokenizer(
+        model_config(name_or_path=str(LLAMA_7B_SHAPES), tokenizer_name_or_path=str(TINY_DIR)), tmp_path
+    )

@@ -221,3 +221,24 @@ def test_query_heads_that_do_not_divide_over_the_ranks_are_refused():
     check_sequence_parallel(model, 4, 1)
     with pytest.raises(UserError, match="num_attention_heads=4, not a multiple of 8"):
         check_sequence_parallel(model, 4, 2)
+
+
+def test_the_group_sum_warns_of_nothing_and_has_a_backward(tmp_path):
+    # torch.distributed.nn's all_reduce warns that it is deprecated (torch 2.11 and 2.13) at every call, on every sp
+    # rank; the group sum is torch.distributed's own all_reduce, with the same all-reduce as its backward.
+    import warnings
+
+    from modeling.sequence_parallel import SequenceGroup
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        group = SequenceGroup(torch.distributed.group.WORLD, size=1, rank=0)
+        parts = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            total = group.sum(parts * 2)
+            (total * torch.tensor([1.0, 10.0, 100.0])).sum().backward()
+    finally:
+        torch.distributed.destroy_process_group()
+    assert [str(warning.message) for warning in caught] == []
+    assert total.tolist() == [2.0, 4.0, 6.0] and parts.grad.tolist() == [2.0, 20.0, 200.0]

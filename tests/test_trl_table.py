@@ -194,3 +194,43 @@ def test_the_key_check_catches_what_the_config_lacks(span, expected, default_con
 def test_the_key_check_passes_real_keys_and_values(default_config):
     span = "loss=f_dpo loss.f_divergence=alpha loss.alpha=0.5 layout=padded +optimizer_kwargs.betas=[0.9,0.95]"
     assert span_problems(span, default_config) == []
+
+
+DEFAULTS_TABLE = "Defaults that differ from TRL's"
+
+
+def default_problems(span: str) -> list[str]:
+    """What is wrong with a span `KEY=VALUE ...` that states our defaults: a key whose default (under the span's
+    `loss=NAME`, else the default loss) is not VALUE."""
+    words = [word.partition("=")[::2] for word in span.split()]
+    option = next((value for key, value in words if key == "loss"), DEFAULT_LOSS)
+    defaults = config.composed([f"loss={option}"])
+    problems = []
+    for key, value in words:
+        found = OmegaConf.select(defaults, key, default=ABSENT)
+        if key != "loss" and (found is ABSENT or found != config.hydra_read(value)):
+            problems.append(f"{key}={value}: the default is {'no key' if found is ABSENT else found}")
+    return problems
+
+
+def test_every_default_that_differs_from_trl_has_a_row_with_trls_override(default_config):
+    rows = TABLES.get(DEFAULTS_TABLE)
+    assert rows, f"docs/trl.md has no table under '{DEFAULTS_TABLE}'"
+    assert CODE.findall(rows[0][0]) == ["model.freeze_vision=true"], "the vision tower's row comes first"
+    problems = []
+    for row in rows:
+        assert len(row) == 3 and all(row), f"docs/trl.md under '{DEFAULTS_TABLE}': not 3 filled cells: {row}"
+        ours, _, theirs = row
+        spans = CODE.findall(theirs)
+        assert spans or theirs.startswith("none"), f"{ours}: TRL's behaviour is neither an override nor none"
+        problems += [problem for span in CODE.findall(ours) for problem in default_problems(span)]
+        problems += [f"{ours}: {problem}" for span in spans for problem in span_problems(span, default_config)]
+    assert not problems, f"docs/trl.md under '{DEFAULTS_TABLE}':\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    "span, expected",
+    [("model.freeze_vision=false", "the default is True"), ("loss=ipo loss.beta=0.5", "the default is 0.1")],
+)
+def test_the_defaults_check_catches_a_default_the_config_lacks(span, expected):
+    assert any(expected in problem for problem in default_problems(span)), default_problems(span)

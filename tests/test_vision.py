@@ -298,6 +298,8 @@ def test_a_tiny_vlm_learns_what_the_images_show_and_not_without_them(vlm_dir, tm
          r"placeholder \('<image>'\) and the row 2 images"),
         (lambda row, d: (d / "img" / "bad.png").write_bytes(b"not a png") and row | {"images": ["img/bad.png"]},
          r"pairs.jsonl:1: .*bad.png is not an image that can be decoded"),
+        (lambda row, d: row | {"images": ["http://127.0.0.1:9/0.png"]}, r"pairs.jsonl:1: image http://127.0.0.1:9/0.png"
+         r" is a URL, and HF_HUB_OFFLINE is set: nothing is fetched offline; download it and give its path"),
     ],
 )  # fmt: skip
 def test_bad_images_stop_with_one_line_naming_the_row(vlm_dir, tmp_path, run_main, change, message):
@@ -365,3 +367,72 @@ def test_a_changed_image_file_rebuilds_the_tokenized_cache(vlm_dir, tmp_path, ca
     after = load()
     assert "tokenized earlier" not in capsys.readouterr().out
     assert after.take([0])[0]["images"] == pack_images((png((0, 0, 0), 40),)) and after.keys[0] != before.keys[0]
+
+
+@pytest.fixture
+def image_server(tmp_path, monkeypatch):
+    """(the base URL of an HTTP server on the loopback address serving tmp_path/served, that directory), online: the
+    offline settings the suite sets are taken away for this test."""
+    import functools
+    import http.server
+    import threading
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    served = tmp_path / "served"
+    served.mkdir()
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(served)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", served
+    server.shutdown()
+    server.server_close()
+
+
+def test_image_urls_are_fetched_once_and_cached_with_the_tokenized_data(vlm_dir, tmp_path, image_server, capsys):
+    # A row's images given as URLs (never joined to the data file's directory) are fetched while the data is
+    # tokenized; the cache keeps their bytes, so a rerun offline, the server gone, reads them back.
+    import os
+
+    from persistence.tokenized import load_examples
+
+    base, served = image_server
+    rows = colour_rows(served, 8)
+    for row in rows:
+        row["images"] = [f"{base}/{name}" for name in row["images"]]
+    (tmp_path / "data").mkdir()
+    data = write_jsonl(tmp_path / "data" / "pairs.jsonl", rows)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(vlm_dir)
+    tokenizer.vision = Vision.of(transformers.AutoProcessor.from_pretrained(vlm_dir))
+    settings = Tokenization(96, 64, sft=False)
+    load = lambda: load_examples([str(data)], tokenizer, settings, 0, 0, tmp_path / "cache")["train"]  # noqa: E731
+    fetched = load()
+    served_bytes = [(served / "img" / f"{i}.png").read_bytes() for i in range(8)]
+    assert sorted(fetched.take([i])[0]["images"] for i in range(8)) == sorted(pack_images((b,)) for b in served_bytes)
+    assert "tokenized earlier" not in capsys.readouterr().out
+    for name in os.listdir(served / "img"):
+        os.remove(served / "img" / name)
+    os.environ["HF_HUB_OFFLINE"] = "1"  # monkeypatch's delenv puts the suite's value back after the test
+    cached = load()
+    assert "tokenized earlier" in capsys.readouterr().out
+    assert [cached.take([i])[0]["images"] for i in range(8)] == [fetched.take([i])[0]["images"] for i in range(8)]
+
+
+def test_an_image_url_that_cannot_be_fetched_is_one_line_naming_the_url_and_the_row(vlm_dir, tmp_path, image_server):
+    from utils import UserError
+
+    base, _ = image_server
+    row = colour_rows(tmp_path, 1)[0] | {"images": [f"{base}/gone.png"]}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(vlm_dir)
+    tokenizer.vision = Vision.of(transformers.AutoProcessor.from_pretrained(vlm_dir))
+    with pytest.raises(UserError) as raised:
+        parse_rows([("pairs.jsonl:1", row)], "pairs.jsonl", tokenizer)
+    assert str(raised.value) == (
+        f"pairs.jsonl:1: image {base}/gone.png could not be fetched (HTTP 404 File not found); download it and give "
+        "its path (relative to the data file) in its place"
+    )

@@ -1,0 +1,171 @@
+"""Model cards: the README.md beside every export (a run's LATEST, export.py's directory, a LoRA adapter), in the
+Hub's format: YAML metadata (base_model, datasets where they are Hub names, library_name, tags, model_name) and what
+the run knows of itself: the loss and its settings, the examples and optimizer steps trained, the final held-out
+metrics as metrics.jsonl has them, and the command that reproduces the run. What a run cannot know (a local model's
+or data's origin, a legacy checkpoint's settings) is left out rather than guessed. `add_results` adds evaluation
+results to a card's model-index afterwards."""
+
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Callable
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from omegaconf import DictConfig, OmegaConf
+
+from preference_datasets import FILE_SUFFIXES, HUB_DATASETS, HUB_ID
+from utils import UserError, first_line
+
+CARD = "README.md"
+HUB_MODEL = re.compile(r"^[\w.-]+(/[\w.-]+)?$")  # a Hub model id: org/name, or a legacy name alone (gpt2-large)
+NOT_REPRODUCED = ("local_run_dir", "resume_from", "local_dirs")  # where a run writes, not what it trains
+RUN_SETTINGS = ("batch_size", "lr", "warmup_steps", "max_length", "max_prompt_length", "n_epochs", "seed", "layout")
+
+
+def write_cards(directory: Path, run_dir: Path, examples: int | None, metrics: dict, model_name: str) -> None:
+    """The cards of an export in `directory`: README.md where the merged model's weights are (library transformers),
+    adapter/README.md for a LoRA adapter (library peft). The run's settings from run_dir/config.yaml and its steps
+    from run_dir/metrics.jsonl, where they are; `examples` and `metrics` are the checkpoint's."""
+    settings = run_dir / "config.yaml"
+    run = OmegaConf.load(settings) if settings.is_file() else None
+    steps = steps_at(run_dir / "metrics.jsonl", examples)
+    for target, library in ((directory, "transformers"), (directory / "adapter", "peft")):
+        if any(target.glob("*.safetensors")):  # a QLoRA export has no merged weights: its adapter's card alone
+            ModelCard(card_text(run, library, model_name, examples, steps, metrics)).save(target / CARD)
+
+
+def steps_at(log: Path, examples: int | None) -> int | None:
+    """The optimizer steps taken at `examples`, as the run's metrics.jsonl counts them, or None."""
+    if examples is None or not log.is_file():
+        return None
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    return next((r["counters/updates"] for r in reversed(records) if r.get("counters/examples") == examples), None)
+
+
+def card_text(run, library: str, model_name: str, examples, steps, metrics: dict) -> str:
+    data = ModelCardData(library_name=library, model_name=model_name)
+    lines = [f"# {model_name}", ""]
+    if run is not None:
+        data.base_model, data.datasets = hub_base_model(run.model), hub_datasets(run.datasets) or None
+        loss = run.loss.name
+        data.tags = (["reward-model"] if loss == "reward" else [loss]) + (["lora"] if run.lora.enabled else [])
+        lines += training_lines(run, library)
+    trained = [f"{examples} examples"] if examples is not None else []
+    trained += [f"{steps} optimizer steps"] if steps is not None else []
+    if trained:
+        lines += [f"Trained on {' in '.join(trained)}.", ""]
+    if metrics:
+        lines += [f"## Final held-out metrics (at {examples} examples)", "", "| metric | value |", "| --- | --- |"]
+        lines += [f"| {name} | {value!r} |" for name, value in metrics.items()] + [""]
+    if run is not None:
+        lines += ["## Reproduce", "", "```bash", reproducing_command(run), "```", ""]
+    return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)
+
+
+def training_lines(run: DictConfig, library: str) -> list[str]:
+    """The model, data and loss with its settings, as the run's config gives them."""
+    model = run.model
+    start = "a random initialisation of the config of" if model.random_init else "the weights of"
+    what = "A LoRA adapter (peft) of" if library == "peft" else "A model fine-tuned from"
+    lines = [f"{what} {start} `{model.name_or_path}`" + (f", then `{model.archive}`" if model.archive else "") + "."]
+    lines += ["", f"Data: {', '.join(f'`{name}`' for name in run.datasets)}.", "", "## Training", ""]
+    lines += [f"Loss `{run.loss.name}`; its settings and the run's:", "", "| setting | value |", "| --- | --- |"]
+    loss = flattened(OmegaConf.to_container(run.loss, resolve=True), "loss")
+    lora = flattened(OmegaConf.to_container(run.lora, resolve=True), "lora") if run.lora.enabled else {}
+    shown = {**loss, **{key: run[key] for key in RUN_SETTINGS}, **lora}
+    return lines + [f"| `{key}` | `{json.dumps(value)}` |" for key, value in shown.items()] + [""]
+
+
+def flattened(values: dict, prefix: str) -> dict:
+    """{"loss.beta": 0.1, ...}: nested mappings by their dotted keys."""
+    flat = {}
+    for key, value in values.items():
+        name = f"{prefix}.{key}"
+        flat.update(flattened(value, name) if isinstance(value, dict) and value else {name: value})
+    return flat
+
+
+def hub_base_model(model: DictConfig) -> str | None:
+    """The Hub id the weights started from: none for a random initialisation or a local directory."""
+    name = model.name_or_path
+    return name if not model.random_init and HUB_MODEL.match(name) and not Path(name).exists() else None
+
+
+def hub_datasets(names) -> list[str]:
+    """The Hub datasets among the run's (hh, shp and se by their Hub names); local files and demo are left out."""
+    found = []
+    for name in names:
+        if name in HUB_DATASETS:
+            found.append(HUB_DATASETS[name])
+        elif HUB_ID.match(name) and not name.endswith(FILE_SUFFIXES) and not Path(name).exists():
+            found.append(name.partition(":")[0])
+    return list(dict.fromkeys(found))
+
+
+def reproducing_command(run: DictConfig) -> str:
+    """`python train.py OVERRIDES` that composes this run's config again: the model and loss options nearest to it,
+    then every key that differs from them (where the run writes aside)."""
+    import config as configuration  # config's imports reach persistence.checkpoint, which writes cards
+
+    defaults = [f"{key}={value}" for key, value in configuration.selected_options([]).items()]
+    run_values = OmegaConf.to_container(run, resolve=True)
+    options = configuration.group_options()
+    name = lambda option: OmegaConf.load(configuration.CONFIG_DIR / "loss" / f"{option}.yaml").name  # noqa: E731
+    losses = [option for option in options["loss"] if name(option) == run.loss.name]
+    best = None
+    presets = {
+        option: OmegaConf.load(configuration.CONFIG_DIR / "model" / f"{option}.yaml") for option in options["model"]
+    }
+    models = [
+        option
+        for option, preset in presets.items()
+        if not OmegaConf.is_missing(preset, "name_or_path") and preset.name_or_path == run.model.name_or_path
+    ] or options["model"]
+    for model in models:
+        for loss in losses:
+            groups = [f"model={model}", f"loss={loss}"]
+            base = OmegaConf.to_container(configuration.composed(groups), resolve=True)
+            overrides = differences(base, run_values, "", configuration.as_override)
+            if best is None or len(overrides) < len(best):
+                best = [group for group in groups if group not in defaults] + overrides
+    return " ".join(["python", "train.py", *map(shlex.quote, best)])
+
+
+def differences(base: dict, run: dict, prefix: str, written: Callable) -> list[str]:
+    """The overrides that turn the config `base` into `run`: changed keys, added ones (+key), removed ones (~key),
+    each value as `written` writes it for the command line."""
+    found = []
+    for key, value in run.items():
+        name = f"{prefix}{key}"
+        if name in NOT_REPRODUCED:
+            continue
+        if key not in base:
+            found.append(f"+{name}={written(value)}")
+        elif isinstance(value, dict) and isinstance(base[key], dict):
+            found += differences(base[key], value, f"{name}.", written)
+        elif base[key] != value:
+            found.append(f"{name}={written(value)}")
+    return found + [f"~{prefix}{key}" for key in base if key not in run]
+
+
+def add_results(directory: Path, results: list[dict]) -> bool:
+    """Add evaluation results to the model card in directory/README.md (its model-index): each result replaces one
+    with the same (dataset_name, metric_name), the others stay. False where there is no card (no README.md, or one
+    without YAML metadata). Each result: task_type, dataset_type, dataset_name, metric_type, metric_name,
+    metric_value (a float) and metric_config (a str or None)."""
+    path = Path(directory) / CARD
+    if not path.is_file():
+        return False
+    try:
+        card = ModelCard.load(path)
+    except ValueError as error:
+        raise UserError(f"{path}: its YAML metadata cannot be read ({first_line(error)})") from None
+    if not card.data.to_dict():
+        return False
+    added = {(r["dataset_name"], r["metric_name"]): EvalResult(**r) for r in results}
+    kept = [r for r in card.data.eval_results or [] if (r.dataset_name, r.metric_name) not in added]
+    card.data.eval_results = kept + list(added.values())
+    card.data.model_name = card.data.model_name or Path(directory).resolve().name
+    card.save(path)
+    return True
