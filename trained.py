@@ -18,7 +18,7 @@ from modeling.distributed import Topology
 from modeling.models import load_model, load_tokenizer, prepare_model
 from modeling.precision import parse_dtype
 from persistence import checkpoint
-from utils import UserError, get_local_dir
+from utils import UserError, first_line, get_local_dir
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's
 
@@ -97,7 +97,11 @@ def load_trained(spec: str, topology: Topology, dtype: torch.dtype, cache_dir: P
         from peft import PeftModel
 
         settings = model_settings(adapter_base(Path(spec)), dtype)
-        base = load_model(settings, dtype, cache_dir, seed=0)
+        try:
+            base = load_model(settings, dtype, cache_dir, seed=0)
+        except OSError as error:
+            problem = first_line(error)
+            raise UserError(f"{spec}: its base {settings.name_or_path} cannot be loaded ({problem})") from None
         merged = PeftModel.from_pretrained(base, spec).merge_and_unload()
         model = place(merged, placing(settings), topology, None, None)
     else:

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from huggingface_hub import ModelCard
+from omegaconf import OmegaConf
 
 import config as configuration
 import evaluate
@@ -22,10 +24,12 @@ from conftest import (
     arithmetic_pairs,
     colour_rows,
     png,
+    policy_state,
     read_jsonl,
     run_cli,
     save_tiny_lm,
     save_tiny_vlm,
+    tiny_run_overrides,
     write_jsonl,
 )
 from core.generations import Judgement, PairwiseJudge, Sampler, letter_tokens, sample_seed
@@ -34,7 +38,7 @@ from modeling.distributed import Topology
 from modeling.models import load_tokenizer
 from modeling.vision import pack_images, vision_tower
 from reporting.report import length_bias
-from trained import model_settings
+from trained import kind, model_settings
 from utils import UserError
 
 TORCHRUN = (str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2")
@@ -289,3 +293,57 @@ def test_the_data_report_names_a_length_bias():
     assert "longer in 75% of training pairs, 1.88x on average" in biased and "loss=ld_dpo" in biased
     balanced = length_bias(np.array([30, 10, 50, 10]), np.array([10, 20, 25, 20]))
     assert "longer in 50% of training pairs" in balanced and "ld_dpo" not in balanced
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+    """A tiny DPO run and a tiny LoRA run on arithmetic pairs, with their checkpoints (step-16, step-32, LATEST)."""
+    root = tmp_path_factory.mktemp("runs")
+    pairs = write_jsonl(root / "pairs.jsonl", arithmetic_pairs(48))
+    train.main(tiny_run_overrides(root / "full", pairs))
+    base = save_tiny_lm(root / "base", "llama")  # an adapter's base is loaded from its files
+    lora = ("lora.enabled=true", "lora.rank=4", "lora.alpha=8", "lr=1e-2", "model=blank_model")
+    lora += (f"model.name_or_path={base}", "model.fsdp_policy_mp=null")
+    train.main([*tiny_run_overrides(root / "lora", pairs), *lora])
+    return root / "full" / "run", root / "lora" / "run"
+
+
+def test_a_trained_model_loads_from_each_place_it_is_saved(tiny_runs):
+    # step-N (its shards, read as the run built the model), LATEST (its from_pretrained export) and a LoRA run's
+    # adapter (its base with the adapter merged) hold the weights the run trained.
+    full, lora = tiny_runs
+    cpu = Topology.create("BasicTrainer")
+    for directory in (full / "step-32", full / "LATEST"):
+        loaded = evaluate.load_trained(str(directory), cpu, torch.float32, directory.parent)
+        trained = policy_state(directory)
+        assert loaded.state_dict().keys() == trained.keys()
+        assert all(torch.equal(loaded.state_dict()[name], value) for name, value in trained.items())
+    assert kind(str(lora / "LATEST" / "adapter")) == "adapter"
+    merged = evaluate.load_trained(str(lora / "LATEST" / "adapter"), cpu, torch.float32, lora.parent)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(lora / "LATEST").state_dict()
+    for name, value in merged.state_dict().items():
+        torch.testing.assert_close(value, exported[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_runs_checkpoint_is_evaluated_on_its_held_out_prompts_and_its_card_gains_the_results(tiny_runs, tmp_path):
+    # datasets=null: the run's datasets and held-out split; the export's model card gains a model-index entry per
+    # temperature and win-rate kind, with the values of evaluation.json.
+    full, _ = tiny_runs
+    candidate = full / "LATEST"
+    config = configuration.load(
+        [f"candidates=[{candidate}]", "baseline=chosen", "judge=tests.round_rewards:not_an_answer", "n_prompts=3",
+         "max_new_tokens=4", "temperatures=[1.0]", "wandb.enabled=false", f"output_dir={tmp_path / 'out'}",
+         f"local_dirs=[{full.parent}]", "bootstrap_resamples=100"], "evaluate",
+    )  # fmt: skip
+    output = evaluate.evaluate(config, Topology.create("BasicTrainer"))
+    lines = read_jsonl(output / "samples.jsonl")
+    run_config = OmegaConf.load(full / "config.yaml")
+    held_out = [json.loads(line) for line in Path(run_config.datasets[0]).read_text().splitlines()]
+    assert {line["prompt"] for line in lines} <= {row["prompt"] for row in held_out}
+    card = ModelCard.load(candidate / "README.md")
+    results = {r.metric_name: r.metric_value for r in card.data.eval_results}
+    summary = json.loads((output / "evaluation.json").read_text())["results"][str(candidate)]["1.0"]
+    assert results[next(name for name in results if name.startswith("win rate %"))] == round(
+        summary["win_rate"]["value"] * 100, 2
+    )
+    assert len(results) == 2 and card.data.model_name
