@@ -1,5 +1,6 @@
 """Rewards for the tests of iterative rounds (rounds.py), named as rounds.reward=tests.round_rewards:NAME."""
 
+import hashlib
 import re
 
 
@@ -22,3 +23,8 @@ def not_an_answer(prompt: str, completion: str) -> float:
     """0 for an arithmetic pair's chosen answer (" 12, glad to help."), 1 for anything else: it prefers a random
     model's completions to the chosen answers by construction."""
     return 0.0 if re.fullmatch(r" \d+, glad to help\.", completion) else 1.0
+
+
+def text_digest(prompt: str, completion: str) -> float:
+    """A number of the completion's text alone: two completions tie only where they are the same text."""
+    return float(int(hashlib.sha256(completion.encode()).hexdigest()[:12], 16))

@@ -22,6 +22,7 @@ import evaluate
 import train
 from conftest import (
     arithmetic_pairs,
+    build_trainer,
     colour_rows,
     png,
     policy_state,
@@ -272,6 +273,20 @@ def test_the_trainer_wins_exactly_half_against_its_reference_before_it_trains(ma
     rates = [r["winrate/eval"] for r in read_jsonl(Path(config.local_run_dir) / "metrics.jsonl") if "winrate/eval" in r]
     assert len(rates) == 4 and rates[0] == 0.5  # evals at 0, 16, 32 and the final one
     assert any(rate != 0.5 for rate in rates[1:])
+
+
+def test_policy_and_reference_draw_the_same_completions_from_the_same_seeds(make_config):
+    # A judge that ties only equal texts: before training every pair ties. Policy and reference sample from the
+    # same seeds; a reference drawing from seeds of its own would win or lose some.
+    config = make_config(
+        "eval_winrate_prompts=8", "judge=tests.round_rewards:text_digest", "generation.max_new_tokens=8"
+    )
+    trainer = build_trainer(config)
+    winrate, judged = trainer.evals.winrate, []
+    judge = winrate.judge
+    winrate.judge = lambda *args: judged.append(judge(*args)) or judged[-1]
+    assert winrate(trainer.policy, trainer.reference_model) == 0.5
+    assert len(winrate.prompts) == 5 and judged[0].outcomes == [0] * 5  # the 8 held-out pairs ask 5 prompts
 
 
 @pytest.mark.parametrize(
