@@ -238,9 +238,10 @@ class PairwiseJudge:
         text = self.template
         for placeholder, value in zip(PLACEHOLDERS, (prompt, response_a, response_b)):
             text = text.replace(placeholder, value.strip())
-        if self.tokenizer.chat_template:
+        if self.tokenizer.chat_template:  # the template's text holds its special tokens
             messages = [{"role": "user", "content": text}]
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
         return self.tokenizer(text, add_special_tokens=True)["input_ids"]
 
     @torch.no_grad()
