@@ -47,7 +47,15 @@ from modeling.vision import freeze_vision_tower, vision_tower
 from persistence import checkpoint, reference_cache
 from persistence.tokenized import Tokenization, first_of_each_group, load_examples, tokenize_pairs
 from preference_datasets import PreferencePair, batch_schedule
-from reporting.report import GIB, Hardware, Workload, data_report, fit_verdict
+from reporting.report import (
+    GIB,
+    Hardware,
+    Workload,
+    choose_micro_batches,
+    data_report,
+    fit_verdict,
+    micro_batch_budget,
+)
 from reporting.telemetry import ModelFlops, PeakRate, peak_flops
 from utils import UserError, get_local_dir
 
@@ -295,13 +303,27 @@ def build_reference(config, topology, data, objective, precision, policy, scorer
 
 
 def check_fit(config: DictConfig, topology: Topology, policy, data: Data, precision: Precision, live: bool) -> None:
-    """Stop in one line, before any weight is read, where the run cannot fit this machine's memory (report.py)."""
+    """The micro-batches micro_batch_memory chooses (choose_accumulation; every rank takes the smallest budget of
+    all ranks, so that they agree), then stop in one line, before any weight is read, where the run cannot fit this
+    machine's memory (report.py)."""
     hardware = Hardware.here(topology.world_size)
     mesh = (topology.dp_size, topology.sp_size, topology.tp_size)
     work = Workload(config, policy, data.train_examples, data.schedule, precision, live)
+    choose_accumulation(work, hardware, mesh, agree=lambda budget: min(topology.all_gather(budget)))
     _, problem = fit_verdict(work, hardware, mesh)
     if problem is not None:
         raise UserError(problem)
+
+
+def choose_accumulation(work: Workload, hardware: Hardware, mesh: tuple[int, int, int], agree=lambda x: x) -> None:
+    """The micro-batches micro_batch_memory chooses (report.choose_micro_batches), printed and set as the run's
+    gradient_accumulation_steps; agree: the budget of every rank from this one's (the smallest of all ranks')."""
+    budget = micro_batch_budget(work.config.micro_batch_memory, hardware)
+    if budget is not None:
+        on_gpu = hardware.gpu_bytes is not None
+        count, line = choose_micro_batches(work, work.config.trainer, mesh, on_gpu, agree(budget))
+        work.config.gradient_accumulation_steps = count
+        print(line)
 
 
 def place(
@@ -410,6 +432,7 @@ def dry_run(config: DictConfig, world_size: int) -> None:
     mesh = mesh_shape(config.trainer, world_size, config.tensor_parallel_size, config.sequence_parallel_size)
     live = live_reference_model(config, objective.needs_reference)
     work = Workload(config, policy, data.train_examples, data.schedule, precision, live)
+    choose_accumulation(work, hardware, mesh)
     plan, problem = fit_verdict(work, hardware, mesh)
     print("\n".join(plan.lines(hardware)))
     if problem is not None:

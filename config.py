@@ -34,6 +34,7 @@ from modeling.adapters import LoraSettings
 from modeling.distributed import TRAINERS, mesh_shape, planned_world_size
 from modeling.precision import parse_dtype
 from preference_datasets import template_kwargs_problem
+from reporting.report import micro_batch_gib
 from utils import NON_NEGATIVE, POSITIVE, REPO_ROOT, Range, UserError, check_ranges, first_line, ranged
 
 CONFIG_DIR = REPO_ROOT / "config"
@@ -188,6 +189,7 @@ class Config:
     do_first_eval: bool = MISSING
     lr: float = ranged(POSITIVE)
     gradient_accumulation_steps: int = ranged(POSITIVE)
+    micro_batch_memory: Optional[str] = MISSING  # auto, a number of GiB, or null (report.micro_batch_gib)
     max_grad_norm: float = ranged(Range(0, low_open=True, infinite="to clip nothing"))
     max_nonfinite_steps: int = ranged(POSITIVE)
     max_length: int = ranged(POSITIVE)
@@ -288,6 +290,7 @@ class Config:
                 "its CPU forward measured slower than the dense mask; use auto or dense"
             )
         check_optimizer(self.optimizer, self.optimizer_kwargs, self.lr)
+        micro_batch_gib(self.micro_batch_memory)
         if self.lora.enabled and self.model.reference_dtype != "auto":
             raise UserError(
                 f"model.reference_dtype={self.model.reference_dtype} with lora.enabled=true: the reference is the "
