@@ -341,7 +341,10 @@ def place(
     reduce_dtype = parse_dtype(config.model.fsdp_reduce_dtype, "model.fsdp_reduce_dtype")
     kept = weights.real_tensors(model) if initial is not None else {}  # buffers, LoRA adapters: placed, then put back
     offload = config.get("fsdp_cpu_offload", False)  # export.py places by a run's config.yaml, older ones lack it
-    model = parallelize(model, topology, compute, config.model.block_name, checkpointing, reduce_dtype, offload)
+    compiled = config.get("compile_blocks", False)
+    model = parallelize(
+        model, topology, compute, config.model.block_name, checkpointing, reduce_dtype, offload, compiled
+    )
     if initial is not None:
         with topology.main_first():
             directory = initial.fetch()
@@ -363,7 +366,7 @@ def reference_computation(
     return (
         f"{weights} weights, {compute or 'no'} {how} compute, {scorer.describe()}, {topology.describe()}, "
         f"micro-batches of {micro[0]} and {micro[1]}, seed {config.seed}, on {device_key(topology.device)}, "
-        f"{n_responses} responses an example"
+        f"{n_responses} responses an example" + (", compiled blocks" if config.compile_blocks else "")
     )
 
 

@@ -209,6 +209,7 @@ class Config:
     optimizer_kwargs: dict[str, Any] = MISSING
     warmup_steps: int = ranged(NON_NEGATIVE)
     activation_checkpointing: bool = MISSING
+    compile_blocks: bool = MISSING
     layout: str = MISSING
     packed_attention: str = MISSING
     pack_row_tokens: Optional[int] = ranged(

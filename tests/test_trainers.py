@@ -112,6 +112,29 @@ def test_micro_batch_memory_auto_leaves_a_cpu_run_s_micro_batches_as_given(make_
     assert "micro-batches:" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_compile_blocks_trains_as_eager_and_tells_each_compiled_graph(make_config, capsys):
+    # compile_blocks=true: the policy's blocks compiled (the probes' and the reference pass's shapes too), packed rows
+    # in multiples of 128 tokens; three steps equal eager's to float rounding
+    base = ("optimizer=SGD", "lr=1.0", "max_grad_norm=1e9")
+    eager = build_trainer(make_config(*base))
+    compiled = build_trainer(make_config(*base, "compile_blocks=true", f"local_run_dir={eager.run_dir}_compiled"))
+    assert (
+        compiled.scorer.describe() == "packed layout (dense attention; rows in multiples of 128 tokens), scored logits"
+    )
+    for indices in eager.data.schedule[:3]:
+        expected, metrics = (
+            trainer.train_step(eager.data.train_examples.take(indices)) for trainer in (eager, compiled)
+        )
+        assert metrics["loss/train"] == pytest.approx(expected["loss/train"], abs=1e-6)
+        assert metrics["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+    for (name, a), b in zip(eager.policy.named_parameters(), compiled.policy.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+    graphs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("compile_blocks: graph")]
+    assert any(line.endswith("compiled (inputs 8x128x64, 64x64, 32x64, 32x64, 8x128x16, 8x128x16, 8x1x128x128, "
+                             "64x64, 128x64, 128x64, 64x128)") for line in graphs), graphs  # fmt: skip
+
+
 def test_run_logs_train_and_eval_with_final_eval(make_config):
     config = make_config("eval_every=24")
     train.run(config)
