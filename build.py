@@ -34,6 +34,7 @@ from modeling.distributed import TRAINERS, Topology, mesh_shape
 from modeling.models import InitialWeights, load_tokenizer, prepare_model, transformers_config
 from modeling.placement import language_blocks, parallelize
 from modeling.precision import (
+    ComputeWeights,
     Precision,
     auto_compute_dtype,
     choose_compute_dtype,
@@ -350,6 +351,12 @@ def place(
             directory = initial.fetch()
         weights.materialize(model, topology.device, kept, host_parameters=offload)
         initial.read_into(model, set(kept), directory)
+    if config.get("compute_weight_copies", False) and compute is not None:
+        layers = ComputeWeights(compute).apply(model)
+        dtype = str(compute).removeprefix("torch.")
+        print(f"compute_weight_copies: {layers} linear layers compute on {dtype} copies of their weights")
+    elif config.get("compute_weight_copies", False) and is_policy:
+        print("compute_weight_copies=true: the policy computes in its weights' dtype here: nothing to cast or copy")
     return model
 
 

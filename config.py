@@ -210,6 +210,7 @@ class Config:
     warmup_steps: int = ranged(NON_NEGATIVE)
     activation_checkpointing: bool = MISSING
     compile_blocks: bool = MISSING
+    compute_weight_copies: bool = MISSING
     layout: str = MISSING
     packed_attention: str = MISSING
     pack_row_tokens: Optional[int] = ranged(
@@ -292,6 +293,8 @@ class Config:
             )
         check_optimizer(self.optimizer, self.optimizer_kwargs, self.lr)
         micro_batch_gib(self.micro_batch_memory)
+        if self.compute_weight_copies:
+            check_weight_copies(self)
         if self.lora.enabled and self.model.reference_dtype != "auto":
             raise UserError(
                 f"model.reference_dtype={self.model.reference_dtype} with lora.enabled=true: the reference is the "
@@ -380,6 +383,29 @@ def check_rounds(config: Config) -> None:
         )
     if not config.generation.do_sample:
         raise UserError(f"{n} samples {config.rounds.completions} completions a prompt: generation.do_sample=true")
+
+
+def check_weight_copies(config: "Config") -> None:
+    """compute_weight_copies=true replaces autocast's casts of the weights: it takes autocast on one process
+    (BasicTrainer; FSDP's mixed precision casts each block once per gather) and a compute dtype other than the
+    weights'; compiled blocks would trace its bookkeeping."""
+    if config.trainer != "BasicTrainer":
+        raise UserError(
+            f"compute_weight_copies=true replaces autocast's weight casts on one process; {config.trainer} is not "
+            "tested with it (FSDPTrainer casts each block's weights once per gather already): use BasicTrainer"
+        )
+    compute, weights = config.model.fsdp_policy_mp, config.model.policy_dtype
+    if compute is None or compute == weights:
+        raise UserError(
+            f"compute_weight_copies=true with model.fsdp_policy_mp={as_override(compute)}: the policy computes in "
+            f"its weights' dtype ({weights}), so there is nothing to cast or copy; set model.fsdp_policy_mp=bfloat16 "
+            "or auto"
+        )
+    if config.compile_blocks:
+        raise UserError(
+            "compute_weight_copies=true with compile_blocks=true: the copies' bookkeeping (each weight's version) "
+            "would break the compiled blocks' graphs; choose one"
+        )
 
 
 def check_loss(loss, sample_during_eval: bool) -> None:

@@ -12,9 +12,9 @@ One module per campaign:
   its peak RSS is its own), configurations alternate, and each prints pairs/s, real tokens/s (prompt counted once),
   MFU and peak memory. Then the peak memory of the log-prob computation at a 32k and a 128k vocabulary (kernels.py).
   --compile: compile_blocks=true (torch.compile of each transformer block) against eager, on the default
-  configuration at 256 x 4, first step (compilation) and steady state. --lora: LoRA (the preset, rank 16 on every linear layer) against full
-  fine-tuning on the default configuration at 256 x 4: seconds per step and peak RSS, alternating, each in a fresh
-  process.
+  configuration at 256 x 4, first step (compilation) and steady state. --lora: LoRA (the preset, rank 16 on every
+  linear layer) against full fine-tuning on the default configuration at 256 x 4: seconds per step and peak RSS,
+  alternating, each in a fresh process.
 - fsdp.py: --fsdp: FSDP1 (`FullyShardedDataParallel`) vs FSDP2 (`fully_shard`) on 2 processes (gloo on the CPU, NCCL
   with 2+ GPUs), both sharding per Llama block: training step time, and the largest parameter difference from one
   process training on the same batches (decides which FSDP FSDPTrainer uses). --fsdp-reduce: FSDP2's gradient error
