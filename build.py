@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from core.evaluation import Evaluator
 from core.examples import Examples
+from core.liger import apply_liger
 from core.losses import LOSSES
 from core.objective import build_objective
 from core.optim import build_optimizer, build_scheduler
@@ -167,6 +168,7 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     cache_dir = get_local_dir(config.local_dirs)
     objective = build_objective(config.loss)
     autocast = not topology.fsdp  # FSDP's MixedPrecisionPolicy casts the parameters instead
+    agree = topology.broadcast  # rank 0's verdict for every rank
     precision = run_precision(config, topology, cache_dir, autocast)
     with topology.main_first():
         tokenizer = load_tokenizer(config.model, cache_dir)
@@ -204,6 +206,8 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     flops = ModelFlops.of(policy, language_blocks(policy, config.model.block_name))
     weights_dtype = next(policy.parameters()).dtype
     policy = place(policy, config, topology, precision.policy_compute, initial, is_policy=True)
+    if config.liger_kernel:
+        print(apply_liger(policy, probe_dtype(policy, precision.policy_compute, autocast), topology.device, agree))
     initial_weights = reference_cache.weights_digest(policy, topology) if cached else None
     # The layout, attention and head checks run on the placed model: on its device, once, decided by rank 0.
     reward_eos = tokenizer.eos_token_id if objective.reward_model else None
@@ -234,6 +238,13 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
         config, topology, tokenizer, objective, precision, data, policy, scorer, reference, reference_model,
         optimizer, scheduler, batch_loss, evaluator, flops, peak,
     )  # fmt: skip
+
+
+def probe_dtype(model: torch.nn.Module, compute: torch.dtype | None, autocast: bool) -> torch.dtype:
+    """The dtype a placed model computes in without autocast (as the probes run it): its weights' under autocast,
+    FSDP's compute dtype otherwise."""
+    weights = next(model.parameters()).dtype
+    return weights if autocast else (compute or weights)
 
 
 def offload_line(policy: torch.nn.Module, optimizer: str) -> str:
@@ -272,7 +283,11 @@ def build_reference(config, topology, data, objective, precision, policy, scorer
     def load_reference() -> torch.nn.Module:  # placed, frozen; never with LoRA (the policy's base serves)
         with topology.main_first():
             model, initial = prepare_model(config.model, precision.reference_weights, cache_dir, config.seed)
-        return place(model.requires_grad_(False), config, topology, precision.reference_compute, initial)
+        model = place(model.requires_grad_(False), config, topology, precision.reference_compute, initial)
+        if config.liger_kernel:
+            dtype = probe_dtype(model, precision.reference_compute, not topology.fsdp)
+            print(apply_liger(model, dtype, topology.device, topology.broadcast).replace("liger_kernel:", "reference:"))
+        return model
 
     reference_model = None
     if objective.needs_reference and is_adapted(policy):  # LoRA: the base, with the reference adapter if it moves
@@ -373,7 +388,9 @@ def reference_computation(
     return (
         f"{weights} weights, {compute or 'no'} {how} compute, {scorer.describe()}, {topology.describe()}, "
         f"micro-batches of {micro[0]} and {micro[1]}, seed {config.seed}, on {device_key(topology.device)}, "
-        f"{n_responses} responses an example" + (", compiled blocks" if config.compile_blocks else "")
+        f"{n_responses} responses an example"
+        + (", compiled blocks" if config.compile_blocks else "")
+        + (", Liger-Kernel" if config.liger_kernel else "")
     )
 
 

@@ -26,6 +26,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
 
 from core.layouts import LAYOUTS
+from core.liger import liger_problem
 from core.losses import LOSSES
 from core.optim import build_optimizer
 from core.rewards import check_reward
@@ -211,6 +212,7 @@ class Config:
     activation_checkpointing: bool = MISSING
     compile_blocks: bool = MISSING
     compute_weight_copies: bool = MISSING
+    liger_kernel: bool = MISSING
     layout: str = MISSING
     packed_attention: str = MISSING
     pack_row_tokens: Optional[int] = ranged(
@@ -292,9 +294,7 @@ class Config:
                 "its CPU forward measured slower than the dense mask; use auto or dense"
             )
         check_optimizer(self.optimizer, self.optimizer_kwargs, self.lr)
-        micro_batch_gib(self.micro_batch_memory)
-        if self.compute_weight_copies:
-            check_weight_copies(self)
+        check_speed_levers(self)
         if self.lora.enabled and self.model.reference_dtype != "auto":
             raise UserError(
                 f"model.reference_dtype={self.model.reference_dtype} with lora.enabled=true: the reference is the "
@@ -383,6 +383,16 @@ def check_rounds(config: Config) -> None:
         )
     if not config.generation.do_sample:
         raise UserError(f"{n} samples {config.rounds.completions} completions a prompt: generation.do_sample=true")
+
+
+def check_speed_levers(config: "Config") -> None:
+    """micro_batch_memory's value, and compute_weight_copies and liger_kernel where the run can take them."""
+    micro_batch_gib(config.micro_batch_memory)
+    if config.compute_weight_copies:
+        check_weight_copies(config)
+    problem = liger_problem(torch.cuda.is_available()) if config.liger_kernel else None
+    if problem:
+        raise UserError(problem)
 
 
 def check_weight_copies(config: "Config") -> None:
