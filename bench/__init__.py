@@ -21,9 +21,12 @@ One module per campaign:
   reducing in bfloat16 against float32, 2 and 4 processes.
 - attention.py: --attention: the packed layout's attention bookkeeping per micro-batch, dense mask against block
   mask, at T = 1k, 4k, 16k and 32k; and the CPU's no-grad forward with each.
-- gpu.py (and trl.py, TRL's side): --gpu: the GPU campaign (the cuda tests; padded, packed dense-mask and packed
-  block-mask layouts and TRL's DPOTrainer on a random ~1B Llama at max_length 1024 and 4096: pairs/s, tokens/s, MFU,
-  peak memory); --gpu --smoke runs it at tiny sizes on any device, as the test suite does.
+- gpu.py (campaign.py its stages' time limits and records, trl.py TRL's side): --gpu [--out DIR] [--budget S]: the
+  GPU campaign for a 15-minute lease, each stage a process with a time limit, results as JSON and markdown in one
+  folder (the cuda tests; background saves beside GPU steps; torch.profiler's top kernels and the device's gaps for
+  the default configuration; ours padded, packed dense-mask and packed block-mask, TRL's DPOTrainer and TRL with
+  Liger on a random ~1B Llama at 1024 x 8, 1024 x 64 and 4096 x 16: pairs/s, tokens/s, MFU, peak memory); --gpu
+  --smoke runs it at tiny sizes on any device, as the test suite does.
 - data.py: --data: prepared pairs/s on a first run and a rerun, and resident bytes per token, at about 5k, 50k and
   500k synthetic pairs, for 1 and 2 processes; the dry run on HH rows; the reference cache at a million pairs
   (--data --smoke: small sizes, as the test suite runs it).
