@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from core.evaluation import Evaluator
 from core.examples import Examples
+from core.liger import apply_liger
 from core.losses import LOSSES
 from core.objective import build_objective
 from core.optim import build_optimizer, build_scheduler
@@ -34,6 +35,7 @@ from modeling.distributed import TRAINERS, Topology, mesh_shape
 from modeling.models import InitialWeights, load_tokenizer, planned_model, prepare_model, transformers_config
 from modeling.placement import language_blocks, parallelize
 from modeling.precision import (
+    ComputeWeights,
     Precision,
     auto_compute_dtype,
     choose_compute_dtype,
@@ -47,7 +49,15 @@ from modeling.vision import freeze_vision_tower, vision_tower
 from persistence import checkpoint, reference_cache
 from persistence.tokenized import Tokenization, first_of_each_group, load_examples, tokenize_pairs
 from preference_datasets import PreferencePair, batch_schedule
-from reporting.report import GIB, Hardware, Workload, data_report, fit_verdict
+from reporting.report import (
+    GIB,
+    Hardware,
+    Workload,
+    choose_micro_batches,
+    data_report,
+    fit_verdict,
+    micro_batch_budget,
+)
 from reporting.telemetry import ModelFlops, PeakRate, peak_flops
 from utils import UserError, get_local_dir
 
@@ -159,6 +169,7 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     cache_dir = get_local_dir(config.local_dirs)
     objective = build_objective(config.loss)
     autocast = not topology.fsdp  # FSDP's MixedPrecisionPolicy casts the parameters instead
+    agree = topology.broadcast  # rank 0's verdict for every rank
     precision = run_precision(config, topology, cache_dir, autocast)
     with topology.main_first():
         tokenizer = load_tokenizer(config.model, cache_dir)
@@ -196,6 +207,8 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     flops = ModelFlops.of(policy, language_blocks(policy, config.model.block_name))
     weights_dtype = next(policy.parameters()).dtype
     policy = place(policy, config, topology, precision.policy_compute, initial, is_policy=True)
+    if config.liger_kernel:
+        print(apply_liger(policy, probe_dtype(policy, precision.policy_compute, autocast), topology.device, agree))
     initial_weights = reference_cache.weights_digest(policy, topology) if cached else None
     # The layout, attention and head checks run on the placed model: on its device, once, decided by rank 0.
     reward_eos = tokenizer.eos_token_id if objective.reward_model else None
@@ -226,6 +239,13 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
         config, topology, tokenizer, objective, precision, data, policy, scorer, reference, reference_model,
         optimizer, scheduler, batch_loss, evaluator, flops, peak,
     )  # fmt: skip
+
+
+def probe_dtype(model: torch.nn.Module, compute: torch.dtype | None, autocast: bool) -> torch.dtype:
+    """The dtype a placed model computes in without autocast (as the probes run it): its weights' under autocast,
+    FSDP's compute dtype otherwise."""
+    weights = next(model.parameters()).dtype
+    return weights if autocast else (compute or weights)
 
 
 def offload_line(policy: torch.nn.Module, optimizer: str) -> str:
@@ -264,7 +284,11 @@ def build_reference(config, topology, data, objective, precision, policy, scorer
     def load_reference() -> torch.nn.Module:  # placed, frozen; never with LoRA (the policy's base serves)
         with topology.main_first():
             model, initial = prepare_model(config.model, precision.reference_weights, cache_dir, config.seed)
-        return place(model.requires_grad_(False), config, topology, precision.reference_compute, initial)
+        model = place(model.requires_grad_(False), config, topology, precision.reference_compute, initial)
+        if config.liger_kernel:
+            dtype = probe_dtype(model, precision.reference_compute, not topology.fsdp)
+            print(apply_liger(model, dtype, topology.device, topology.broadcast).replace("liger_kernel:", "reference:"))
+        return model
 
     reference_model = None
     if objective.needs_reference and is_adapted(policy):  # LoRA: the base, with the reference adapter if it moves
@@ -296,13 +320,27 @@ def build_reference(config, topology, data, objective, precision, policy, scorer
 
 
 def check_fit(config: DictConfig, topology: Topology, policy, data: Data, precision: Precision, live: bool) -> None:
-    """Stop in one line, before any weight is read, where the run cannot fit this machine's memory (report.py)."""
+    """The micro-batches micro_batch_memory chooses (choose_accumulation; every rank takes the smallest budget of
+    all ranks, so that they agree), then stop in one line, before any weight is read, where the run cannot fit this
+    machine's memory (report.py)."""
     hardware = Hardware.here(topology.world_size)
     mesh = (topology.dp_size, topology.sp_size, topology.tp_size)
     work = Workload(config, policy, data.train_examples, data.schedule, precision, live)
+    choose_accumulation(work, hardware, mesh, agree=lambda budget: min(topology.all_gather(budget)))
     _, problem = fit_verdict(work, hardware, mesh)
     if problem is not None:
         raise UserError(problem)
+
+
+def choose_accumulation(work: Workload, hardware: Hardware, mesh: tuple[int, int, int], agree=lambda x: x) -> None:
+    """The micro-batches micro_batch_memory chooses (report.choose_micro_batches), printed and set as the run's
+    gradient_accumulation_steps; agree: the budget of every rank from this one's (the smallest of all ranks')."""
+    budget = micro_batch_budget(work.config.micro_batch_memory, hardware)
+    if budget is not None:
+        on_gpu = hardware.gpu_bytes is not None
+        count, line = choose_micro_batches(work, work.config.trainer, mesh, on_gpu, agree(budget))
+        work.config.gradient_accumulation_steps = count
+        print(line)
 
 
 def place(
@@ -320,12 +358,21 @@ def place(
     reduce_dtype = parse_dtype(config.model.fsdp_reduce_dtype, "model.fsdp_reduce_dtype")
     kept = weights.real_tensors(model) if initial is not None else {}  # buffers, LoRA adapters: placed, then put back
     offload = config.get("fsdp_cpu_offload", False)  # export.py places by a run's config.yaml, older ones lack it
-    model = parallelize(model, topology, compute, config.model.block_name, checkpointing, reduce_dtype, offload)
+    compiled = config.get("compile_blocks", False)
+    model = parallelize(
+        model, topology, compute, config.model.block_name, checkpointing, reduce_dtype, offload, compiled
+    )
     if initial is not None:
         with topology.main_first():
             directory = initial.fetch()
         weights.materialize(model, topology.device, kept, host_parameters=offload)
         initial.read_into(model, set(kept), directory)
+    if config.get("compute_weight_copies", False) and compute is not None:
+        layers = ComputeWeights(compute).apply(model)
+        dtype = str(compute).removeprefix("torch.")
+        print(f"compute_weight_copies: {layers} linear layers compute on {dtype} copies of their weights")
+    elif config.get("compute_weight_copies", False) and is_policy:
+        print("compute_weight_copies=true: the policy computes in its weights' dtype here: nothing to cast or copy")
     return model
 
 
@@ -343,6 +390,8 @@ def reference_computation(
         f"{weights} weights, {compute or 'no'} {how} compute, {scorer.describe()}, {topology.describe()}, "
         f"micro-batches of {micro[0]} and {micro[1]}, seed {config.seed}, on {device_key(topology.device)}, "
         f"{n_responses} responses an example"
+        + (", compiled blocks" if config.compile_blocks else "")
+        + (", Liger-Kernel" if config.liger_kernel else "")
     )
 
 
@@ -412,6 +461,7 @@ def dry_run(config: DictConfig, world_size: int) -> None:
     mesh = mesh_shape(config.trainer, world_size, config.tensor_parallel_size, config.sequence_parallel_size)
     live = live_reference_model(config, objective.needs_reference)
     work = Workload(config, policy, data.train_examples, data.schedule, precision, live)
+    choose_accumulation(work, hardware, mesh)
     plan, problem = fit_verdict(work, hardware, mesh)
     print("\n".join(plan.lines(hardware)))
     if problem is not None:

@@ -27,6 +27,7 @@ from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
 
 from core.generations import check_judge
 from core.layouts import LAYOUTS
+from core.liger import liger_problem
 from core.losses import LOSSES
 from core.optim import build_optimizer
 from core.rewards import check_reward
@@ -35,6 +36,7 @@ from modeling.adapters import LoraSettings
 from modeling.distributed import TRAINERS, mesh_shape, planned_world_size
 from modeling.precision import parse_dtype
 from preference_datasets import template_kwargs_problem
+from reporting.report import micro_batch_gib
 from utils import NON_NEGATIVE, POSITIVE, REPO_ROOT, Range, UserError, check_ranges, first_line, ranged
 
 CONFIG_DIR = REPO_ROOT / "config"
@@ -192,6 +194,7 @@ class Config:
     do_first_eval: bool = MISSING
     lr: float = ranged(POSITIVE)
     gradient_accumulation_steps: int = ranged(POSITIVE)
+    micro_batch_memory: Optional[str] = MISSING  # auto, a number of GiB, or null (report.micro_batch_gib)
     max_grad_norm: float = ranged(Range(0, low_open=True, infinite="to clip nothing"))
     max_nonfinite_steps: int = ranged(POSITIVE)
     max_length: int = ranged(POSITIVE)
@@ -211,6 +214,9 @@ class Config:
     optimizer_kwargs: dict[str, Any] = MISSING
     warmup_steps: int = ranged(NON_NEGATIVE)
     activation_checkpointing: bool = MISSING
+    compile_blocks: bool = MISSING
+    compute_weight_copies: bool = MISSING
+    liger_kernel: bool = MISSING
     layout: str = MISSING
     packed_attention: str = MISSING
     pack_row_tokens: Optional[int] = ranged(
@@ -292,6 +298,7 @@ class Config:
                 "its CPU forward measured slower than the dense mask; use auto or dense"
             )
         check_optimizer(self.optimizer, self.optimizer_kwargs, self.lr)
+        check_speed_levers(self)
         if self.lora.enabled and self.model.reference_dtype != "auto":
             raise UserError(
                 f"model.reference_dtype={self.model.reference_dtype} with lora.enabled=true: the reference is the "
@@ -401,6 +408,39 @@ def check_winrate(config: Config) -> None:
     if config.rounds.n:
         raise UserError(f"{n}: each round's reference is the policy that starts it; rounds log their own rewards")
     check_judge(config.judge, config.judge_template)
+
+
+def check_speed_levers(config: "Config") -> None:
+    """micro_batch_memory's value, and compute_weight_copies and liger_kernel where the run can take them."""
+    micro_batch_gib(config.micro_batch_memory)
+    if config.compute_weight_copies:
+        check_weight_copies(config)
+    problem = liger_problem(torch.cuda.is_available()) if config.liger_kernel else None
+    if problem:
+        raise UserError(problem)
+
+
+def check_weight_copies(config: "Config") -> None:
+    """compute_weight_copies=true replaces autocast's casts of the weights: it takes autocast on one process
+    (BasicTrainer; FSDP's mixed precision casts each block once per gather) and a compute dtype other than the
+    weights'; compiled blocks would trace its bookkeeping."""
+    if config.trainer != "BasicTrainer":
+        raise UserError(
+            f"compute_weight_copies=true replaces autocast's weight casts on one process; {config.trainer} is not "
+            "tested with it (FSDPTrainer casts each block's weights once per gather already): use BasicTrainer"
+        )
+    compute, weights = config.model.fsdp_policy_mp, config.model.policy_dtype
+    if compute is None or compute == weights:
+        raise UserError(
+            f"compute_weight_copies=true with model.fsdp_policy_mp={as_override(compute)}: the policy computes in "
+            f"its weights' dtype ({weights}), so there is nothing to cast or copy; set model.fsdp_policy_mp=bfloat16 "
+            "or auto"
+        )
+    if config.compile_blocks:
+        raise UserError(
+            "compute_weight_copies=true with compile_blocks=true: the copies' bookkeeping (each weight's version) "
+            "would break the compiled blocks' graphs; choose one"
+        )
 
 
 def check_loss(loss, sample_during_eval: bool) -> None:

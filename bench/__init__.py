@@ -11,19 +11,22 @@ One module per campaign:
   and AdamW, at max_length 256 x 4 pairs and 512 x 8 pairs per step. Each configuration runs in a fresh process (so
   its peak RSS is its own), configurations alternate, and each prints pairs/s, real tokens/s (prompt counted once),
   MFU and peak memory. Then the peak memory of the log-prob computation at a 32k and a 128k vocabulary (kernels.py).
-  --compile: torch.compile of each transformer block against eager, on the default configuration at 256 x 4, first
-  step (compilation) and steady state. --lora: LoRA (the preset, rank 16 on every linear layer) against full
-  fine-tuning on the default configuration at 256 x 4: seconds per step and peak RSS, alternating, each in a fresh
-  process.
+  --compile: compile_blocks=true (torch.compile of each transformer block) against eager, on the default
+  configuration at 256 x 4, first step (compilation) and steady state. --lora: LoRA (the preset, rank 16 on every
+  linear layer) against full fine-tuning on the default configuration at 256 x 4: seconds per step and peak RSS,
+  alternating, each in a fresh process.
 - fsdp.py: --fsdp: FSDP1 (`FullyShardedDataParallel`) vs FSDP2 (`fully_shard`) on 2 processes (gloo on the CPU, NCCL
   with 2+ GPUs), both sharding per Llama block: training step time, and the largest parameter difference from one
   process training on the same batches (decides which FSDP FSDPTrainer uses). --fsdp-reduce: FSDP2's gradient error
   reducing in bfloat16 against float32, 2 and 4 processes.
 - attention.py: --attention: the packed layout's attention bookkeeping per micro-batch, dense mask against block
   mask, at T = 1k, 4k, 16k and 32k; and the CPU's no-grad forward with each.
-- gpu.py (and trl.py, TRL's side): --gpu: the GPU campaign (the cuda tests; padded, packed dense-mask and packed
-  block-mask layouts and TRL's DPOTrainer on a random ~1B Llama at max_length 1024 and 4096: pairs/s, tokens/s, MFU,
-  peak memory); --gpu --smoke runs it at tiny sizes on any device, as the test suite does.
+- gpu.py (campaign.py its stages' time limits and records, trl.py TRL's side): --gpu [--out DIR] [--budget S]: the
+  GPU campaign for a 15-minute lease, each stage a process with a time limit, results as JSON and markdown in one
+  folder (the cuda tests; background saves beside GPU steps; torch.profiler's top kernels and the device's gaps for
+  the default configuration; ours padded, packed dense-mask and packed block-mask, TRL's DPOTrainer and TRL with
+  Liger on a random ~1B Llama at 1024 x 8, 1024 x 64 and 4096 x 16: pairs/s, tokens/s, MFU, peak memory); --gpu
+  --smoke runs it at tiny sizes on any device, as the test suite does.
 - data.py: --data: prepared pairs/s on a first run and a rerun, and resident bytes per token, at about 5k, 50k and
   500k synthetic pairs, for 1 and 2 processes; the dry run on HH rows; the reference cache at a million pairs
   (--data --smoke: small sizes, as the test suite runs it).

@@ -1,6 +1,7 @@
 """`python -m bench [FLAGS]`: the flags, and the campaign they select (the package's docstring lists them)."""
 
 import argparse
+from pathlib import Path
 
 import bench
 from bench import (
@@ -19,6 +20,7 @@ from bench import (
     vision,
     window,
 )
+from utils import REPO_ROOT
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora", action="store_true", help="only benchmark LoRA against full fine-tuning")
     parser.add_argument(
         "--gpu", action="store_true", help="the GPU campaign: cuda tests, layouts and TRL on a ~1B Llama"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=REPO_ROOT / "outputs" / "gpu-campaign", help="--gpu: the folder of its results"
+    )
+    parser.add_argument(
+        "--budget", type=float, default=gpu.BUDGET, help="--gpu: seconds for all its stages (each has its own limit)"
     )
     parser.add_argument("--attention", action="store_true", help="dense vs block-mask attention bookkeeping")
     parser.add_argument("--data", action="store_true", help="data at scale: tokenizing, caching, mapping")
@@ -109,7 +117,7 @@ def run(args: argparse.Namespace) -> None:
     if args.profile is not None:
         return profile.bench_profile(args.profile, args.warmup, args.steps)
     if args.gpu:
-        return gpu.bench_gpu(args.smoke, *((1, 1) if args.smoke else (args.warmup, args.steps)))
+        return gpu.bench_gpu(args.smoke, args.out, args.budget)
     return kernels.bench_kernels(args.size, args.repeats)
 
 

@@ -65,7 +65,7 @@ def bench_levers(warmup: int, steps: int) -> None:
 
 
 def bench_compile(warmup: int, steps: int) -> None:
-    """The default configuration at 256 x 4, eager against torch.compile of each block, alternating: the first step
+    """The default configuration at 256 x 4, eager against compile_blocks=true, alternating: the first step
     (compilation) and the steady state."""
     model_dir = smollm2_dir()
     print(
@@ -74,9 +74,9 @@ def bench_compile(warmup: int, steps: int) -> None:
     )
     for compile_blocks in (False, True, False, True):
         with tempfile.TemporaryDirectory() as tmp:
-            overrides = workload_overrides(model_dir, tmp, 256, 4)
-            result = lever_subprocess(overrides, warmup, steps, str(Path(tmp) / "result.json"), compile_blocks)
-        name = "torch.compile per block" if compile_blocks else "eager"
+            overrides = [*workload_overrides(model_dir, tmp, 256, 4), f"compile_blocks={str(compile_blocks).lower()}"]
+            result = lever_subprocess(overrides, warmup, steps, str(Path(tmp) / "result.json"))
+        name = "compile_blocks=true" if compile_blocks else "eager"
         print(
             f"{name:24s} first step {result['first_step_seconds']:5.1f} s, "
             f"then {4 / result['pairs_per_second']:.2f} s/step "

@@ -81,21 +81,14 @@ def lever_worker(
     warmup: int,
     steps: int,
     result_file: str,
-    compile_blocks: bool = False,
     data_file: str = str(HH_FILE),
     n_rows: int | None = 48,
 ) -> None:
     """One configuration in this fresh process: build the trainer (bench_trainer), time `steps` training steps after
     `warmup`, and write pairs/s, tokens/s (real: prompt once; computed: padding included), MFU, peak memory, what
     precision was chosen, the first step's seconds, and the images the policy's and a live reference's vision towers
-    encode per pair in the steps (0 for a text model; the reference cache's pass before training is setup).
-    compile_blocks: torch.compile each transformer block (dynamic shapes) before the first step."""
-    from modeling.placement import find_blocks
-
+    encode per pair in the steps (0 for a text model; the reference cache's pass before training is setup)."""
     trainer, setup_seconds = bench_trainer(overrides, data_file, n_rows)
-    if compile_blocks:
-        for block in find_blocks(trainer.policy, trainer.config.model.block_name):
-            block.compile(dynamic=True)
     # the largest RSS seen while training steps run, and the images encoded in them
     with sampled_rss() as step_rss, images_encoded(trainer.policy, trainer.reference_model) as encoded:
         rates, first_step = timed_steps(trainer, warmup, steps)
@@ -117,7 +110,7 @@ def lever_worker(
     Path(result_file).write_text(json.dumps(result))
 
 
-def lever_subprocess(overrides: list[str], warmup: int, steps: int, result_file: str, compile_blocks=False, **data):
+def lever_subprocess(overrides: list[str], warmup: int, steps: int, result_file: str, **data):
     """lever_worker in a fresh process (whose peak memory is then its own); data: its data_file and n_rows."""
-    kwargs = dict(overrides=overrides, warmup=warmup, steps=steps, compile_blocks=compile_blocks, **data)
+    kwargs = dict(overrides=overrides, warmup=warmup, steps=steps, **data)
     return worker_subprocess(lever_worker, result_file, **kwargs)

@@ -40,12 +40,15 @@ def train_timed(
     checkpointing: bool,
     max_steps: int,
     live_reference=None,
+    accumulation: int = 1,
+    liger: bool = False,
 ) -> list[float]:
     """Each step's seconds of DPOTrainer training `model` on `rows`, `pairs` per step (float32 weights, bfloat16
     autocast on a GPU; float32 on a CPU), nothing saved or reported. processing_class: the tokenizer, or a
     vision-language model's processor (rows with an `images` column). live_reference: a reference model that scores
     each step's batch (TRL 1.16 refuses to precompute reference log-probs for images); None: they are precomputed
-    before training, as our cache does."""
+    before training, as our cache does. accumulation: micro-batches a step, of pairs / accumulation pairs each; liger:
+    use_liger_kernel (Liger-Kernel's layer kernels, TRL keeping its own fused head)."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -53,7 +56,9 @@ def train_timed(
     with tempfile.TemporaryDirectory() as output_dir:
         args = DPOConfig(
             output_dir=output_dir,
-            per_device_train_batch_size=pairs,
+            per_device_train_batch_size=pairs // accumulation,
+            gradient_accumulation_steps=accumulation,
+            use_liger_kernel=liger,
             max_length=max_length,
             beta=0.1,
             learning_rate=1e-6,
@@ -112,14 +117,19 @@ def trl_worker(
     checkpointing: bool,
     warmup: int,
     steps: int,
+    accumulation: int = 1,
+    liger: bool = False,
 ) -> None:
     """TRL's DPOTrainer on the same model, data and precision recipe as ours (float32 weights, bfloat16 autocast on
-    a GPU; float32 on a CPU), its reference log-probs precomputed as our cache does, timed per step."""
+    a GPU; float32 on a CPU), its reference log-probs precomputed as our cache does, timed per step; `pairs` a step
+    in `accumulation` micro-batches, with use_liger_kernel where `liger`."""
     cuda = torch.cuda.is_available()
     rows = [json.loads(line) for line in Path(data_file).read_text().splitlines()]
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir))
-    times = train_timed(model, tokenizer, rows, cuda, pairs, max_length, checkpointing, warmup + steps)
+    times = train_timed(
+        model, tokenizer, rows, cuda, pairs, max_length, checkpointing, warmup + steps, None, accumulation, liger
+    )
     result = trl_rates(model, rows, pairs * steps / sum(times[warmup:]), cuda)
     Path(result_file).write_text(json.dumps(result))

@@ -670,6 +670,7 @@ class Scorer:
     fallbacks: tuple[str, ...] = ()  # each lever the run asked for and did not get, and why (printed by create)
     vision: Vision | None = None  # a vision-language model's processor: the batches' image inputs
     sequence: SequenceGroup | None = None  # this rank's sp group: each rank computes a slice of every row
+    row_multiple: int = 1  # packed rows' length rounded up to a multiple of this (compiled blocks: FLEX_BLOCK)
 
     @classmethod
     def create(
@@ -722,10 +723,10 @@ class Scorer:
             sequence = sequence_group(topology, layout, notes, vision)
         spans = attention_spans(model) if layout == "packed" else None
         logit_map = head_logit_map(model) if scored_head else IDENTITY
-        row_tokens = settings.pack_row_tokens
+        row_tokens, row_multiple = settings.pack_row_tokens, FLEX_BLOCK if settings.compile_blocks else 1
         scorer = cls(
             layout, attention, scored_head, pad_token_id, device, autocast, row_tokens, tail_weight, spans, logit_map,
-            reward_eos, tuple(notes), vision, sequence,
+            reward_eos, tuple(notes), vision, sequence, row_multiple,
         )  # fmt: skip
         for note in notes:
             print(note)
@@ -734,7 +735,10 @@ class Scorer:
 
     def describe(self) -> str:
         spans = describe_spans(self.spans) if self.spans else ""
-        attention = f" ({self.attention} attention{'; ' + spans if spans else ''})" if self.layout == "packed" else ""
+        rounded = f"; rows in multiples of {self.row_multiple} tokens" if self.row_multiple > 1 else ""
+        attention = (
+            f" ({self.attention} attention{'; ' + spans if spans else ''}{rounded})" if self.layout == "packed" else ""
+        )
         head = f"scored logits{' ' + self.logit_map.describe() if self.logit_map != IDENTITY else ''}"
         tails = f", response tails weighted {self.tail_weight:g}" if self.tail_weight != 1.0 else ""
         if self.reward_eos is not None:
@@ -755,7 +759,7 @@ class Scorer:
     def batch(self, examples: list[dict]) -> ModelBatch:
         """The examples in this run's layout, on this rank's device, a packed batch with its attention mask built
         (once: the policy and a live reference share it)."""
-        multiple = FLEX_BLOCK if self.attention == "block" else 1
+        multiple = FLEX_BLOCK if self.attention == "block" else self.row_multiple
         if self.sequence is not None:  # rows cut into equal slices
             multiple = math.lcm(multiple, self.sequence.size)
         batch = make_batch(self.layout, examples, self.pad_token_id, self.row_budget(examples), multiple)

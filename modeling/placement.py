@@ -56,6 +56,35 @@ def checkpoint_blocks(model: torch.nn.Module, block_name: str | None) -> None:
         block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
 
 
+class CompiledGraphs:
+    """torch.compile's backend for the blocks: inductor, each graph it compiles counted and told in one line (a new
+    input shape, grad mode or dtype compiles another; the blocks of one class share theirs). One for the process:
+    the policy's and a live reference's blocks count together."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, graph: torch.fx.GraphModule, inputs: list):
+        from torch._inductor.compile_fx import compile_fx  # imported when a graph first compiles: slow to import
+
+        self.count += 1
+        shapes = ", ".join("x".join(map(str, x.shape)) for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 1)
+        print(f"compile_blocks: graph {self.count} compiled (inputs {shapes or 'scalars'})", flush=True)
+        return compile_fx(graph, inputs)
+
+
+COMPILED_GRAPHS = CompiledGraphs()
+
+
+def compile_blocks(model: torch.nn.Module, block_name: str | None) -> None:
+    """torch.compile each transformer block in place (nn.Module.compile: parameter names and state dicts unchanged),
+    as torchtitan does: one region the size of a block, compiled once for all blocks of its class, FSDP's hooks left
+    outside it. Shapes are static at first and dynamic after a change (torch.compile's default), so that a run
+    compiles a few graphs, not one per row length; the Scorer rounds packed rows up to multiples of 128 tokens."""
+    for block in find_blocks(model, block_name):
+        block.compile(backend=COMPILED_GRAPHS)
+
+
 TENSOR_PARALLEL_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
@@ -165,11 +194,12 @@ def parallelize(
     activation_checkpointing: bool,
     reduce_dtype: torch.dtype | None = None,
     offload: bool = False,
+    compiled: bool = False,
 ) -> nn.Module:
     """The model placed on this topology: tensor parallel first (FSDP then shards the tp shards), activation
-    checkpointing per block, then FSDP (offload: its shards kept on the host, apply_fsdp), or else moved whole to the
-    device. A model still on the meta device (built empty, weights.py) is placed as it is: only then does each rank
-    allocate its shards (weights.materialize).
+    checkpointing per block, torch.compile per block (compiled: compile_blocks), then FSDP (offload: its shards kept
+    on the host, apply_fsdp), or else moved whole to the device. A model still on the meta device (built empty,
+    weights.py) is placed as it is: only then does each rank allocate its shards (weights.materialize).
 
     With gradient accumulation FSDP reduce-scatters after every micro-batch (FSDP2's default, kept): skipping the
     reduction until the last micro-batch would hold every block's whole unsharded gradient on every rank meanwhile
@@ -180,6 +210,8 @@ def parallelize(
         apply_tensor_parallel(model, topology.mesh["tp"], topology.trainer)
     if activation_checkpointing:
         checkpoint_blocks(model, block_name)
+    if compiled:
+        compile_blocks(model, block_name)
     if topology.fsdp:
         return apply_fsdp(model, topology.fsdp_mesh, block_name, compute_dtype, reduce_dtype, offload)
     return model if weights.is_empty(model) else model.to(topology.device)

@@ -7,15 +7,18 @@ measured rates are cached in the run's cache directory, keyed by everything they
 also the CPU's peak in the runs' MFU (telemetry.py).
 """
 
+import functools
 import json
 import os
 import platform
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from persistence import storage
 from utils import UserError
@@ -228,3 +231,67 @@ def decide_precision(model, autocast: bool, auto_compute: Callable[[], torch.dty
         reference_like_policy=like_policy,
         autocast=autocast,
     )
+
+
+class CastCopy(torch.autograd.Function):
+    """`copy`, a compute-dtype copy of `master` made beforehand, in place of `master.to(copy.dtype)` in a forward:
+    the same values, and the same backward (the gradient cast to the master's dtype, accumulated into its .grad)."""
+
+    @staticmethod
+    def forward(ctx, master: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = master.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.dtype), None
+
+
+class ComputeWeights:
+    """compute_weight_copies: a compute-dtype copy of each linear layer's weight and bias kept beside the master
+    (float32) tensor and cast again only after the master changes, instead of autocast casting every weight in every
+    forward. A change is any optimizer's step (torch's global step hook: fused AdamW updates the weights without
+    moving their version counters) or an in-place write that moves the master's version counter (a resumed
+    checkpoint, a reference update). Linear layers are what autocast casts weights for; embeddings and norms compute
+    as they would, and the output embedding is left to the fused head, which casts it once per pass."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.copies: dict[int, tuple[int, torch.Tensor]] = {}  # id(master) -> (its version when cast, the copy)
+        self.casts = 0  # copies made so far (tested: none between optimizer steps)
+        alive = weakref.ref(self)
+
+        def stale(optimizer, args, kwargs) -> None:
+            if alive() is not None:
+                alive().copies.clear()
+
+        handle = register_optimizer_step_post_hook(stale)
+        weakref.finalize(self, handle.remove)
+
+    def apply(self, model: torch.nn.Module) -> int:
+        """Route the forward of each plain nn.Linear of `model` (not subclasses: bitsandbytes' 4-bit layers) but the
+        output embedding through the copies; the number of layers routed."""
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m is not head]
+        for layer in layers:
+            layer.forward = functools.partial(self.linear, layer)
+        return len(layers)
+
+    def copy(self, master: torch.Tensor | None) -> torch.Tensor | None:
+        if master is None or not master.is_floating_point() or master.dtype == self.dtype:
+            return master
+        version, copy = self.copies.get(id(master), (None, None))
+        if version != master._version:
+            with torch.no_grad():
+                copy = master.to(self.dtype)
+            self.copies[id(master)] = (master._version, copy)
+            self.casts += 1
+        return CastCopy.apply(master, copy)
+
+    def linear(self, layer: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
+        """The layer's forward: on the copies where autocast would cast its weights to this dtype, else (the
+        probes, which run without autocast) on the master tensors as they are."""
+        device = input.device.type
+        if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == self.dtype:
+            return torch.nn.functional.linear(input, self.copy(layer.weight), self.copy(layer.bias))
+        return torch.nn.functional.linear(input, layer.weight, layer.bias)

@@ -1,6 +1,7 @@
 """What a run will do, told before it does it: the data report every run prints before training, and the estimate
 of peak memory per process that `dry_run=true` prints (build.dry_run)."""
 
+import copy
 import dataclasses
 import math
 import os
@@ -89,19 +90,23 @@ def decoded_tokens(ids: list[int], tokenizer) -> str:
 @dataclass(frozen=True)
 class Hardware:
     """What a run's ranks have: the nodes, ranks on each, each rank's GPU memory (None: CPU ranks, whose device is the
-    host) and each node's host memory (None: not known, not checked)."""
+    host) and each node's host memory (None: not known, not checked); gpu_free_bytes: what this rank's GPU has free
+    now (None: not known, as on planned machines)."""
 
     nodes: int
     ranks_per_node: int
     gpu_bytes: float | None
     host_bytes: float | None
+    gpu_free_bytes: float | None = None
 
     @classmethod
     def here(cls, world_size: int) -> "Hardware":
         """This machine, for a run of world_size ranks: torchrun's ranks per node, else all of them here."""
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-        return cls(max(1, world_size // per_node), per_node, gpu, host_memory())
+        cuda = torch.cuda.is_available()
+        gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if cuda else None
+        free = torch.cuda.mem_get_info()[0] if cuda else None
+        return cls(max(1, world_size // per_node), per_node, gpu, host_memory(), free)
 
     @classmethod
     def planned(cls, plan) -> "Hardware | None":
@@ -296,7 +301,7 @@ def count(n: int) -> str:
 
 def device_memory(work: Workload, trainer: str, mesh: tuple[int, int, int], on_gpu: bool) -> dict[str, float]:
     """{part: bytes} one rank's device holds while training."""
-    config, policy, train, schedule, precision = work.config, work.policy, work.train, work.schedule, work.precision
+    config, policy, precision = work.config, work.policy, work.precision
     model_config = policy.config.get_text_config()  # a vision-language model's: its language model's
     weights_dtype = precision.policy_weights
     n_parameters = sum(p.numel() for p in policy.parameters())
@@ -312,11 +317,7 @@ def device_memory(work: Workload, trainer: str, mesh: tuple[int, int, int], on_g
     compute_bytes = torch.finfo(compute).bits // 8
 
     micro = max(1, config.batch_size // (config.gradient_accumulation_steps * dp))
-    shapes = [
-        batch_shape(config.layout, train.lengths[indices[start : start + micro]], multiple=sp)
-        for indices in schedule
-        for start in range(0, len(indices), micro)
-    ]
+    shapes = micro_batch_shapes(work, micro, sp)
     # each rank of an sp group holds its slice of the rows' tokens; the mask stays whole on every one
     rows = max(n_rows * length for n_rows, length in shapes) // sp
     # packed rows on a CPU take a dense [R, 1, T, T] mask: bool, and the additive one in the compute dtype, one per
@@ -355,6 +356,17 @@ def device_memory(work: Workload, trainer: str, mesh: tuple[int, int, int], on_g
         "attention mask (packed, dense)": mask if dense_masks else 0,
         "full logits": logits,
     }
+
+
+def micro_batch_shapes(work: Workload, micro: int, sp: int) -> list[tuple[int, int]]:
+    """(rows, tokens a row) of every micro-batch of `micro` examples in the run's schedule (sp: rows padded to a
+    multiple of the sequence-parallel size)."""
+    layout, lengths = work.config.layout, work.train.lengths
+    return [
+        batch_shape(layout, lengths[indices[start : start + micro]], multiple=sp)
+        for indices in work.schedule
+        for start in range(0, len(indices), micro)
+    ]
 
 
 def vision_activations(work: Workload, micro: int, compute_bytes: int) -> float:
@@ -522,3 +534,83 @@ def optimizer_states(config: DictConfig) -> tuple[int, bool]:
     optimizer.step()
     states = sum(torch.is_tensor(v) and v.numel() == 2 for v in optimizer.state[parameter].values())
     return states, bool(optimizer.defaults.get("fused"))
+
+
+# micro_batch_memory=auto fills this share of the GPU's free memory: the plan is a lower bound (the allocator's
+# fragmentation, kernels' workspaces and the attention's own buffers are not in it)
+AUTO_MEMORY_SHARE = 0.8
+
+
+def micro_batch_gib(setting: str | None) -> float | str | None:
+    """micro_batch_memory as a number of GiB, "auto" or None; anything else is a one-line UserError."""
+    if setting is None or setting == "auto":
+        return setting
+    try:
+        gib = float(setting)
+    except ValueError:
+        gib = math.nan
+    if not (math.isfinite(gib) and gib > 0):
+        raise UserError(f"micro_batch_memory={setting} must be auto, a positive number of GiB, or null")
+    return gib
+
+
+def micro_batch_budget(setting: str | None, hardware: Hardware) -> tuple[float, str, bool] | None:
+    """(bytes one rank's training may fill, where that figure comes from, whether it is the user's own) by
+    micro_batch_memory, or None: the micro-batches stay as gradient_accumulation_steps cuts them (null; auto on CPU
+    ranks)."""
+    gib = micro_batch_gib(setting)
+    if gib is None or gib == "auto" and hardware.gpu_bytes is None:
+        return None
+    if gib != "auto":
+        return gib * GIB, f"micro_batch_memory={setting}", True
+    free = hardware.gpu_bytes if hardware.gpu_free_bytes is None else hardware.gpu_free_bytes
+    share = f"{AUTO_MEMORY_SHARE:.0%} of {free / GIB:.1f} GiB free"
+    return AUTO_MEMORY_SHARE * free, f"micro_batch_memory=auto: {share}", False
+
+
+def choose_micro_batches(
+    work: Workload, trainer: str, mesh: tuple[int, int, int], on_gpu: bool, budget: tuple[float, str, bool]
+) -> tuple[int, str]:
+    """(micro-batches a step, the line that says so): the fewest, at least gradient_accumulation_steps, that split
+    each rank's share of batch_size and of eval_batch_size evenly and whose plan (memory_plan, at the schedule's
+    largest micro-batch in token positions) fits the budget; batch_size stays as it is. Where none fits, a budget
+    the user gave is a UserError naming micro_batch_memory; auto leaves the micro-batches as given, for the fit
+    check (fit_verdict) to judge against the whole GPU and to name a mesh that fits."""
+    config, (dp, sp, _) = work.config, mesh
+    share, limit, given = config.batch_size // dp, budget[0], budget[2]
+    counts = [
+        k
+        for k in range(config.gradient_accumulation_steps, share + 1)
+        if share % k == 0 and config.eval_batch_size % (k * dp) == 0
+    ]
+    peaks = {}
+    for k in counts:
+        peaks[k] = memory_plan(with_accumulation(work, k), trainer, mesh, on_gpu).device_peak()
+        if peaks[k] <= limit:
+            break
+    k = next((k for k, peak in peaks.items() if peak <= limit), None)
+    if k is None:
+        finest = counts[-1]
+        short = (
+            f"the smallest micro-batches (gradient_accumulation_steps={finest}, {plural(share // finest, 'example')} "
+            f"a rank; eval_batch_size={config.eval_batch_size} splits into no more) need {peaks[finest] / GIB:.3g} "
+            f"GiB of the {limit / GIB:.3g} GiB budget"
+        )
+        if given:
+            raise UserError(f"{budget[1]}: {short}")
+        k = config.gradient_accumulation_steps
+        return k, f"micro-batches: {k} a step, as given (gradient_accumulation_steps={k}): {short} ({budget[1]})"
+    micro = share // k
+    positions = max(rows * length for rows, length in micro_batch_shapes(work, micro, sp)) // sp
+    return k, (
+        f"micro-batches: {k} a step of {plural(micro, 'example')} a rank (gradient_accumulation_steps={k}), "
+        f"at most {positions:,} token positions each; {peaks[k] / GIB:.3g} GiB of the {limit / GIB:.3g} GiB "
+        f"budget ({budget[1]})"
+    )
+
+
+def with_accumulation(work: Workload, accumulation: int) -> Workload:
+    """`work` with its config's gradient_accumulation_steps set to `accumulation` (a copy: work.config is kept)."""
+    config = copy.deepcopy(work.config)
+    config.gradient_accumulation_steps = accumulation
+    return dataclasses.replace(work, config=config)

@@ -133,6 +133,30 @@ def build_trainer(config, run_dir=None):
     )
 
 
+def planned_training_peaks(config, on_gpu: bool = False) -> dict[int, float]:
+    """The memory plan's training peak (bytes) of a one-process run at 1, 2, 4 and 8 micro-batches a step, planned
+    as build's check_fit plans it (the run's dtypes, data and model shapes) for a CPU or a GPU."""
+    import build
+    from core.objective import build_objective
+    from modeling.distributed import Topology
+    from modeling.models import load_tokenizer
+    from reporting import report
+
+    cache_dir = Path(config.local_dirs[0])
+    topology = Topology.create(config.trainer, None, 1)
+    precision = build.run_precision(config, topology, cache_dir, autocast=True)
+    objective = build_objective(config.loss)
+    data = build.load_data(config, load_tokenizer(config.model, cache_dir), objective, cache_dir, report=False)
+    work = report.Workload(
+        config, build.meta_policy(config, precision, cache_dir), data.train_examples, data.schedule, precision, False
+    )
+    plans = {
+        k: report.memory_plan(report.with_accumulation(work, k), config.trainer, (1, 1, 1), on_gpu)
+        for k in (1, 2, 4, 8)
+    }
+    return {k: plan.device_peak() for k, plan in plans.items()}
+
+
 def records(run_dir, split):
     return [r for r in read_jsonl(run_dir / "metrics.jsonl") if f"loss/{split}" in r]
 

@@ -176,6 +176,18 @@ ERRORS = [
     ("loss=f_dpo loss.f_divergence=alpha", "loss.f_divergence=alpha needs loss.alpha in (0, 1)"),
     ("loss=f_dpo loss.alpha=0.3", "loss.alpha=0.3 is read only with loss.f_divergence=alpha (here js)"),
     ("batch_size=7 gradient_accumulation_steps=2", "batch_size=7 must be a positive multiple of"),
+    ("compute_weight_copies=true", "compute_weight_copies=true with model.fsdp_policy_mp=null: the policy computes"),
+    (
+        "compute_weight_copies=true trainer=FSDPTrainer model.fsdp_policy_mp=bfloat16",
+        "compute_weight_copies=true replaces autocast's weight casts on one process; FSDPTrainer is not tested with",
+    ),
+    (
+        "compute_weight_copies=true compile_blocks=true model.fsdp_policy_mp=bfloat16",
+        "compute_weight_copies=true with compile_blocks=true: the copies' bookkeeping",
+    ),
+    ("micro_batch_memory=lots", "micro_batch_memory=lots must be auto, a positive number of GiB, or null"),
+    ("micro_batch_memory=-2", "micro_batch_memory=-2 must be auto, a positive number of GiB, or null"),
+    ("micro_batch_memory=0.0001", "micro_batch_memory=0.0001: the smallest micro-batches (gradient_accumulation_s"),
     ("loss=kto batch_size=1", "batch_size=1: loss=kto estimates its reference point from each batch's mismatched"),
     ("eval_every=12", "eval_every=12 must be a positive multiple of batch_size=8"),
     ("save_every=12", "save_every=12 must be a positive multiple of batch_size=8, or null"),

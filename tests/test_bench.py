@@ -4,7 +4,7 @@ against TRL (--reward), vision-language DPO against TRL (--vision), checkpoints 
 between the sessions that run them; its command line; and the workers of --versus and --scale --versus found in
 another version's code, whether it is laid out in packages or flat."""
 
-import math
+import json
 import os
 import re
 import subprocess
@@ -12,7 +12,10 @@ import sys
 
 import pytest
 
+from bench import gpu
+from bench.campaign import Campaign, outcomes_of_tests
 from bench.common import worker_subprocess
+from bench.profile import device_timeline
 from bench.reward import PRECISIONS
 from bench.scale_ranks import module_name
 from bench.step import lever_worker
@@ -28,22 +31,95 @@ def run_bench(*flags: str, timeout: int, **env: str) -> subprocess.CompletedProc
     )
 
 
-@pytest.mark.slow  # three fresh processes (two layouts and TRL) and their imports: ~20 s
-def test_gpu_campaign_smoke_runs_every_configuration(tmp_path):
-    result = run_bench("--gpu", "--smoke", timeout=600, OMP_NUM_THREADS="2")
+@pytest.mark.slow  # four fresh processes (the profile, two layouts and TRL) and their imports: ~35 s
+def test_gpu_campaign_smoke_writes_every_stage_and_the_profile_to_its_folder(tmp_path):
+    result = run_bench("--gpu", "--smoke", "--out", str(tmp_path / "out"), timeout=600, OMP_NUM_THREADS="2")
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.splitlines()
-    rows = {line[:40].strip(): line[40:].split() for line in lines if line.startswith(("padded", "packed", "TRL"))}
-    assert rows["packed, block mask"][0] == "skipped:"  # FlexAttention trains on CUDA only
-    for name in ("padded (what TRL computes)", "packed, dense mask", "TRL DPOTrainer (padded, precomputed ref)"):
-        pairs_per_second, real_tokens_per_second, _, mfu = rows[name][:4]
-        assert float(pairs_per_second) > 0 and float(real_tokens_per_second) > 0, name
-        assert 0 < float(mfu.rstrip("%")) < 100 and math.isfinite(float(pairs_per_second)), name
+    report = json.loads((tmp_path / "out" / "campaign.json").read_text())
+    stages = {stage["name"]: stage for stage in report["stages"]}
+    table = [f"64 x 4: {name}" for name in gpu.CONFIGURATIONS]
+    profile = "profile: 64 x 4, the default configuration"
+    assert list(stages) == ["cuda tests", "background saves: sync", "background saves: async", profile, *table]
+    for name in ("cuda tests", "background saves: sync", "background saves: async", "64 x 4: TRL + Liger"):
+        assert stages[name]["status"].startswith("skipped: no CUDA"), stages[name]
+    assert stages["64 x 4: packed, block mask (default)"]["status"].startswith("skipped: FlexAttention")
+    for name in (profile, "64 x 4: padded", "64 x 4: packed, dense mask", "64 x 4: TRL"):
+        assert stages[name]["status"] == "ok" and stages[name]["result"], stages[name]
+    for name in table[3:] + table[1:2]:
+        r = stages[name]["result"]
+        assert r["pairs_per_second"] > 0 and r["real_tokens_per_second"] > 0 and 0 < r["mfu"] < 1, name
     # the same data: the padded layout computes more positions than the packed one for the same real tokens
-    assert float(rows["padded (what TRL computes)"][2]) / float(rows["padded (what TRL computes)"][1]) > float(
-        rows["packed, dense mask"][2]
-    ) / float(rows["packed, dense mask"][1])
-    assert "packed layout (dense attention)" in result.stdout
+    padded, packed = (stages[name]["result"] for name in table[3:])
+    ratio = lambda r: r["computed_tokens_per_second"] / r["real_tokens_per_second"]  # noqa: E731
+    assert ratio(padded) > ratio(packed) and "packed layout (dense attention)" in packed["layout"]
+    # the profile on a CPU: the host's operators, matmuls among the largest, and no device timeline
+    top = stages[profile]["result"]["top_host_ops"]
+    assert len(top) == 15 and "aten::mm" in [name for name, *_ in top[:5]] and sum(s for _, _, s, _ in top) <= 1
+    assert "top_kernels" not in stages[profile]["result"] and (tmp_path / "out" / "profile-trace.json.gz").exists()
+    markdown = (tmp_path / "out" / "campaign.md").read_text()
+    for name, stage in stages.items():
+        assert f"| {name} | {stage['status']} | " in markdown
+    assert "| `aten::mm` | " in markdown and "| padded | " in markdown and "## 64 x 4 pairs a step" in markdown
+    assert "===== 64 x 4: TRL: ok" in (tmp_path / "out" / "campaign.log").read_text()
+
+
+def test_a_campaign_stage_that_fails_or_runs_past_its_limit_is_recorded_and_the_next_runs(tmp_path):
+    # Each stage a process group of its own: the one that hangs (and its child) is stopped at its limit, the one that
+    # fails gives its last line, the budget's end skips the rest; the JSON and the markdown say so after each.
+    campaign = Campaign(tmp_path, 30, {"device": "test"}, lambda report: f"{len(report['stages'])} stages\n")
+    hang = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); " \
+           "print('started', flush=True); time.sleep(60)"  # fmt: skip
+    status, seconds, output = campaign.run("hangs", [sys.executable, "-c", hang], limit=2, least=1)
+    assert status == "timed out after 2 s" and seconds < 10 and output.strip() == "started"
+    campaign.record("hangs", status, seconds)
+    fail = "print('first'); raise SystemExit('second: what went wrong')"
+    stage = campaign.record("fails", *campaign.run("fails", [sys.executable, "-c", fail], limit=20, least=1)[:2])
+    assert stage["status"] == "failed: exit 1: second: what went wrong"
+    assert campaign.run("late", [sys.executable, "-c", "pass"], limit=20, least=60)[0].startswith("skipped: out of")
+    report = json.loads((tmp_path / "campaign.json").read_text())
+    assert [s["name"] for s in report["stages"]] == ["hangs", "fails"] and report["campaign"]["budget_s"] == 30
+    assert (tmp_path / "campaign.md").read_text() == "2 stages\n"
+    assert "===== hangs: timed out after 2 s\nstarted" in (tmp_path / "campaign.log").read_text()
+
+
+def test_test_outcomes_read_pytest_verbose_lines_with_and_without_xdist_and_the_summary():
+    output = """[gw0] [ 33%] PASSED tests/test_liger.py::test_kernels
+tests/test_adapters.py::test_qlora SKIPPED (needs bitsandbytes)     [ 66%]
+[gw1] [100%] FAILED tests/test_vision.py::test_block[gemma3]
+=========================== short test summary info ============================
+FAILED tests/test_vision.py::test_block[gemma3] - AssertionError: 0.5 != 0.25
+SKIPPED [1] tests/test_adapters.py:140: could not import 'bitsandbytes'"""
+    assert outcomes_of_tests(output) == {
+        "tests": {
+            "tests/test_liger.py::test_kernels": "passed",
+            "tests/test_adapters.py::test_qlora": "skipped",
+            "tests/test_vision.py::test_block[gemma3]": "failed: AssertionError: 0.5 != 0.25",
+        },
+        "skips": ["tests/test_adapters.py:140: could not import 'bitsandbytes'"],
+    }
+
+
+def test_the_device_timeline_finds_kernels_and_the_gaps_between_them():
+    # Two steps traced: a host op over 0-100 us; kernels a (10-30 and 40-50, overlapping b at 25-35) and a copy at
+    # 90-95. Busy: 10-35, 40-50, 90-95 = 40 us of 100; gaps 0-10 (before a), 35-40, 50-90 (the host in "step"), 95-100:
+    # two of 5 us, one of 10 and one of 40, over two steps.
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "step", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 5, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "a", "ts": 10, "dur": 20},
+        {"ph": "X", "cat": "kernel", "name": "b", "ts": 25, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "a", "ts": 40, "dur": 10},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "copy", "ts": 90, "dur": 5},
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 60},
+    ]
+    timeline = device_timeline(events, steps=2)
+    assert timeline["device_busy_share"] == pytest.approx(0.4) and timeline["kernels_per_step"] == 2
+    assert timeline["top_kernels"][0] == ["a", 0.015, 0.3, 1] and [k[0] for k in timeline["top_kernels"]] == [
+        "a", "b", "copy"]  # fmt: skip
+    assert timeline["gaps_by_size"] == {"under 10 us": [1.0, 0.005], "10-100 us": [1.0, 0.025], "0.1-1 ms": [0, 0],
+                                        "over 1 ms": [0, 0]}  # fmt: skip
+    assert timeline["largest_gaps"][0] == [0.04, "a", "copy", "step"]
+    assert timeline["largest_gaps"][-1][1:] == ["b", "a", "step"] and device_timeline(events[:2], 1) == {}
 
 
 @pytest.mark.slow  # two fresh processes, each loading torch, transformers and a model: ~25 s

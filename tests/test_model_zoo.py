@@ -188,7 +188,12 @@ def test_default_path_equals_a_plain_forward_of_each_sequence(model_type, capsys
         tiny_lm_config(model_type, **ZOO[model_type][0])
     ).eval()  # eval: no dropout
     settings = SimpleNamespace(
-        layout="packed", packed_attention="auto", scored_logits_only=True, max_length=64, pack_row_tokens=None
+        layout="packed",
+        packed_attention="auto",
+        scored_logits_only=True,
+        max_length=64,
+        pack_row_tokens=None,
+        compile_blocks=False,
     )
     scorer = Scorer.create(model, settings, 0, Topology.create("BasicTrainer"), autocast=False, compute=None)
     _, path, tp = ZOO[model_type]

@@ -56,3 +56,47 @@ def test_tensor_parallel_plan_needs_a_column_row_split_and_divisible_heads():
         r"TensorParallelTrainer implements colwise, rowwise",
     ):
         tensor_parallel_plan(qwen3, 2, 2, "TensorParallelTrainer")
+
+
+def random_pairs(shapes: list[tuple[int, int, int]], vocab: int) -> list[dict]:
+    """Pairs of random token ids, of (prompt, chosen, rejected) lengths."""
+    generator = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=generator).tolist()
+
+    return [{"prompt": ids(p), "responses": [ids(a), ids(b)]} for p, a, b in shapes]
+
+
+def test_compiled_blocks_equal_eager_and_compile_once_for_a_bucket_of_row_lengths(capsys):
+    # torch.compile per block (compile_blocks): log-probs and gradients equal eager's to float rounding; packed rows
+    # round up to 128 tokens, so that batches of other lengths in one bucket reuse the graph: no new compile
+    import copy
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from core.scoring import Scorer
+    from modeling import placement
+
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_DIR)).eval()
+    compiled = copy.deepcopy(eager)
+    placement.compile_blocks(compiled, "LlamaDecoderLayer")
+    scorer = Scorer("packed", "dense", True, 0, torch.device("cpu"), False, row_tokens=128, row_multiple=128)
+    start = placement.COMPILED_GRAPHS.count
+    for shapes in ([(9, 7, 3), (1, 12, 1), (14, 2, 9)], [(20, 30, 5), (3, 1, 6)]):
+        batch = scorer.batch(random_pairs(shapes, eager.config.vocab_size))
+        assert batch.input_ids.shape == (1, 128)  # one row of 128 tokens either way
+        results = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            logps = scorer(model, batch, None)
+            logps.sum().backward()
+            results.append((logps, {name: p.grad for name, p in model.named_parameters()}))
+        torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
+        for name, grad in results[0][1].items():
+            torch.testing.assert_close(results[1][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert placement.COMPILED_GRAPHS.count == start + 1  # one graph for both batches and both blocks
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("compile_blocks: graph")]
+    assert lines == [f"compile_blocks: graph {start + 1} compiled (inputs 1x128x64, 64x64, 32x64, 32x64, 1x128x16, "
+                     "1x128x16, 1x1x128x128, 64x64, 128x64, 128x64, 64x128)"]  # fmt: skip

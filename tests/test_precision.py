@@ -1,3 +1,4 @@
+import functools
 import json
 
 import pytest
@@ -139,3 +140,72 @@ def test_a_dry_run_in_bfloat16_on_an_avx2_cpu_says_how_slow(run_main, tmp_path, 
         f"({precision.cpu_name()}: 0.00135 against 0.176 TFLOP/s, {tmp_path / 'precision_probe.json'}); "
         "model.fsdp_policy_mp=auto computes in float32 here"
     ]
+
+
+def test_weight_copies_are_cast_once_per_change_of_the_weights_and_compute_as_autocast():
+    # ComputeWeights: under bfloat16 autocast each linear layer computes on a bfloat16 copy of its weight, made at
+    # the first forward and again only after the weight changes (an optimizer step); log-probs and float32 gradients
+    # equal autocast's own casts bit for bit. Without autocast (the probes) the layers compute on the masters.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import TINY_DIR
+
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_DIR))
+    copied = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_DIR))
+    copied.load_state_dict(plain.state_dict())
+    weights = precision.ComputeWeights(torch.bfloat16)
+    layers = weights.apply(copied)
+    assert layers == 2 * 7  # q, k, v, o, gate, up, down in each of 2 blocks; the head is the fused head's
+    ids = torch.randint(3, 259, (2, 16), generator=torch.Generator().manual_seed(0))
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (plain, copied)]
+    for step in range(2):
+        losses = []
+        for model, optimizer in zip((plain, copied), optimizers):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss)
+        assert weights.casts == layers * (step + 1)  # one cast of each weight per step, the second forward none
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            copied(ids)
+        assert weights.casts == layers * (step + 1)
+        assert losses[1].item() == losses[0].item()
+        for (name, a), b in zip(plain.named_parameters(), copied.parameters()):
+            assert b.grad.dtype == torch.float32 and torch.equal(a.grad, b.grad), name
+        for optimizer in optimizers:
+            optimizer.step()
+    torch.testing.assert_close(copied(ids).logits, plain(ids).logits, rtol=0, atol=0)  # no autocast: the masters
+    assert weights.casts == 2 * layers
+
+
+def test_compute_weight_copies_trains_as_autocast(make_config, capsys):
+    # The run's key: three (fused) AdamW steps in bfloat16 autocast, with and without the copies: the same numbers,
+    # bit for bit (the copies are autocast's casts, made once per step)
+    from conftest import build_trainer
+
+    base = ("model.fsdp_policy_mp=bfloat16",)
+    autocast = build_trainer(make_config(*base))
+    copies = build_trainer(make_config(*base, "compute_weight_copies=true", f"local_run_dir={autocast.run_dir}_c"))
+    assert (
+        "compute_weight_copies: 14 linear layers compute on bfloat16 copies of their weights" in capsys.readouterr().out
+    )
+    for indices in autocast.data.schedule[:3]:
+        expected, metrics = (
+            trainer.train_step(autocast.data.train_examples.take(indices)) for trainer in (autocast, copies)
+        )
+        assert metrics["loss/train"] == expected["loss/train"] and metrics["grad_norm"] == expected["grad_norm"]
+    for (name, a), b in zip(autocast.policy.named_parameters(), copies.policy.parameters()):
+        assert torch.equal(b, a), name
+
+
+def test_compute_weight_copies_says_so_where_auto_computes_in_the_weights_dtype(make_config, monkeypatch, capsys):
+    import build
+    from conftest import build_trainer
+
+    monkeypatch.setattr(build, "auto_compute_dtype", lambda *args: None)  # auto: float32 compute on this machine
+    trainer = build_trainer(make_config("model.fsdp_policy_mp=auto", "compute_weight_copies=true"))
+    out = capsys.readouterr().out
+    assert "compute_weight_copies=true: the policy computes in its weights' dtype here: nothing to cast or copy" in out
+    assert all(not isinstance(m.forward, functools.partial) for m in trainer.policy.modules())

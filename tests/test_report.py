@@ -15,7 +15,14 @@ from omegaconf import OmegaConf
 import build
 import config as configuration
 import train
-from conftest import TINY_DIR, colour_rows, tiny_run_overrides, vlm_overrides, write_jsonl
+from conftest import (
+    TINY_DIR,
+    colour_rows,
+    planned_training_peaks,
+    tiny_run_overrides,
+    vlm_overrides,
+    write_jsonl,
+)
 from modeling.distributed import Topology
 from modeling.precision import decide_precision
 from modeling.vision import freeze_vision_tower, vision_projector, vision_tower
@@ -87,6 +94,23 @@ def test_dry_run_reports_and_exits_without_weights_or_a_run(tmp_path, pairs_file
     assert "memory per rank on 1 machine x 2 CPU processes" in out and "FSDPTrainer dp 2 x tp 1" in out
     assert "\nfits: " in out
     assert not (tmp_path / "run").exists()
+
+
+def test_the_dry_run_plans_the_micro_batches_that_fill_a_planned_gpu(make_config, tmp_path, pairs_file, capsys):
+    # micro_batch_memory=auto on a planned GPU: 80% of its memory, here between the GPU plan's peaks at 4 and 2
+    # micro-batches a step; the plan printed after the choice is the chosen micro-batches' (its training total).
+    peaks = planned_training_peaks(make_config(), on_gpu=True)
+    gpu_gib = (peaks[4] + peaks[2]) / 2 / report.AUTO_MEMORY_SHARE / 2**30
+    planned = ("dry_run=true", "plan.gpus_per_node=1", f"plan.gpu_memory_gib={gpu_gib:.9f}")
+    train.main([*tiny_run_overrides(tmp_path, pairs_file), *planned])
+    out = capsys.readouterr().out
+    choice = out.index("micro-batches: 4 a step of 2 examples a rank (gradient_accumulation_steps=4), at most ")
+    assert f"{peaks[4] / 2**30:.3g} GiB of the " in out[choice:].splitlines()[0]
+    assert "(micro_batch_memory=auto: 80% of " in out[choice:].splitlines()[0]
+    plan = out.index("memory per rank on 1 node x 1 GPU")
+    assert choice < plan
+    training = re.search(r"GPU while training +([0-9.]+) GiB", out[plan:]).group(1)
+    assert training == f"{peaks[4] / 2**30:.2f}"
 
 
 def test_dry_run_checks_the_checkpoint_it_would_resume_from(make_config, tmp_path, pairs_file, capsys):
@@ -399,6 +423,10 @@ def test_a_70b_run_fits_one_node_with_cpu_offload_and_names_16_gpus_without(tmp_
     # Without offload the GPUs hold it all (142.1 GiB each): the smallest mesh is 2 nodes, as before, or offload
     plain = planned_dry_run(run_main, "llama-3.1-70b", 1, f"local_dirs=[{tmp_path}]")
     assert plain.returncode == 2
+    # micro_batch_memory=auto finds no micro-batches that fit 80% of a GPU: it leaves them as given, for the fit check
+    assert "micro-batches: 1 a step, as given (gradient_accumulation_steps=1): the smallest micro-batches (gradi" in (
+        plain.stdout
+    )
     line = plain.stderr.strip()
     on_gpu = 4 * n * 4 / 8 + 2 * block * 2 + activations  # weights, gradients, AdamW's two states; block; activations
     assert line.startswith(f"error: this run does not fit 1 node x 8 GPUs of 80 GiB, 2048 GiB of host memory a node: "

@@ -19,6 +19,7 @@ from conftest import (
     assert_same_metrics,
     assert_same_weights,
     build_trainer,
+    planned_training_peaks,
     read_jsonl,
     records,
 )
@@ -66,6 +67,72 @@ def test_gradient_accumulation_matches_full_batch(make_config, labelled_file, lo
         assert accumulated_metrics["grad_norm"] == pytest.approx(full_metrics["grad_norm"], rel=1e-5)
     for (name, a), b in zip(full.policy.named_parameters(), accumulated.policy.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_micro_batch_memory_takes_the_fewest_micro_batches_that_fit_and_trains_as_fixed_ones(make_config, capsys):
+    # A budget between the plan's peaks at 1 and 2 micro-batches a step: 2 micro-batches of 4 examples, batch_size
+    # unchanged; trained like gradient_accumulation_steps=2 exactly, and like 1 to float rounding.
+    base = ("optimizer=SGD", "lr=1.0", "max_grad_norm=1e9")
+    peaks = planned_training_peaks(make_config(*base))
+    assert peaks[1] > peaks[2] > peaks[4] > peaks[8]  # activations shrink with the micro-batch
+    budget = f"{(peaks[1] + peaks[2]) / 2 / 2**30:.9f}"
+    chosen = build_trainer(make_config(*base, f"micro_batch_memory={budget}"))
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("micro-batches:"))
+    assert line.startswith("micro-batches: 2 a step of 4 examples a rank (gradient_accumulation_steps=2), at most ")
+    assert line.endswith(
+        f"{peaks[2] / 2**30:.3g} GiB of the {float(budget):.3g} GiB budget (micro_batch_memory={budget})"
+    )
+    assert chosen.config.gradient_accumulation_steps == 2 and chosen.config.batch_size == 8
+    run_dir = str(chosen.run_dir)
+    fixed = build_trainer(make_config(*base, "gradient_accumulation_steps=2", f"local_run_dir={run_dir}_2"))
+    whole = build_trainer(make_config(*base, f"local_run_dir={run_dir}_1"))
+    for indices in chosen.data.schedule[:2]:
+        metrics = [trainer.train_step(chosen.data.train_examples.take(indices)) for trainer in (chosen, fixed, whole)]
+        assert (
+            metrics[0]["loss/train"] == metrics[1]["loss/train"] and metrics[0]["grad_norm"] == metrics[1]["grad_norm"]
+        )
+        assert metrics[0]["loss/train"] == pytest.approx(metrics[2]["loss/train"], abs=1e-6)
+        assert metrics[0]["grad_norm"] == pytest.approx(metrics[2]["grad_norm"], rel=1e-5)
+    for (name, a), b, c in zip(chosen.policy.named_parameters(), fixed.policy.parameters(), whole.policy.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("floor, budget, chosen", [(4, "100", 4), (1, "100", 1), (2, "between 8 and 4", 8)])
+def test_micro_batch_memory_takes_gradient_accumulation_steps_as_its_floor(make_config, floor, budget, chosen):
+    peaks = planned_training_peaks(make_config())
+    budget = budget if budget == "100" else f"{(peaks[8] + peaks[4]) / 2 / 2**30:.9f}"
+    config = make_config(f"gradient_accumulation_steps={floor}", f"micro_batch_memory={budget}")
+    assert build_trainer(config).config.gradient_accumulation_steps == chosen
+
+
+def test_micro_batch_memory_auto_leaves_a_cpu_run_s_micro_batches_as_given(make_config, capsys):
+    config = make_config("gradient_accumulation_steps=2", "micro_batch_memory=auto")
+    assert build_trainer(config).config.gradient_accumulation_steps == 2
+    assert "micro-batches:" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_compile_blocks_trains_as_eager_and_tells_each_compiled_graph(make_config, capsys):
+    # compile_blocks=true: the policy's blocks compiled (the probes' and the reference pass's shapes too), packed rows
+    # in multiples of 128 tokens; three steps equal eager's to float rounding
+    base = ("optimizer=SGD", "lr=1.0", "max_grad_norm=1e9")
+    eager = build_trainer(make_config(*base))
+    compiled = build_trainer(make_config(*base, "compile_blocks=true", f"local_run_dir={eager.run_dir}_compiled"))
+    assert (
+        compiled.scorer.describe() == "packed layout (dense attention; rows in multiples of 128 tokens), scored logits"
+    )
+    for indices in eager.data.schedule[:3]:
+        expected, metrics = (
+            trainer.train_step(eager.data.train_examples.take(indices)) for trainer in (eager, compiled)
+        )
+        assert metrics["loss/train"] == pytest.approx(expected["loss/train"], abs=1e-6)
+        assert metrics["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+    for (name, a), b in zip(eager.policy.named_parameters(), compiled.policy.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+    graphs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("compile_blocks: graph")]
+    assert any(line.endswith("compiled (inputs 8x128x64, 64x64, 32x64, 32x64, 8x128x16, 8x128x16, 8x1x128x128, "
+                             "64x64, 128x64, 128x64, 64x128)") for line in graphs), graphs  # fmt: skip
 
 
 def test_run_logs_train_and_eval_with_final_eval(make_config):
