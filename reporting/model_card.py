@@ -58,8 +58,9 @@ def card_text(run, library: str, model_name: str, examples, steps, metrics: dict
     if metrics:
         lines += [f"## Final held-out metrics (at {examples} examples)", "", "| metric | value |", "| --- | --- |"]
         lines += [f"| {name} | {value!r} |" for name, value in metrics.items()] + [""]
-    if run is not None:
-        lines += ["## Reproduce", "", "```bash", reproducing_command(run), "```", ""]
+    command = reproducing_command(run) if run is not None else None
+    if command is not None:
+        lines += ["## Reproduce", "", "```bash", command, "```", ""]
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)
 
 
@@ -103,9 +104,11 @@ def hub_datasets(names) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def reproducing_command(run: DictConfig) -> str:
+def reproducing_command(run: DictConfig) -> str | None:
     """`python train.py OVERRIDES` that composes this run's config again: the model and loss options nearest to it,
-    then every key that differs from them (where the run writes aside)."""
+    then every key that differs from them (where the run writes aside); None where the config files here no longer
+    compose (a run of another version of them): the card leaves out what it cannot know, and never costs the
+    checkpoint it describes."""
     import config as configuration  # config's imports reach persistence.checkpoint, which writes cards
 
     defaults = [f"{key}={value}" for key, value in configuration.selected_options([]).items()]
@@ -125,7 +128,10 @@ def reproducing_command(run: DictConfig) -> str:
     for model in models:
         for loss in losses:
             groups = [f"model={model}", f"loss={loss}"]
-            base = OmegaConf.to_container(configuration.composed(groups), resolve=True)
+            try:
+                base = OmegaConf.to_container(configuration.composed(groups), resolve=True)
+            except UserError:
+                return None
             overrides = differences(base, run_values, "", configuration.as_override)
             if best is None or len(overrides) < len(best):
                 best = [group for group in groups if group not in defaults] + overrides

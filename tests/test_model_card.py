@@ -107,3 +107,14 @@ def test_add_results_adds_to_the_model_index_and_replaces_a_result_of_the_same_d
     assert not add_results(tmp_path, [result("a", "accuracy", 0.5)])  # no README.md
     (tmp_path / "README.md").write_text("# notes, not a model card\n")
     assert not add_results(tmp_path, [result("a", "accuracy", 0.5)])
+
+
+def test_a_run_whose_config_no_longer_composes_gets_a_card_without_the_command(lora_run, monkeypatch):
+    # A run of another version of the config files: its card leaves the command out, and the card (so the checkpoint
+    # it goes in) is still written.
+    def fails(*args, **kwargs):
+        raise config.UserError("unknown key 'old_key' in the config")
+
+    monkeypatch.setattr(config, "composed", fails)
+    text = card_text(OmegaConf.load(lora_run / "config.yaml"), "transformers", "m", 40, 5, {"loss/eval": 0.5})
+    assert "## Reproduce" not in text and "loss/eval" in text
