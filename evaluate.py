@@ -239,7 +239,8 @@ def text_length(ids: list[int], eos_token_id: int) -> int:
 def judge_all(config: DictConfig, generations: Generations, tokenizer, device) -> tuple[dict, list[dict]]:
     """(rank 0) Each candidate against the baseline at each temperature, judged: {candidate: {temperature: summary}}
     and every judged pair as a line of samples.jsonl."""
-    judge = load_judge(config.judge, config.judge_template, device, config.batch_size, data_settings(config).max_length)
+    cache_dir, max_length = get_local_dir(config.local_dirs), data_settings(config).max_length
+    judge = load_judge(config.judge, config.judge_template, device, config.batch_size, max_length, cache_dir)
     prompt_texts = [tokenizer.decode(ids) for ids in generations.prompt_ids]  # as the policy read it
     baseline = config.baseline
     decode = lambda batch: tokenizer.batch_decode(batch, skip_special_tokens=True)  # noqa: E731

@@ -10,7 +10,7 @@ import tqdm
 from core.generations import Sampler, load_judge, sample_seed
 from core.winrates import score
 from modeling.distributed import Topology
-from utils import metric_mean
+from utils import get_local_dir, metric_mean
 
 
 class Evaluator:
@@ -87,9 +87,9 @@ class HeldOutWinRate:
         examples = list(distinct.values())[: config.eval_winrate_prompts]
         self.prompts, self.images = [ex["prompt"] for ex in examples], [ex.get("images", b"") for ex in examples]
         self.seeds = [sample_seed(ex["key"], config.seed, "winrate") for ex in examples]
-        c = config
+        c, cache_dir = config, get_local_dir(config.local_dirs)
         self.judge = topology.run_on_main(
-            lambda: load_judge(c.judge, c.judge_template, topology.device, c.eval_batch_size, c.max_length)
+            lambda: load_judge(c.judge, c.judge_template, topology.device, c.eval_batch_size, c.max_length, cache_dir)
         )
 
     def __call__(self, policy: torch.nn.Module, reference: torch.nn.Module) -> float:

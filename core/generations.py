@@ -9,6 +9,7 @@ pairwise LLM judge by asking an instruct model, in both orders, and reading its 
 "B" (a verdict that flips with the order is a tie: Zheng et al. 2023, arXiv:2306.05685)."""
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,14 +17,16 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from core.layouts import left_padded_prompts, pad, to_device
-from core.rewards import check_reward, load_reward
+from core.rewards import ModelReward, check_reward, load_reward
 from core.scoring import sequence_logps, with_image_inputs
+from modeling.models import resolve_model_dir
 from modeling.placement import root_gathered
 from modeling.vision import unpack_images
 from utils import REPO_ROOT, UserError, first_line
 
 DEFAULT_TEMPLATE = REPO_ROOT / "assets" / "judge_template.txt"
 PLACEHOLDERS = ("{prompt}", "{response_a}", "{response_b}")
+HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")  # a Hub model: org/name (module:function has a colon)
 
 
 def sample_seed(prompt_key: bytes, *parts) -> int:
@@ -277,27 +280,36 @@ def read_template(path: Path) -> str:
     return text
 
 
-def is_reward_model(spec: str) -> bool:
-    """Whether judge=`spec` names a sequence classifier's directory (a reward model), not a causal LM's."""
+def is_reward_model(source: str) -> bool:
+    """Whether a judge's model (a directory, or a Hub name) is a sequence classifier (a reward model), not a causal
+    LM."""
     from transformers import AutoConfig
 
-    architectures = AutoConfig.from_pretrained(spec).architectures or []
+    architectures = AutoConfig.from_pretrained(source).architectures or []
     return any(name.endswith("ForSequenceClassification") for name in architectures)
 
 
 def check_judge(spec: str, template: str | None) -> None:
-    """A one-line error unless judge=`spec` names a model directory with a config, or an importable function; and
-    its template, where given, is readable and complete (the configs check it before anything starts)."""
-    check_reward(spec, "judge")
+    """A one-line error unless judge=`spec` names a model directory with a config, a Hub model (org/name, resolved
+    when it is loaded) or an importable function; and its template, where given, is readable and complete (the
+    configs check it before anything starts)."""
+    if Path(spec).is_dir() or not HUB_NAME.match(spec):
+        check_reward(spec, "judge")
     if template is not None:
         read_template(Path(template))
 
 
-def load_judge(spec: str, template: str | None, device: torch.device, batch_size: int, max_length: int):
-    """The judge judge=`spec` names: a reward model's directory or module:function (RewardJudge), or a causal LM's
-    directory (PairwiseJudge, asking in the words of `template`)."""
-    if Path(spec).is_dir() and not is_reward_model(spec):
-        return PairwiseJudge(Path(spec), Path(template) if template else None, device, batch_size)
+def load_judge(spec: str, template: str | None, device, batch_size: int, max_length: int, cache_dir: Path):
+    """The judge judge=`spec` names: a function (module:function) or a reward model (RewardJudge), or a causal LM
+    (PairwiseJudge, asking in the words of `template`); a model from its directory, or a Hub name from the Hub (the
+    copy an earlier run downloaded, offline; modeling.models.resolve_model_dir)."""
+    if not Path(spec).is_dir() and not HUB_NAME.match(spec):
+        if template is not None:
+            raise UserError(f"judge_template={template} is for an LLM judge; judge={spec} is a function")
+        return RewardJudge(load_reward(spec, device, batch_size, max_length, "judge"))
+    source = resolve_model_dir(spec, cache_dir)
+    if not is_reward_model(source):
+        return PairwiseJudge(Path(source), Path(template) if template else None, device, batch_size)
     if template is not None:
-        raise UserError(f"judge_template={template} is for an LLM judge; judge={spec} is a reward")
-    return RewardJudge(load_reward(spec, device, batch_size, max_length, "judge"))
+        raise UserError(f"judge_template={template} is for an LLM judge; judge={spec} is a reward model")
+    return RewardJudge(ModelReward(Path(source), device, batch_size, max_length, "judge"))

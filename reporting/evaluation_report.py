@@ -124,8 +124,8 @@ def write_figure(path: Path, results: dict) -> None:
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, by_temperature in results.items():
-        path = Path(name)  # a checkpoint by its run's name: dpo/LATEST
-        label = str(Path(*path.parts[-2:])) if path.name == "LATEST" or path.name.startswith("step-") else path.name
+        model = Path(name)  # a checkpoint by its run's name: dpo/LATEST
+        label = str(Path(*model.parts[-2:])) if model.name == "LATEST" or model.name.startswith("step-") else model.name
         temperatures = sorted(by_temperature)
         values = np.array([[by_temperature[t]["win_rate"][k] for k in ("value", "low", "high")] for t in temperatures])
         errors = [values[:, 0] - values[:, 1], values[:, 2] - values[:, 0]]

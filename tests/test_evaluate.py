@@ -7,6 +7,7 @@ judge; the trainer's win rate against its reference is exactly one half while th
 import json
 import math
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -33,7 +34,15 @@ from conftest import (
     tiny_run_overrides,
     write_jsonl,
 )
-from core.generations import Judgement, PairwiseJudge, Sampler, letter_tokens, sample_seed
+from core.generations import (
+    Judgement,
+    PairwiseJudge,
+    Sampler,
+    check_judge,
+    letter_tokens,
+    load_judge,
+    sample_seed,
+)
 from core.rewards import ModelReward
 from modeling.distributed import Topology
 from modeling.models import load_tokenizer
@@ -151,6 +160,21 @@ def test_the_pairwise_judge_reads_its_next_token_probabilities_of_a_and_b(models
             p_a = torch.sigmoid(logps[letters[0]].logsumexp(0) - logps[letters[1]].logsumexp(0)).item()
             expected = p_a if order == 0 else 1 - p_a
             assert judgement.p_first[order][i] == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_hub_judge_loads_from_the_copy_an_earlier_run_downloaded(models, tmp_path):
+    # Offline (the suite's HF_HUB_OFFLINE), a Hub name resolves to its snapshot in the cache, laid out as the Hub's
+    # client leaves it; one that was never downloaded is one line.
+    two_layers, _, _ = models
+    repo = tmp_path / "models--org--judge"
+    shutil.copytree(two_layers, repo / "snapshots" / ("a" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    check_judge("org/judge", None)  # a Hub name passes the config's check: it is resolved when loaded
+    judge = load_judge("org/judge", None, torch.device("cpu"), 2, 64, tmp_path)
+    assert isinstance(judge, PairwiseJudge) and judge([" p"], ["a"], ["b"]).p_first is not None
+    with pytest.raises(UserError, match="could not load model 'org/absent'"):
+        load_judge("org/absent", None, torch.device("cpu"), 2, 64, tmp_path)
 
 
 def test_a_template_without_its_placeholders_is_one_line(models, tmp_path):
