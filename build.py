@@ -20,7 +20,7 @@ from core.objective import build_objective
 from core.optim import build_optimizer, build_scheduler
 from core.rewards import reads_images
 from core.router_loss import find_routers
-from core.scoring import Scorer, model_class
+from core.scoring import Scorer, model_class, probes_dtype
 from core.step import BatchLoss, Data, check_kto_prompts, mismatched
 from modeling import weights
 from modeling.adapters import (
@@ -169,7 +169,6 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     cache_dir = get_local_dir(config.local_dirs)
     objective = build_objective(config.loss)
     autocast = not topology.fsdp  # FSDP's MixedPrecisionPolicy casts the parameters instead
-    agree = topology.broadcast  # rank 0's verdict for every rank
     precision = run_precision(config, topology, cache_dir, autocast)
     with topology.main_first():
         tokenizer = load_tokenizer(config.model, cache_dir)
@@ -208,7 +207,7 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     weights_dtype = next(policy.parameters()).dtype
     policy = place(policy, config, topology, precision.policy_compute, initial, is_policy=True)
     if config.liger_kernel:
-        print(apply_liger(policy, probe_dtype(policy, precision.policy_compute, autocast), topology.device, agree))
+        print(liger_line(policy, precision.policy_compute, topology, autocast, "liger_kernel"))
     initial_weights = reference_cache.weights_digest(policy, topology) if cached else None
     # The layout, attention and head checks run on the placed model: on its device, once, decided by rank 0.
     reward_eos = tokenizer.eos_token_id if objective.reward_model else None
@@ -241,11 +240,11 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     )  # fmt: skip
 
 
-def probe_dtype(model: torch.nn.Module, compute: torch.dtype | None, autocast: bool) -> torch.dtype:
-    """The dtype a placed model computes in without autocast (as the probes run it): its weights' under autocast,
-    FSDP's compute dtype otherwise."""
-    weights = next(model.parameters()).dtype
-    return weights if autocast else (compute or weights)
+def liger_line(model: torch.nn.Module, compute, topology: Topology, autocast: bool, label: str) -> str:
+    """Liger-Kernel's kernels in a placed model (liger.apply_liger, probed as the scorer's probes run it, rank 0
+    deciding for every rank); the line that says what was taken, after `label`."""
+    dtype = probes_dtype(model, compute, autocast)
+    return apply_liger(model, dtype, topology.device, topology.broadcast, label)
 
 
 def offload_line(policy: torch.nn.Module, optimizer: str) -> str:
@@ -286,8 +285,7 @@ def build_reference(config, topology, data, objective, precision, policy, scorer
             model, initial = prepare_model(config.model, precision.reference_weights, cache_dir, config.seed)
         model = place(model.requires_grad_(False), config, topology, precision.reference_compute, initial)
         if config.liger_kernel:
-            dtype = probe_dtype(model, precision.reference_compute, not topology.fsdp)
-            print(apply_liger(model, dtype, topology.device, topology.broadcast).replace("liger_kernel:", "reference:"))
+            print(liger_line(model, precision.reference_compute, topology, not topology.fsdp, "reference"))
         return model
 
     reference_model = None

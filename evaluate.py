@@ -62,10 +62,10 @@ class EvaluateConfig:
     judge: str = MISSING
     judge_template: Optional[str] = MISSING
     datasets: Optional[list[str]] = MISSING
-    n_eval_examples: Optional[int] = ranged(Range(0, low_open=True, null="for a whole test split"))
-    max_length: int = ranged(POSITIVE)
-    max_prompt_length: int = ranged(POSITIVE)
-    chat_template_kwargs: dict[str, Any] = MISSING
+    n_eval_examples: Optional[int] = ranged(Range(0, low_open=True, null="for the run's (or train.py's)"))
+    max_length: Optional[int] = ranged(Range(0, low_open=True, null="for the run's (or train.py's)"))
+    max_prompt_length: Optional[int] = ranged(Range(0, low_open=True, null="for the run's (or train.py's)"))
+    chat_template_kwargs: Optional[dict[str, Any]] = MISSING
     n_prompts: int = ranged(POSITIVE)
     samples_per_prompt: int = ranged(POSITIVE)
     temperatures: list[float] = MISSING
@@ -91,15 +91,9 @@ class EvaluateConfig:
             raise UserError("reference=chosen: the KL is measured against a model; name one, or null")
         if not self.temperatures or any(not (isinstance(t, (int, float)) and t > 0) for t in self.temperatures):
             raise UserError(f"temperatures={list(self.temperatures)} must be positive numbers, at least one")
-        configuration.expect(
-            0 < self.max_prompt_length < self.max_length,
-            "max_prompt_length",
-            self.max_prompt_length,
-            f"positive and below max_length={self.max_length}",
-        )
         if self.datasets is not None and not self.datasets:
             raise UserError("datasets=[] names no dataset; give one, or null for the first candidate's run's")
-        problem = template_kwargs_problem(self.chat_template_kwargs)
+        problem = template_kwargs_problem(self.chat_template_kwargs or {})
         if problem:
             raise UserError(f"chat_template_kwargs={configuration.as_override(self.chat_template_kwargs)} {problem}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -114,26 +108,35 @@ class EvaluateConfig:
 configuration.register("evaluate", EvaluateConfig)
 
 
+DATA_KEYS = ("datasets", "n_eval_examples", "max_length", "max_prompt_length", "chat_template_kwargs")
+
+
 def data_settings(config: DictConfig) -> DictConfig:
-    """What the held-out prompts come from: the keys as given, or with datasets=null the first candidate's run's
-    (its config.yaml beside the checkpoint): its datasets, held-out split (seed, n_eval_examples), lengths and
-    chat_template_kwargs, so that its held-out prompts are the ones it never trained on."""
-    keys = ("datasets", "seed", "n_eval_examples", "max_length", "max_prompt_length", "chat_template_kwargs")
-    if config.datasets is not None:
-        return OmegaConf.masked_copy(config, list(keys))
+    """What the held-out prompts come from: each of DATA_KEYS as given, or where null the first candidate's run's
+    (its config.yaml beside the checkpoint; without a run, train.py's default), and the seed its held-out split is
+    drawn with (the run's; without a run, `seed`): a run's held-out prompts are the ones it never trained on."""
     first = Path(config.candidates[0])
-    if not (first.parent / "config.yaml").exists():
+    run = first.parent / "config.yaml"
+    if config.datasets is None and not run.exists():
         raise UserError(
             f"datasets=null takes the datasets of the first candidate's run, but {first} is not a run's checkpoint "
             "(no config.yaml beside it): set datasets=[...]"
         )
-    return OmegaConf.masked_copy(run_config(first), list(keys))
+    base = run_config(first) if run.exists() else configuration.composed([])
+    settings = OmegaConf.create({key: config[key] if config[key] is not None else base[key] for key in DATA_KEYS})
+    settings.seed = base.seed if run.exists() else config.seed
+    configuration.expect(
+        0 < settings.max_prompt_length < settings.max_length,
+        "max_prompt_length",
+        settings.max_prompt_length,
+        f"positive and below max_length={settings.max_length}",
+    )
+    return settings
 
 
-def held_out_prompts(config: DictConfig, tokenizer, cache_dir: Path) -> list[dict]:
-    """The first n_prompts distinct held-out prompts, each the first example of its prompt: {"prompt", "responses"
-    (its chosen and rejected), "key", and "images" where it has any}."""
-    data = data_settings(config)
+def held_out_prompts(config: DictConfig, data: DictConfig, tokenizer, cache_dir: Path) -> list[dict]:
+    """The first n_prompts distinct held-out prompts of `data` (data_settings), each the first example of its
+    prompt: {"prompt", "responses" (its chosen and rejected), "key", and "images" where it has any}."""
     settings = Tokenization(data.max_length, data.max_prompt_length, False, dict(data.chat_template_kwargs))
     splits = load_examples(list(data.datasets), tokenizer, settings, data.seed, data.n_eval_examples, cache_dir)
     held_out = first_of_each_group(splits["test"])
@@ -236,10 +239,10 @@ def text_length(ids: list[int], eos_token_id: int) -> int:
     return len(ids) - (1 if ids and ids[-1] == eos_token_id else 0)
 
 
-def judge_all(config: DictConfig, generations: Generations, tokenizer, device) -> tuple[dict, list[dict]]:
-    """(rank 0) Each candidate against the baseline at each temperature, judged: {candidate: {temperature: summary}}
-    and every judged pair as a line of samples.jsonl."""
-    cache_dir, max_length = get_local_dir(config.local_dirs), data_settings(config).max_length
+def judge_all(config: DictConfig, generations: Generations, tokenizer, device, max_length: int) -> tuple[dict, list]:
+    """(rank 0) Each candidate against the baseline at each temperature, judged (a reward model reads max_length
+    tokens): {candidate: {temperature: summary}} and every judged pair as a line of samples.jsonl."""
+    cache_dir = get_local_dir(config.local_dirs)
     judge = load_judge(config.judge, config.judge_template, device, config.batch_size, max_length, cache_dir)
     prompt_texts = [tokenizer.decode(ids) for ids in generations.prompt_ids]  # as the policy read it
     baseline = config.baseline
@@ -275,14 +278,15 @@ def evaluate(config: DictConfig, topology: Topology) -> Path | None:
         for spec in [*config.candidates[1:], config.baseline, config.reference]:
             if spec not in (None, CHOSEN):
                 check_same_vocabulary(tokenizer, trained_tokenizer(spec, cache_dir), config.candidates[0], spec)
-        prompts = held_out_prompts(config, tokenizer, cache_dir)
+        data = data_settings(config)
+        prompts = held_out_prompts(config, data, tokenizer, cache_dir)
     generations = Generations(config, topology, tokenizer, prompts)
     generations.run()
     rate = generations.tokens / max(generations.seconds, 1e-9)
     print(f"generation: {int(generations.tokens)} tokens in {generations.seconds:.1f} s, {rate:.1f} tokens/s")
 
     def report() -> Path:
-        results, lines = judge_all(config, generations, tokenizer, topology.device)
+        results, lines = judge_all(config, generations, tokenizer, topology.device, data.max_length)
         output = Path(config.output_dir) if config.output_dir else get_local_run_dir(config.exp_name, config.local_dirs)
         speed = {"tokens": int(generations.tokens), "seconds": generations.seconds, "tokens_per_second": rate}
         evaluation_report.write(output, config, results, lines, speed)

@@ -24,7 +24,7 @@ import numpy as np
 
 from build import fill_reference_cache, reference_computation
 from core.examples import Examples, from_ids
-from core.generations import sample_seed
+from core.generations import distinct_prompts, sample_seed
 from core.rewards import load_reward
 from core.step import Data
 from modeling.vision import pack_images, unpack_images
@@ -38,13 +38,6 @@ from utils import UserError
 DIRECTORY = "rounds"
 
 
-def distinct_prompts(batches: list[list[dict]], n: int) -> tuple[list[list[int]], list[bytes]]:
-    """The first n distinct prompts of the batches' examples, and their images (pack_images): a prompt is its ids and
-    its images, so that one question asked of two images is two prompts."""
-    distinct = list({(tuple(ex["prompt"]), ex.get("images", b"")): None for batch in batches for ex in batch})[:n]
-    return [list(prompt) for prompt, _ in distinct], [images for _, images in distinct]
-
-
 class Rounds:
     """The rounds of a run, on the Trainer's parts (every rank runs it; the reward runs on rank 0)."""
 
@@ -54,7 +47,11 @@ class Rounds:
         prompts = first_of_each_group(trainer.data.train_examples)
         self.prompts = prompts.select(np.random.default_rng(self.config.seed).permutation(len(prompts)))
         self.eval_batches = trainer.data.eval_batches
-        self.eval_prompts, self.eval_images = distinct_prompts(self.eval_batches, self.settings.eval_prompts)
+        held_out = distinct_prompts(self.eval_batches, self.settings.eval_prompts)
+        self.eval_prompts, self.eval_images = (
+            [ex["prompt"] for ex in held_out],
+            [ex.get("images", b"") for ex in held_out],
+        )
         c = self.config
         self.reward = self.topology.run_on_main(
             lambda: load_reward(self.settings.reward, self.topology.device, c.eval_batch_size, c.max_length)

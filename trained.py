@@ -11,11 +11,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from build import place
+from core.generations import is_reward_model
 from core.losses import LOSSES
 from modeling import weights
 from modeling.adapters import apply_lora
 from modeling.distributed import Topology
-from modeling.models import load_model, load_tokenizer, prepare_model
+from modeling.models import load_model, load_tokenizer, prepare_model, resolve_model_dir
 from modeling.precision import parse_dtype
 from persistence import checkpoint
 from utils import UserError, first_line, get_local_dir
@@ -89,11 +90,28 @@ def adapter_base(directory: Path) -> str:
     return base
 
 
+def check_generates(spec: str, saved_as: str, cache_dir: Path) -> None:
+    """A one-line error where `spec` is a reward model (a sequence classifier: a loss=reward run's), which scores
+    text and generates none."""
+    path = Path(spec)
+    if saved_as == "checkpoint":
+        reward = LOSSES[run_config(path).loss.name].objective == "reward"
+    elif saved_as == "adapter":
+        reward = json.loads((path / ADAPTER_CONFIG).read_text()).get("task_type") == "SEQ_CLS"
+    else:
+        reward = is_reward_model(resolve_model_dir(spec, cache_dir))
+    if reward:
+        raise UserError(f"{spec} is a reward model, which generates nothing: a judge (judge={spec}), not a candidate")
+
+
 def load_trained(spec: str, topology: Topology, dtype: torch.dtype, cache_dir: Path) -> torch.nn.Module:
-    """The model `spec` names (see kind), in `dtype`, placed on the topology, in eval mode."""
-    if kind(spec) == "checkpoint":
+    """The model `spec` names (see kind), in `dtype`, placed on the topology, in eval mode; a reward model is one
+    line."""
+    saved_as = kind(spec)
+    check_generates(spec, saved_as, cache_dir)
+    if saved_as == "checkpoint":
         model = checkpoint_policy(Path(spec), topology, dtype)
-    elif kind(spec) == "adapter":  # the base whole on each process, the adapter merged in, then placed
+    elif saved_as == "adapter":  # the base whole on each process, the adapter merged in, then placed
         from peft import PeftModel
 
         settings = model_settings(adapter_base(Path(spec)), dtype)
@@ -115,7 +133,8 @@ def load_trained(spec: str, topology: Topology, dtype: torch.dtype, cache_dir: P
 def trained_tokenizer(spec: str, cache_dir: Path):
     """The tokenizer (and processor) a model was trained with: a checkpoint's own copy, an adapter's base's, or the
     model directory's."""
-    if kind(spec) == "checkpoint" and not (Path(spec) / "tokenizer_config.json").exists():
+    saved_as = kind(spec)
+    if saved_as == "checkpoint" and not (Path(spec) / "tokenizer_config.json").exists():
         return load_tokenizer(run_config(Path(spec)).model, cache_dir)
-    source = adapter_base(Path(spec)) if kind(spec) == "adapter" else spec
+    source = adapter_base(Path(spec)) if saved_as == "adapter" else spec
     return load_tokenizer(model_settings(source, torch.float32), cache_dir)

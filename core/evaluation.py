@@ -7,7 +7,7 @@ import numpy as np
 import torch
 import tqdm
 
-from core.generations import Sampler, load_judge, sample_seed
+from core.generations import Sampler, distinct_prompts, load_judge, sample_seed
 from core.winrates import score
 from modeling.distributed import Topology
 from utils import get_local_dir, metric_mean
@@ -83,8 +83,7 @@ class HeldOutWinRate:
 
     def __init__(self, config, topology: Topology, tokenizer, sampler: Sampler, eval_batches: list[list[dict]]):
         self.config, self.topology, self.tokenizer, self.sampler = config, topology, tokenizer, sampler
-        distinct = {(tuple(ex["prompt"]), ex.get("images", b"")): ex for batch in eval_batches for ex in batch}
-        examples = list(distinct.values())[: config.eval_winrate_prompts]
+        examples = distinct_prompts(eval_batches, config.eval_winrate_prompts)
         self.prompts, self.images = [ex["prompt"] for ex in examples], [ex.get("images", b"") for ex in examples]
         self.seeds = [sample_seed(ex["key"], config.seed, "winrate") for ex in examples]
         c, cache_dir = config, get_local_dir(config.local_dirs)

@@ -37,6 +37,15 @@ def sample_seed(prompt_key: bytes, *parts) -> int:
     return int.from_bytes(digest, "little") >> 1  # torch seeds are below 2^63 here
 
 
+def distinct_prompts(batches: list[list[dict]], n: int) -> list[dict]:
+    """The first example of each of the first n distinct prompts of the batches' examples: a prompt is its ids and
+    its images (pack_images), so that one question asked of two images is two prompts."""
+    first = {}
+    for example in (ex for batch in batches for ex in batch):
+        first.setdefault((tuple(example["prompt"]), example.get("images", b"")), example)
+    return list(first.values())[:n]
+
+
 class Sampler:
     """Completions by a model of tokenized prompts, up to max_new_tokens each, and their log-probs, on this
     process's share of a topology: every data-parallel rank computes its share in batches of batch_size and the

@@ -36,19 +36,22 @@ def family_function(model: torch.nn.Module):
     return MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_class(model).config.model_type)
 
 
-def apply_liger(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, agree=lambda line: line) -> str:
+def apply_liger(
+    model: torch.nn.Module, dtype: torch.dtype, device: torch.device, agree=lambda line: line, label="liger_kernel"
+) -> str:
     """Liger's kernels in `model` where its family has them and the probe agrees (dtype: the model's compute dtype
     in the probe; every rank probes, a sharded model needing all of them, and agree(line) gives rank 0's verdict to
-    all); the line that says what was taken, or why not (the model then keeps its plain modules)."""
+    all); the line that says what was taken, or why not (the model then keeps its plain modules), after `label`
+    (the policy's key, or the reference's)."""
     name = type(model_class(model)).__name__
     apply = family_function(model)
     if apply is None:
-        return f"liger_kernel: none for {name} (Liger-Kernel has no function for its family): plain modules"
+        return f"{label}: none for {name} (Liger-Kernel has no function for its family): plain modules"
     accepted = inspect.signature(apply).parameters
     kernels = [key for key in KERNELS if key in accepted]
     batch = pad(PROBE_EXAMPLES, 0).to(device)
     saved = plain_state(model)
-    taken = f"liger_kernel: {', '.join(KERNELS[key] for key in kernels)} kernels in {name}"
+    taken = f"{label}: {', '.join(KERNELS[key] for key in kernels)} kernels in {name}"
     try:
         with torch.no_grad(), exact_float32():
             want = sequence_logps(model, batch, None, dtype, scored_head=False)
@@ -56,9 +59,9 @@ def apply_liger(model: torch.nn.Module, dtype: torch.dtype, device: torch.device
             got = sequence_logps(model, batch, None, dtype, scored_head=False)
         line = taken
         if not torch.allclose(got, want, rtol=probe_tolerance(dtype), atol=probe_tolerance(dtype)):
-            line = f"liger_kernel: {name}'s log-probs differ by {(got - want).abs().max():.2g} with Liger's kernels"
+            line = f"{label}: {name}'s log-probs differ by {(got - want).abs().max():.2g} with Liger's kernels"
     except Exception as error:  # any failure means: not this model
-        line = f"liger_kernel: {name} failed with Liger's kernels ({type(error).__name__}: {first_line(error)})"
+        line = f"{label}: {name} failed with Liger's kernels ({type(error).__name__}: {first_line(error)})"
     line = agree(line)
     if line != taken:
         restore(saved)

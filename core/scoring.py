@@ -422,6 +422,13 @@ def exact_float32():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+def probes_dtype(model: torch.nn.Module, compute: torch.dtype | None, autocast: bool) -> torch.dtype:
+    """The dtype a placed model computes in without autocast, as the probes run it (exact in float32): its weights'
+    under autocast, FSDP's compute dtype (`compute`) otherwise."""
+    weights = next(model.parameters()).dtype
+    return weights if autocast else (compute or weights)
+
+
 def model_class(model: torch.nn.Module):
     """The transformers model inside peft's wrapper, or the model itself."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -690,8 +697,7 @@ class Scorer:
         saying why. compute: the policy's compute dtype (None: its weights'); tail_weight: the objective's
         (response_sums); reward_eos: a reward model's EOS id (its head reads one position a sequence: no scored
         logits to choose)."""
-        weights = next(model.parameters()).dtype
-        probe_dtype = weights if autocast else (compute or weights)  # probes run without autocast: exact in float32
+        probe_dtype = probes_dtype(model, compute, autocast)
         device = topology.device
         layout, attention, scored_head = settings.layout, settings.packed_attention, settings.scored_logits_only
         scored_head = scored_head and reward_eos is None

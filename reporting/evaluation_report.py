@@ -147,13 +147,11 @@ def write_figure(path: Path, results: dict) -> None:
             axis.legend(fontsize=8)
         axis.grid(alpha=0.3)
     figure.tight_layout()
-
-    def save() -> None:
-        figure.savefig(path, dpi=110)
-
-    with storage.writing(path):
-        save()
-    plt.close(figure)
+    try:
+        with storage.replaced(path) as tmp:  # written whole
+            figure.savefig(tmp, dpi=110, format="png")
+    finally:
+        plt.close(figure)
 
 
 def log_to_wandb(output: Path, config: DictConfig, results: dict, lines: list[dict]) -> None:

@@ -14,6 +14,7 @@ from typing import Callable
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from omegaconf import DictConfig, OmegaConf
 
+from persistence import storage
 from preference_datasets import FILE_SUFFIXES, HUB_DATASETS, HUB_ID
 from utils import UserError, first_line
 
@@ -173,5 +174,5 @@ def add_results(directory: Path, results: list[dict]) -> bool:
     kept = [r for r in card.data.eval_results or [] if (r.dataset_name, r.metric_name) not in added]
     card.data.eval_results = kept + list(added.values())
     card.data.model_name = card.data.model_name or Path(directory).resolve().name
-    card.save(path)
+    storage.write_text(path, card.content)  # written whole: a card that fails to save is the card it was
     return True

@@ -584,12 +584,11 @@ def choose_micro_batches(
         if share % k == 0 and config.eval_batch_size % (k * dp) == 0
     ]
     peaks = {}
-    for k in counts:
+    for k in counts:  # the fewest micro-batches first: the first that fits is the choice
         peaks[k] = memory_plan(with_accumulation(work, k), trainer, mesh, on_gpu).device_peak()
         if peaks[k] <= limit:
             break
-    k = next((k for k, peak in peaks.items() if peak <= limit), None)
-    if k is None:
+    else:
         finest = counts[-1]
         short = (
             f"the smallest micro-batches (gradient_accumulation_steps={finest}, {plural(share // finest, 'example')} "

@@ -22,6 +22,7 @@ import config as configuration
 import evaluate
 import train
 from conftest import (
+    TINY_DIR,
     arithmetic_pairs,
     build_trainer,
     colour_rows,
@@ -277,7 +278,7 @@ def test_image_prompts_reach_the_candidate_and_a_vision_language_judge(tmp_path,
     assert len(lines) == 4 and sum(encoded) >= 4
     config = configuration.load(evaluation_args(tmp_path, data, *settings), "evaluate")
     tokenizer = load_tokenizer(model_settings(str(policy_dir), torch.float32), tmp_path)
-    prompts = evaluate.held_out_prompts(config, tokenizer, tmp_path)
+    prompts = evaluate.held_out_prompts(config, evaluate.data_settings(config), tokenizer, tmp_path)
     reward = ModelReward(tmp_path / "reward", torch.device("cpu"), batch_size=4, max_length=96)
     other = pack_images((png((1, 2, 3)),))
     for line in lines:
@@ -386,3 +387,41 @@ def test_a_runs_checkpoint_is_evaluated_on_its_held_out_prompts_and_its_card_gai
         summary["win_rate"]["value"] * 100, 2
     )
     assert len(results) == 2 and card.data.model_name
+
+
+def test_the_data_keys_left_null_are_the_runs_and_given_ones_win(tiny_runs, models, tmp_path):
+    # A run's checkpoint: its datasets, lengths and split seed; a key given on the command line replaces the run's.
+    # A model without a run: train.py's defaults, the split drawn with `seed`.
+    full, _ = tiny_runs
+    run = OmegaConf.load(full / "config.yaml")
+    args = ["judge=tests.round_rewards:lowercase_letters", "seed=5"]
+    of_run = evaluate.data_settings(configuration.load([f"candidates=[{full / 'LATEST'}]", *args], "evaluate"))
+    assert list(of_run.datasets) == list(run.datasets) and of_run.max_length == run.max_length
+    assert of_run.n_eval_examples == run.n_eval_examples == 8 and of_run.seed == run.seed
+    given = configuration.load(
+        [f"candidates=[{full / 'LATEST'}]", "max_length=77", "max_prompt_length=20", *args], "evaluate"
+    )
+    assert evaluate.data_settings(given).max_length == 77 and evaluate.data_settings(given).max_prompt_length == 20
+    without_run = configuration.load([*without_run_args(models), *args], "evaluate")
+    settings = evaluate.data_settings(without_run)
+    assert (settings.max_length, settings.max_prompt_length, settings.n_eval_examples, settings.seed) == (
+        512,
+        256,
+        256,
+        5,
+    )
+    with pytest.raises(UserError, match="max_prompt_length=600 must be positive and below max_length=512"):
+        evaluate.data_settings(
+            configuration.load([*without_run_args(models), "max_prompt_length=600", *args], "evaluate")
+        )
+
+
+def without_run_args(models) -> list[str]:
+    return [f"candidates=[{models[0]}]", f"datasets=[{models[2]}]"]
+
+
+def test_a_reward_model_given_as_a_model_to_sample_is_one_line(tmp_path):
+    config = transformers.AutoConfig.from_pretrained(TINY_DIR, num_labels=1)
+    transformers.AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "rm")
+    with pytest.raises(UserError, match=r"rm is a reward model, which generates nothing: a judge \(judge="):
+        evaluate.load_trained(str(tmp_path / "rm"), Topology.create("BasicTrainer"), torch.float32, tmp_path)
