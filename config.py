@@ -267,24 +267,7 @@ class Config:
             raise UserError(
                 f"unknown trainer '{self.trainer}'{did_you_mean(self.trainer, TRAINERS)}; valid: {', '.join(TRAINERS)}"
             )
-        if self.layout not in LAYOUTS:
-            raise UserError(
-                f"layout={self.layout} is not a layout{did_you_mean(self.layout, LAYOUTS)}; "
-                f"expected one of {', '.join(LAYOUTS)}"
-            )
-        if self.packed_attention not in ATTENTIONS:
-            raise UserError(
-                f"packed_attention={self.packed_attention} is not an attention path"
-                f"{did_you_mean(self.packed_attention, ATTENTIONS)}; expected one of {', '.join(ATTENTIONS)}"
-            )
-        if self.layout == "padded" and (self.packed_attention != "auto" or self.pack_row_tokens is not None):
-            key, value = (
-                ("pack_row_tokens", self.pack_row_tokens)
-                if self.pack_row_tokens is not None
-                else ("packed_attention", self.packed_attention)
-            )
-            what = "rows" if key == "pack_row_tokens" else "attention"
-            raise UserError(f"{key}={value} sets the {what} of layout=packed, but layout=padded")
+        check_layout(self)
         if self.model.fsdp_reduce_dtype != "float32" and not TRAINERS[self.trainer].fsdp:
             raise UserError(
                 f"model.fsdp_reduce_dtype={self.model.fsdp_reduce_dtype} sets how FSDPTrainer reduces gradients; "
@@ -292,11 +275,6 @@ class Config:
             )
         if self.fsdp_cpu_offload:
             check_offload(self.trainer, self.plan.active, self.lora.enabled)
-        if self.packed_attention == "block" and not torch.cuda.is_available():
-            raise UserError(
-                "packed_attention=block needs a CUDA GPU: FlexAttention has no backward pass on CPU (torch 2.13), and "
-                "its CPU forward measured slower than the dense mask; use auto or dense"
-            )
         check_optimizer(self.optimizer, self.optimizer_kwargs, self.lr)
         check_speed_levers(self)
         if self.lora.enabled and self.model.reference_dtype != "auto":
@@ -389,6 +367,34 @@ def check_rounds(config: Config) -> None:
         )
     if not config.generation.do_sample:
         raise UserError(f"{n} samples {config.rounds.completions} completions a prompt: generation.do_sample=true")
+
+
+def check_layout(config: Config) -> None:
+    """layout, packed_attention and pack_row_tokens: names that exist, the packed layout's keys only with it, the
+    block mask only where FlexAttention has a backward."""
+    if config.layout not in LAYOUTS:
+        raise UserError(
+            f"layout={config.layout} is not a layout{did_you_mean(config.layout, LAYOUTS)}; "
+            f"expected one of {', '.join(LAYOUTS)}"
+        )
+    if config.packed_attention not in ATTENTIONS:
+        raise UserError(
+            f"packed_attention={config.packed_attention} is not an attention path"
+            f"{did_you_mean(config.packed_attention, ATTENTIONS)}; expected one of {', '.join(ATTENTIONS)}"
+        )
+    if config.layout == "padded" and (config.packed_attention != "auto" or config.pack_row_tokens is not None):
+        key, value = (
+            ("pack_row_tokens", config.pack_row_tokens)
+            if config.pack_row_tokens is not None
+            else ("packed_attention", config.packed_attention)
+        )
+        what = "rows" if key == "pack_row_tokens" else "attention"
+        raise UserError(f"{key}={value} sets the {what} of layout=packed, but layout=padded")
+    if config.packed_attention == "block" and not torch.cuda.is_available():
+        raise UserError(
+            "packed_attention=block needs a CUDA GPU: FlexAttention has no backward pass on CPU (torch 2.13), and "
+            "its CPU forward measured slower than the dense mask; use auto or dense"
+        )
 
 
 def check_winrate(config: Config) -> None:

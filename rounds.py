@@ -19,6 +19,7 @@ a resume from the checkpoint that ends a round starts the next one afresh."""
 
 import base64
 import json
+from pathlib import Path
 
 import numpy as np
 
@@ -99,7 +100,7 @@ class Rounds:
             f"{record['rounds/sampled_reward']:.4g}; {record['rounds/pairs']} pairs (mean reward "
             f"{record['rounds/chosen_reward']:.4g} chosen, {record['rounds/rejected_reward']:.4g} rejected), "
             f"{record['rounds/ties']} ties dropped; held-out greedy reward {record['rounds/heldout_reward']:.4g}; "
-            f"{len(data.schedule)} steps; {self.directory / f'round-{round_index}.jsonl'}"
+            f"{len(data.schedule)} steps; {round_path(self.directory, round_index)}"
         )
         if len(data.train_examples):
             c, examples = self.config, data.train_examples
@@ -153,26 +154,12 @@ class Rounds:
         rewards = self.reward(prompt_texts, completion_texts, [packed for packed in images for _ in range(k)])
         line_texts = (prompt_texts[::k], completion_texts)
         lines = round_lines(round_index, prompts, groups, *line_texts, completions, rewards, images)
-        path = self.directory / f"round-{round_index}.jsonl"
-        with storage.writing(path):
-            self.directory.mkdir(parents=True, exist_ok=True)
-        storage.write_text(path, "".join(json.dumps(line) + "\n" for line in lines))
+        write_round(self.directory, round_index, lines)
         return lines
 
     def read(self, round_index: int) -> list[dict]:
         """The lines of a round's file (a resume inside the round), on every rank."""
-        path = self.directory / f"round-{round_index}.jsonl"
-
-        def read() -> list[dict]:
-            try:
-                return [json.loads(line) for line in path.read_text().splitlines()]
-            except (OSError, ValueError) as error:
-                raise UserError(
-                    f"{path}: the pairs of the round this checkpoint is in cannot be read ({error}); resume from the "
-                    "checkpoint that ends the round before"
-                ) from None
-
-        return self.topology.broadcast(self.topology.run_on_main(read))
+        return self.topology.broadcast(self.topology.run_on_main(lambda: read_round(self.directory, round_index)))
 
     def round_data(self, round_index: int, lines: list[dict]) -> Data:
         """The round's pairs as examples, their schedule (n_epochs or n_examples of them, as the datasets' pairs
@@ -230,6 +217,30 @@ class Rounds:
             return float(np.mean(self.reward(prompt_texts, completion_texts, self.eval_images)))
 
         return self.topology.broadcast(self.topology.run_on_main(mean_reward))
+
+
+def round_path(directory: Path, round_index: int) -> Path:
+    return directory / f"round-{round_index}.jsonl"
+
+
+def write_round(directory: Path, round_index: int, lines: list[dict]) -> None:
+    """A round's lines to rounds/round-R.jsonl, whole."""
+    path = round_path(directory, round_index)
+    with storage.writing(path):
+        directory.mkdir(parents=True, exist_ok=True)
+    storage.write_text(path, "".join(json.dumps(line) + "\n" for line in lines))
+
+
+def read_round(directory: Path, round_index: int) -> list[dict]:
+    """A round's lines from its file, or one line saying which checkpoint to resume from instead."""
+    path = round_path(directory, round_index)
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines()]
+    except (OSError, ValueError) as error:
+        raise UserError(
+            f"{path}: the pairs of the round this checkpoint is in cannot be read ({error}); resume from the "
+            "checkpoint that ends the round before"
+        ) from None
 
 
 def reward_texts(tokenizer, prompts: list[list[int]], completions: list[list[int]]) -> tuple[list[str], list[str]]:
