@@ -48,27 +48,25 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def matmul_seconds(dtype: torch.dtype, repeats: int) -> float:
-    """Best time of `repeats` PROBE_SIZE square matmuls in `dtype` on the CPU: the best, because other processes
-    on a shared machine only ever slow one down."""
-    a = torch.randn(PROBE_SIZE, PROBE_SIZE).to(dtype)
-    a @ a  # warm-up: kernel selection and first-touch
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ a
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def probe_cpu_matmul_flops() -> dict[str, float]:
-    """FLOP/s of a PROBE_SIZE square matmul on this CPU, by dtype name (float32, bfloat16). Ten repeats of float32
-    (about 3 ms each at 0.1 TFLOP/s), five of bfloat16 (0.2 s each where it is emulated)."""
+def probe_cpu_matmul_flops(rounds: int = 10, emulated_seconds: float = 0.05) -> dict[str, float]:
+    """FLOP/s of a PROBE_SIZE square matmul on this CPU, by dtype name (float32, bfloat16): the best time of each,
+    the two dtypes alternating round by round, so that other processes on a shared machine slow both alike rather
+    than one of them (the best, because load only ever slows a matmul down). float32 takes about 3 ms at 0.1
+    TFLOP/s; bfloat16 where it is emulated takes about 0.2 s, so it stops after half the rounds once its best is
+    slower than emulated_seconds (the answer is clear by then)."""
+    operands = {dtype: torch.randn(PROBE_SIZE, PROBE_SIZE).to(dtype) for dtype in (torch.float32, torch.bfloat16)}
+    best = dict.fromkeys(operands, float("inf"))
+    for a in operands.values():
+        a @ a  # warm-up: kernel selection and first-touch
+    for index in range(rounds):
+        for dtype, a in operands.items():
+            if dtype == torch.bfloat16 and index >= rounds // 2 and best[dtype] > emulated_seconds:
+                continue
+            start = time.perf_counter()
+            a @ a
+            best[dtype] = min(best[dtype], time.perf_counter() - start)
     flops = 2 * PROBE_SIZE**3
-    return {
-        "float32": flops / matmul_seconds(torch.float32, repeats=10),
-        "bfloat16": flops / matmul_seconds(torch.bfloat16, repeats=5),
-    }
+    return {str(dtype).removeprefix("torch."): flops / seconds for dtype, seconds in best.items()}
 
 
 # The CPU flags that decide how fast a bfloat16 matmul can run: native bf16 dot products (AVX512-BF16, AMX) or
