@@ -14,6 +14,7 @@ from pathlib import Path
 
 import transformers
 
+import storage
 from modeling import weights
 from modeling.distributed import (
     Topology,
@@ -23,7 +24,7 @@ from modeling.distributed import (
     reported_errors,
 )
 from modeling.vision import has_processor
-from persistence import checkpoint, storage
+from persistence import checkpoint
 from reporting.model_card import write_cards
 from trained import checkpoint_policy, run_config
 from utils import UserError
@@ -67,7 +68,7 @@ def write(checkpoint_dir: Path, directory: Path, legacy: bool, topology: Topolog
     """The export's weights in `directory`: consolidated from the checkpoint's shards, or, for a LoRA checkpoint, the
     run's base with the adapters merged in. Collective."""
     if legacy:
-        state = checkpoint.read_file(checkpoint_dir / "policy.pt", "export", mmap=True)["state"]
+        state = weights.read_reference_format(checkpoint_dir / "policy.pt", "export", mmap=True)["state"]
     names = set(state) if legacy else set(weights.stored_shapes(checkpoint_dir / "policy"))
     if any(".lora_" in name for name in names):
         checkpoint.export(directory, checkpoint_policy(checkpoint_dir, topology), topology, None)

@@ -23,13 +23,14 @@ from pathlib import Path
 
 import numpy as np
 
+import storage
 from build import fill_reference_cache, reference_computation
 from core.examples import Examples, from_ids
 from core.generations import distinct_prompts, sample_seed
 from core.rewards import load_reward
 from core.step import Data
 from modeling.vision import pack_images, unpack_images
-from persistence import reference_cache, storage
+from persistence import reference_cache
 from persistence.tokenized import first_of_each_group
 from preference_datasets import batch_schedule
 from reporting.report import data_report

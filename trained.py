@@ -46,7 +46,7 @@ def checkpoint_policy(checkpoint_dir: Path, topology: Topology, dtype: torch.dty
     policy = place(policy, config, topology, None, initial)
     part = checkpoint.ModelWeights(policy)
     if checkpoint.is_legacy(checkpoint_dir):
-        part.load_whole(checkpoint.read_file(checkpoint_dir / "policy.pt", "export")["state"], broadcast=False)
+        part.load_whole(weights.read_reference_format(checkpoint_dir / "policy.pt", "export")["state"], broadcast=False)
     else:
         part.load(checkpoint_dir / "policy")
     return policy

@@ -29,9 +29,9 @@ from core.optim import clip_grad_norm
 from core.step import Data
 from modeling.reference_sync import SyncedReference
 from persistence import checkpoint, reference_cache
-from persistence.storage import append_jsonl, truncate_jsonl
 from reporting.plots import write_plots
 from reporting.telemetry import Throughput, step_amounts
+from storage import append_jsonl, truncate_jsonl
 from utils import Interrupted, UserError, metric_mean
 
 PROGRESS_BAR = {"desc": "train", "unit": "step", "dynamic_ncols": True}

@@ -18,11 +18,10 @@ import torch
 import transformers
 from omegaconf import DictConfig
 
+import storage
 from modeling import weights
 from modeling.adapters import base_model_name
 from modeling.vision import Vision
-from persistence import storage
-from persistence.checkpoint import read_file
 from utils import REPO_ROOT, UserError, first_line
 
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -288,7 +287,7 @@ def read_archive(model: torch.nn.Module, archive: Path, kept: set[str]) -> None:
             raise UserError(f"{setting} is a directory but not a checkpoint (no policy/)")
         shapes = weights.stored_shapes(source)
     else:
-        state = read_file(archive, "model.archive", mmap=True)["state"]
+        state = weights.read_reference_format(archive, "model.archive", mmap=True)["state"]
         shapes = {name: value.shape for name, value in state.items()}
     names, problems = stored_names(model, shapes, kept, whole_state=True)
     problems += [f"{name} is unexpected" for name in sorted(set(shapes) - set(names.values()))]

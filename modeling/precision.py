@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from persistence import storage
+import storage
 from utils import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -11,6 +11,7 @@ Without a process group (BasicTrainer) the same calls run on the one process."""
 import hashlib
 import inspect
 import json
+import pickle
 import shutil
 import warnings
 from pathlib import Path
@@ -28,8 +29,8 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+import storage
 from modeling.distributed import Topology
-from persistence import storage
 from utils import UserError, first_line
 
 # DCP says so at every call without a process group, which is how BasicTrainer runs it
@@ -308,3 +309,17 @@ def failure(error: CheckpointException) -> str:
             return f"{cause.strerror or first_line(cause)}: {cause.filename}"
         return first_line(cause)
     return first_line(error)
+
+
+def read_reference_format(path: Path, setting: str, mmap: bool = False) -> dict:
+    """A file in the reference format, read with weights_only (mmap: its tensors mapped, not read). Anything else
+    raises a UserError that names the `setting` it came from."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except FileNotFoundError:
+        raise UserError(f"{setting}: {path} does not exist") from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+        raise UserError(f"{setting}: {path} is not a readable checkpoint ({first_line(error)})") from None
+    if not isinstance(checkpoint, dict) or "state" not in checkpoint:
+        raise UserError(f"{setting}: {path} is not a checkpoint in the reference format (no 'state')")
+    return checkpoint

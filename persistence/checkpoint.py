@@ -39,10 +39,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+import storage
 from modeling import weights
 from modeling.adapters import is_adapted, is_quantized, merged_weights
 from modeling.distributed import Topology
-from persistence import storage
 from reporting.model_card import write_cards
 from utils import UserError, first_line
 
@@ -442,7 +442,9 @@ def load_small(checkpoint_dir: Path, parts: dict, topology: Topology, setting: s
 
     def read() -> dict:
         return {
-            n: read_file(checkpoint_dir / f"{n}.pt", setting) for n in names if (checkpoint_dir / f"{n}.pt").exists()
+            n: weights.read_reference_format(checkpoint_dir / f"{n}.pt", setting)
+            for n in names
+            if (checkpoint_dir / f"{n}.pt").exists()
         }
 
     states = topology.broadcast(topology.run_on_main(read))
@@ -550,11 +552,11 @@ def read(checkpoint_dir: Path, names: list[str], policy, optimizer, batch_size: 
 
 
 def read_states(checkpoint_dir: Path, setting: str, mmap: bool = False) -> dict[str, dict]:
-    states = {"policy": read_file(checkpoint_dir / "policy.pt", setting, mmap)}
+    states = {"policy": weights.read_reference_format(checkpoint_dir / "policy.pt", setting, mmap)}
     if not isinstance(states["policy"].get("step_idx"), int):
         raise UserError(f"{setting}: {checkpoint_dir / 'policy.pt'} has no step_idx: not a training checkpoint")
     for name in LEGACY_FILES[1:]:
-        states[name] = read_file(checkpoint_dir / f"{name}.pt", setting, mmap)
+        states[name] = weights.read_reference_format(checkpoint_dir / f"{name}.pt", setting, mmap)
     return states
 
 
@@ -582,20 +584,6 @@ def check_fit(checkpoint_dir: Path, states: dict[str, dict], policy, batch_size:
         raise UserError(
             f"{setting}: {checkpoint_dir / 'optimizer.pt'} has state for an unknown parameter {unknown[0]!r}"
         )
-
-
-def read_file(path: Path, setting: str, mmap: bool = False) -> dict:
-    """A file in the reference format, read with weights_only (mmap: its tensors mapped, not read). Anything else
-    raises a UserError that names the `setting` it came from."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except FileNotFoundError:
-        raise UserError(f"{setting}: {path} does not exist") from None
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
-        raise UserError(f"{setting}: {path} is not a readable checkpoint ({first_line(error)})") from None
-    if not isinstance(checkpoint, dict) or "state" not in checkpoint:
-        raise UserError(f"{setting}: {path} is not a checkpoint in the reference format (no 'state')")
-    return checkpoint
 
 
 def load_state(target, state: dict, setting: str, path: Path) -> None:

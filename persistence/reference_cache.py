@@ -23,9 +23,9 @@ import numpy as np
 import torch
 import tqdm
 
+import storage
 from core.layouts import to_device
 from modeling import weights
-from persistence import storage
 from utils import UserError, first_line
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from persistence import storage
+import storage
 from utils import UserError
 
 LOCK_FILE = ".lock"  # neither a log nor a checkpoint: checkpoint.newest/prune and the "already holds a run" check

@@ -36,9 +36,9 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+import storage
 from core.examples import NO_IMAGES, PER_EXAMPLE, Examples, example_keys, image_arrays, truncated
 from modeling.vision import pack_images
-from persistence import storage
 from preference_datasets import (
     LabelledCompletion,
     PreferencePair,

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from persistence import storage
+import storage
 from reporting.model_card import add_results
+from reporting.wandb_run import init_wandb
 
 SUMMARY, SAMPLES, FIGURE = "evaluation.json", "samples.jsonl", "winrate.png"
 
@@ -156,8 +157,6 @@ def write_figure(path: Path, results: dict) -> None:
 
 def log_to_wandb(output: Path, config: DictConfig, results: dict, lines: list[dict]) -> None:
     """The results and the judged pairs as wandb tables (offline without a login; never a crash)."""
-    from train import init_wandb
-
     run = init_wandb(config, output)
     if run is None:
         return

@@ -14,7 +14,7 @@ from typing import Callable
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from omegaconf import DictConfig, OmegaConf
 
-from persistence import storage
+import storage
 from preference_datasets import FILE_SUFFIXES, HUB_DATASETS, HUB_ID
 from utils import UserError, first_line
 

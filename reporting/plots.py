@@ -5,7 +5,7 @@ import json
 import math
 from pathlib import Path
 
-from persistence import storage
+import storage
 
 PANELS = (  # (title, [(metric, label)]): train metrics dotted, eval metrics solid
     ("loss", [("loss/train", "train"), ("loss/eval", "eval")]),

@@ -13,10 +13,11 @@ import torch
 from ballast import fill
 
 import export
+import storage
 import train
 from conftest import MEASURED, policy_state, read_jsonl, records, tiny_run_overrides
 from modeling.distributed import Topology
-from persistence import checkpoint, storage
+from persistence import checkpoint
 from utils import UserError
 
 FAULTS_DIR = Path(__file__).parent / "faults"  # sitecustomize.py: the FAULT=KIND:N hooks

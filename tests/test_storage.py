@@ -14,9 +14,9 @@ import torch.distributed.checkpoint as dcp
 from ballast import fill
 from safetensors.torch import save_file
 
+import storage
 from conftest import REPO_ROOT
-from persistence import storage
-from persistence.storage import WriteFailed, replace_dir
+from storage import WriteFailed, replace_dir
 
 
 def leftovers(directory) -> list[str]:
@@ -115,7 +115,7 @@ def test_a_vanished_directory_is_one_line(tmp_path):
 def test_a_file_size_limit_is_one_line(tmp_path):
     """RLIMIT_FSIZE (ulimit -f), with SIGXFSZ ignored as a batch system may: writes past it fail with EFBIG."""
     code = (
-        "from persistence import storage\n"
+        "import storage\n"
         "try:\n"
         f"    storage.write_bytes(__import__('pathlib').Path({str(tmp_path / 'big.bin')!r}), bytes(1 << 20))\n"
         "except storage.WriteFailed as error:\n"

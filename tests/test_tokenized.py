@@ -356,7 +356,8 @@ BUILDER = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     import transformers
 
-    from persistence import storage, tokenized
+    import storage
+    from persistence import tokenized
     data, cache, ready, n = sys.argv[1:5]
     publish = storage.publish
 
