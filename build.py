@@ -1,6 +1,6 @@
 """Building a run: every part the training loop needs, made once from the checked config, in one place. train.py,
-the dry run (report.py: the same assembly up to the weights), the benchmarks (bench/) and the tests build through
-here; the Trainer (trainers.py) runs what it is given.
+the dry run (reporting/memory_plan.py: the same assembly up to the weights), the benchmarks (bench/) and the tests
+build through here; the Trainer (trainers.py) runs what it is given.
 
 The order matters where noted: local rank 0 loads first (it fills the caches the others then read); the reference's
 log-probs come from the policy's initial weights, before any step; the optimizer is built after FSDP has sharded the
@@ -12,15 +12,17 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from core.attention import model_class
 from core.evaluation import Evaluator
 from core.examples import Examples
 from core.liger import apply_liger
 from core.losses import LOSSES
 from core.objective import build_objective
 from core.optim import build_optimizer, build_scheduler
+from core.probes import probes_dtype
 from core.rewards import reads_images
 from core.router_loss import find_routers
-from core.scoring import Scorer, model_class, probes_dtype
+from core.scoring import Scorer
 from core.step import BatchLoss, Data, check_kto_prompts, mismatched
 from modeling import weights
 from modeling.adapters import (
@@ -32,7 +34,7 @@ from modeling.adapters import (
     quantization_config,
 )
 from modeling.distributed import TRAINERS, Topology, mesh_shape
-from modeling.models import InitialWeights, load_tokenizer, planned_model, prepare_model, transformers_config
+from modeling.models import InitialWeights, planned_model, prepare_model, transformers_config
 from modeling.placement import language_blocks, parallelize
 from modeling.precision import (
     ComputeWeights,
@@ -45,19 +47,18 @@ from modeling.precision import (
     slow_precision_note,
 )
 from modeling.reference_sync import SyncedReference, schedule_line
+from modeling.tokenizers import load_tokenizer
 from modeling.vision import freeze_vision_tower, vision_tower
+from pairs.formats import PreferencePair
 from persistence import checkpoint, reference_cache
+from persistence.checkpoint_loading import preflight
 from persistence.tokenized import Tokenization, first_of_each_group, load_examples, tokenize_pairs
-from preference_datasets import PreferencePair, batch_schedule
-from reporting.report import (
-    GIB,
-    Hardware,
-    Workload,
-    choose_micro_batches,
-    data_report,
-    fit_verdict,
-    micro_batch_budget,
-)
+from preference_datasets import batch_schedule
+from reporting.data_report import data_report
+from reporting.fit_check import fit_verdict
+from reporting.hardware import GIB, Hardware
+from reporting.memory_plan import Workload
+from reporting.micro_batches import choose_micro_batches, micro_batch_budget
 from reporting.telemetry import ModelFlops, PeakRate, peak_flops
 from utils import UserError, get_local_dir
 
@@ -196,7 +197,7 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     if config.resume_from is not None:  # fail now rather than after tokenizing and the reference pass
         resume = Path(config.resume_from)
         offload = config.fsdp_cpu_offload
-        topology.run_on_main(lambda: checkpoint.preflight(resume, policy, config.batch_size, offload))
+        topology.run_on_main(lambda: preflight(resume, policy, config.batch_size, offload))
     data = rank_data(config, topology, tokenizer, objective, cache_dir, pairs)
     print(f"{len(data.schedule)} steps of {config.batch_size} examples")
     check_fit(config, topology, policy, data, precision, live_reference_model(config, objective.needs_reference))
@@ -320,7 +321,7 @@ def build_reference(config, topology, data, objective, precision, policy, scorer
 def check_fit(config: DictConfig, topology: Topology, policy, data: Data, precision: Precision, live: bool) -> None:
     """The micro-batches micro_batch_memory chooses (choose_accumulation; every rank takes the smallest budget of
     all ranks, so that they agree), then stop in one line, before any weight is read, where the run cannot fit this
-    machine's memory (report.py)."""
+    machine's memory (reporting/fit_check.py)."""
     hardware = Hardware.here(topology.world_size)
     mesh = (topology.dp_size, topology.sp_size, topology.tp_size)
     work = Workload(config, policy, data.train_examples, data.schedule, precision, live)
@@ -331,7 +332,7 @@ def check_fit(config: DictConfig, topology: Topology, policy, data: Data, precis
 
 
 def choose_accumulation(work: Workload, hardware: Hardware, mesh: tuple[int, int, int], agree=lambda x: x) -> None:
-    """The micro-batches micro_batch_memory chooses (report.choose_micro_batches), printed and set as the run's
+    """The micro-batches micro_batch_memory chooses (micro_batches.choose_micro_batches), printed and set as the run's
     gradient_accumulation_steps; agree: the budget of every rank from this one's (the smallest of all ranks')."""
     budget = micro_batch_budget(work.config.micro_batch_memory, hardware)
     if budget is not None:
@@ -453,7 +454,7 @@ def dry_run(config: DictConfig, world_size: int) -> None:
     policy = meta_policy(config, precision, cache_dir, objective.reward_model)
     resume = checkpoint.newest(Path(config.local_run_dir)) if config.resume_from == "auto" else config.resume_from
     if resume is not None:  # the checks a run makes before anything else
-        checkpoint.preflight(Path(resume), policy, config.batch_size, config.fsdp_cpu_offload)
+        preflight(Path(resume), policy, config.batch_size, config.fsdp_cpu_offload)
         print(f"resume: {resume} fits this run")
     hardware = planned or Hardware.here(world_size)
     mesh = mesh_shape(config.trainer, world_size, config.tensor_parallel_size, config.sequence_parallel_size)

@@ -24,6 +24,10 @@ import torch
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 import config as configuration
+from configuration.checks import check_writable_dir
+from configuration.composition import register
+from configuration.messages import as_override, expect
+from configuration.sections import WandbConfig
 from core.generations import Sampler, check_judge, load_judge, sample_seed
 from core.winrates import summarize
 from modeling.distributed import (
@@ -33,8 +37,8 @@ from modeling.distributed import (
     leave_process_group,
     reported_errors,
 )
+from pairs.chat_templates import template_kwargs_problem
 from persistence.tokenized import Tokenization, first_of_each_group, load_examples
-from preference_datasets import template_kwargs_problem
 from reporting import evaluation_report
 from trained import kind, load_trained, run_config, trained_tokenizer
 from utils import (
@@ -77,7 +81,7 @@ class EvaluateConfig:
     output_dir: Optional[str] = MISSING
     local_dirs: list[str] = MISSING
     plots: bool = MISSING
-    wandb: configuration.WandbConfig = MISSING
+    wandb: WandbConfig = MISSING
 
     def __post_init__(self):
         check_ranges(self)
@@ -95,17 +99,17 @@ class EvaluateConfig:
             raise UserError("datasets=[] names no dataset; give one, or null for the first candidate's run's")
         problem = template_kwargs_problem(self.chat_template_kwargs or {})
         if problem:
-            raise UserError(f"chat_template_kwargs={configuration.as_override(self.chat_template_kwargs)} {problem}")
+            raise UserError(f"chat_template_kwargs={as_override(self.chat_template_kwargs)} {problem}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise UserError(f"dtype={self.dtype} must be auto, float32 or bfloat16")
         for i, directory in enumerate(self.local_dirs):
-            configuration.check_writable_dir(f"local_dirs[{i}]", directory)
+            check_writable_dir(f"local_dirs[{i}]", directory)
         if self.output_dir is not None:
-            configuration.check_writable_dir("output_dir", self.output_dir)
+            check_writable_dir("output_dir", self.output_dir)
         check_judge(self.judge, self.judge_template)
 
 
-configuration.register("evaluate", EvaluateConfig)
+register("evaluate", EvaluateConfig)
 
 
 DATA_KEYS = ("datasets", "n_eval_examples", "max_length", "max_prompt_length", "chat_template_kwargs")
@@ -125,7 +129,7 @@ def data_settings(config: DictConfig) -> DictConfig:
     base = run_config(first) if run.exists() else configuration.composed([])
     settings = OmegaConf.create({key: config[key] if config[key] is not None else base[key] for key in DATA_KEYS})
     settings.seed = base.seed if run.exists() else config.seed
-    configuration.expect(
+    expect(
         0 < settings.max_prompt_length < settings.max_length,
         "max_prompt_length",
         settings.max_prompt_length,

@@ -25,14 +25,15 @@ from modeling.distributed import (
 )
 from modeling.vision import has_processor
 from persistence import checkpoint
-from reporting.model_card import write_cards
+from persistence.checkpoint_loading import is_legacy
 from trained import checkpoint_policy, run_config
+from training.model_card import write_cards
 from utils import UserError
 
 
 def export_checkpoint(checkpoint_dir: Path, out_dir: Path, topology: Topology) -> None:
     marker = checkpoint.describe(checkpoint_dir)
-    legacy = checkpoint.is_legacy(checkpoint_dir)
+    legacy = is_legacy(checkpoint_dir)
     if marker is None and not legacy:
         raise UserError(f"{checkpoint_dir} is not a complete checkpoint (no {checkpoint.MARKER})")
     if out_dir.exists():

@@ -33,7 +33,7 @@ from modeling.vision import pack_images, unpack_images
 from persistence import reference_cache
 from persistence.tokenized import first_of_each_group
 from preference_datasets import batch_schedule
-from reporting.report import data_report
+from reporting.data_report import data_report
 from trainers import Trainer
 from utils import UserError
 

@@ -25,10 +25,11 @@ from build import build, dry_run
 from modeling.distributed import Topology, launch, planned_world_size, process_rank, reported_errors
 from persistence import checkpoint
 from persistence.run_lock import RunLock
-from reporting.report import Hardware
+from reporting.hardware import Hardware
 from reporting.wandb_run import init_wandb, wants_wandb
 from rounds import Rounds
-from trainers import LOGS, Trainer
+from trainers import Trainer
+from training.run_log import LOGS
 from utils import UserError, get_local_run_dir, set_seed
 
 

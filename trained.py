@@ -16,9 +16,13 @@ from core.losses import LOSSES
 from modeling import weights
 from modeling.adapters import apply_lora
 from modeling.distributed import Topology
-from modeling.models import load_model, load_tokenizer, prepare_model, resolve_model_dir
+from modeling.model_dirs import resolve_model_dir
+from modeling.models import load_model, prepare_model
 from modeling.precision import parse_dtype
+from modeling.tokenizers import load_tokenizer
 from persistence import checkpoint
+from persistence.checkpoint_loading import is_legacy
+from persistence.checkpoint_parts import ModelWeights
 from utils import UserError, first_line, get_local_dir
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's
@@ -44,8 +48,8 @@ def checkpoint_policy(checkpoint_dir: Path, topology: Topology, dtype: torch.dty
     if config.get("lora", {}).get("enabled", False):
         policy = apply_lora(policy, config.lora, config.seed)
     policy = place(policy, config, topology, None, initial)
-    part = checkpoint.ModelWeights(policy)
-    if checkpoint.is_legacy(checkpoint_dir):
+    part = ModelWeights(policy)
+    if is_legacy(checkpoint_dir):
         part.load_whole(weights.read_reference_format(checkpoint_dir / "policy.pt", "export")["state"], broadcast=False)
     else:
         part.load(checkpoint_dir / "policy")
@@ -72,7 +76,7 @@ def kind(spec: str) -> str:
     """ "checkpoint" (a run's step-N: shards and no export), "adapter" (peft's) or "model" (a from_pretrained
     directory, LATEST's export included, or a Hub name)."""
     path = Path(spec)
-    if (path / checkpoint.MARKER).exists() and not weights.has_safetensors(path) or checkpoint.is_legacy(path):
+    if (path / checkpoint.MARKER).exists() and not weights.has_safetensors(path) or is_legacy(path):
         return "checkpoint"
     if (path / ADAPTER_CONFIG).exists():
         return "adapter"
@@ -112,7 +116,7 @@ def load_trained(spec: str, topology: Topology, dtype: torch.dtype, cache_dir: P
     if saved_as == "checkpoint":
         model = checkpoint_policy(Path(spec), topology, dtype)
     elif saved_as == "adapter":  # the base whole on each process, the adapter merged in, then placed
-        from peft import PeftModel
+        from peft import PeftModel  # on use: peft costs ~5 s to import, and only adapters need it
 
         settings = model_settings(adapter_base(Path(spec)), dtype)
         try:

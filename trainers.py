@@ -4,8 +4,8 @@ One Trainer serves every `trainer=` name: what differs between BasicTrainer, FSD
 is how models are placed and which ranks share a batch, which the Topology (distributed.py) decides. The Trainer
 runs parts built for it (build.py): the objective on a micro-batch and what a loss reads of the whole batch
 (core/step.py: BatchLoss over the scorer, scoring.py, and the reference, reference_cache.py), the optimizer
-(optim.py), evaluation and sampling (evaluation.py); checkpoints are checkpoint.py's, written through the
-Checkpointer (its `parts`)."""
+(optim.py), evaluation and sampling (evaluation.py). The loop's other parts are training/'s: the checkpoints it asks
+for (training/checkpointer.py), its logs (training/run_log.py) and the stop on a signal (training/stop_signals.py)."""
 
 import torch
 
@@ -13,13 +13,10 @@ torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
 
 import math
-import signal
-import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import tqdm
 
@@ -28,14 +25,15 @@ from core.evaluation import HeldOutWinRate
 from core.optim import clip_grad_norm
 from core.step import Data
 from modeling.reference_sync import SyncedReference
-from persistence import checkpoint, reference_cache
+from persistence import reference_cache
 from reporting.plots import write_plots
 from reporting.telemetry import Throughput, step_amounts
-from storage import append_jsonl, truncate_jsonl
-from utils import Interrupted, UserError, metric_mean
+from training.checkpointer import Checkpointer, checkpoint_parts
+from training.run_log import RunLog
+from training.stop_signals import StopSignals
+from utils import UserError
 
 PROGRESS_BAR = {"desc": "train", "unit": "step", "dynamic_ncols": True}
-LOGS = ("metrics.jsonl", "samples.jsonl", "plots.png")  # what a run writes besides checkpoints
 
 
 class Trainer:
@@ -258,124 +256,6 @@ class Evals:
         return metrics
 
 
-def checkpoint_parts(parts: RunParts) -> dict:
-    """What a checkpoint holds, by file name: a new stateful part is one entry here."""
-    held = {
-        "policy": checkpoint.ModelWeights(parts.policy),
-        "optimizer": checkpoint.OptimizerState(parts.policy, parts.optimizer),
-        "scheduler": parts.scheduler,
-        "objective": parts.objective,
-    }
-    if isinstance(parts.reference, SyncedReference):  # the moved reference's weights
-        held["reference"] = checkpoint.ChosenWeights(parts.reference.owner, parts.reference.state)
-    return held
-
-
-class Checkpointer:
-    """The run's checkpoints, apart from the loop that asks for them: the parts a checkpoint holds (by file name),
-    the last complete checkpoint, and keep_last's pruning. Nothing is written under debug=true. With save_async=true
-    a step-N checkpoint is written in the background while training goes on (checkpoint.save_in_background), one
-    at a time: a save waits for the one before, and so does the run's end (this is a context manager: the run ends
-    with it, however it ends)."""
-
-    def __init__(self, parts: dict, config, topology, run_dir: Path, tokenizer):
-        self.parts, self.config, self.topology, self.run_dir, self.tokenizer = (
-            parts,
-            config,
-            topology,
-            run_dir,
-            tokenizer,
-        )
-        self.last: Path | None = None  # the last complete checkpoint, written or resumed from
-        self.saved_at: int | None = None  # the example count it was written (or is being written) at
-        self.in_flight: checkpoint.BackgroundSave | None = None
-        self.in_background = config.save_async and not config.debug
-        if self.in_background:
-            self.process_group = checkpoint.save_process_group(config.distributed_timeout_secs)
-
-    def load(self, directory: Path) -> tuple[int, dict]:
-        """Every part from the checkpoint in `directory` (checkpoint.load); (its step, its marker)."""
-        step, marker = checkpoint.load(directory, self.parts, self.config.batch_size, self.topology)
-        self.last, self.saved_at = directory, step
-        return step, marker
-
-    def save(self, directory: Path, step: int, metrics: dict[str, float], loop: dict, final: bool, wait=False) -> None:
-        """A checkpoint of every part at `step` (checkpoint.save); keep_last prunes older step-N ones. With
-        save_async=true a step-N one is written in the background, once the one before is complete (and complete
-        when this returns, with `wait`)."""
-        if self.config.debug:
-            return
-        self.wait()
-        keep_last, previous = self.config.keep_last, self.last
-        if self.in_background and not final:
-            self.in_flight = checkpoint.save_in_background(
-                directory,
-                step,
-                metrics,
-                self.parts,
-                self.topology,
-                loop,
-                self.tokenizer,
-                previous,
-                keep_last,
-                self.process_group,
-            )
-            self.saved_at = step
-            if wait:
-                self.wait()
-            return
-        checkpoint.save(
-            directory, step, metrics, self.parts, self.topology, loop, self.tokenizer, final, previous, keep_last
-        )
-        self.last, self.saved_at = directory, step
-        if keep_last is not None and not final:
-            self.topology.run_on_main(lambda: checkpoint.prune(self.run_dir, keep_last))
-
-    def failed(self) -> bool:
-        """Whether the checkpoint written in the background failed (this rank's view; the next save, or wait(),
-        raises the failure, the same on every rank). One that completed is the last complete checkpoint from now
-        on."""
-        if self.in_flight is not None and self.in_flight.done() and not self.in_flight.failed():
-            self.last, self.in_flight = self.in_flight.directory, None
-        return self.in_flight is not None and self.in_flight.failed()
-
-    def wait(self) -> None:
-        """The checkpoint written in the background, if any, complete (the last complete checkpoint), or its failure
-        raised on every rank."""
-        if self.in_flight is not None:
-            pending, self.in_flight = self.in_flight, None
-            pending.wait()
-            self.last = pending.directory
-
-    def __enter__(self) -> "Checkpointer":
-        return self
-
-    def __exit__(self, kind, error, traceback) -> None:
-        """The run ends: a checkpoint still written in the background is completed first, unless a second Ctrl-C
-        asks to stop at once (the half-written directory is never taken for a checkpoint); its failure does not
-        hide the error the run ends with."""
-        if kind is KeyboardInterrupt:
-            return
-        try:
-            self.wait()
-        except UserError:
-            if kind is None:
-                raise
-
-    def stopped(self, error: UserError, examples: int) -> UserError:
-        """A write failure's line, with where the run stopped, what is safe and how to go on."""
-        if self.last is None:
-            kept = "no checkpoint was written yet"
-        elif checkpoint.describe(self.last) is None:
-            kept = f"no complete checkpoint is left ({self.last} is gone)"
-        else:
-            kept = f"the last complete checkpoint, {self.last}, is intact"
-        return UserError(
-            f"{error}; stopped after {examples} examples, {kept}. To continue once that is fixed, run the same "
-            f"command with resume_from=auto local_run_dir={self.run_dir}"
-        )
-
-
 @dataclass
 class NonfiniteSteps:
     """Optimizer steps skipped for a non-finite loss or gradient norm, counted in a row: the run stops with one line
@@ -412,128 +292,3 @@ class Cadence:
     def boundary(self, examples: int) -> bool:
         """Whether an eval or a checkpoint may fall here: a log interval closes here."""
         return examples % self.eval_every == 0 or examples % self.save_every == 0
-
-
-class RunLog:
-    """What a run writes besides checkpoints: metrics.jsonl, samples.jsonl and wandb (rank 0 only), by example
-    count. Training metrics of every step count: they are averaged over a log interval, not sampled at its end."""
-
-    def __init__(self, run_dir: Path, wandb_run, is_main: bool, throughput: Callable[[], Throughput]):
-        self.run_dir, self.wandb_run, self.is_main, self.throughput = run_dir, wandb_run, is_main, throughput
-        self.interval, self.interval_speed = defaultdict(list), throughput()
-        self.failure: str | None = None  # a write that failed (rank 0): the loop stops every rank at its next check
-
-    def write(self, write: Callable[[], None]) -> None:
-        """write() (rank 0), or nothing after a failure to write: that is kept for check(), which stops every rank
-        (this one alone cannot: the others would wait for it in their next collective)."""
-        if self.failure is None:
-            try:
-                write()
-            except UserError as error:
-                self.failure = str(error)
-
-    def check(self, topology, stop_line: Callable[[UserError], UserError]) -> None:
-        """Stop every rank with stop_line(rank 0's failure to write a log), if there was one. Collective."""
-        failure = topology.broadcast(self.failure)
-        if failure is not None:
-            raise stop_line(UserError(failure))
-
-    def add_step(self, step_metrics: dict[str, list[float]], amounts: dict[str, float]) -> float:
-        """Add a training step to the interval; the interval's mean training loss so far."""
-        self.interval_speed.add(**amounts)
-        for name, values in step_metrics.items():
-            self.interval[name].extend(values)
-        return sum(self.interval["loss/train"]) / len(self.interval["loss/train"])
-
-    def close_interval(self, examples: int, updates: int) -> None:
-        record = {name: metric_mean(name, values) for name, values in self.interval.items()}
-        self.metrics({**record, **self.interval_speed.rates()}, examples, updates)
-        self.interval, self.interval_speed = defaultdict(list), self.throughput()
-
-    def metrics(self, metrics: dict[str, float], examples: int, updates: int) -> None:
-        if not self.is_main:
-            return
-        metrics = {**metrics, "counters/examples": examples, "counters/updates": updates}
-        self.write(lambda: append_jsonl(self.run_dir / "metrics.jsonl", {"step": examples, **metrics}))
-        if self.wandb_run is not None:
-            self.wandb_run.log(metrics, step=examples)
-
-    def samples(self, samples: list[dict], examples: int, updates: int) -> None:
-        if not self.is_main:
-            return
-        self.write(lambda: append_jsonl(self.run_dir / "samples.jsonl", *samples))
-        if self.wandb_run is not None:
-            import wandb
-
-            columns = ["step", "prompt", "policy", "reference"]
-            table = wandb.Table(columns=columns, data=[[s[k] for k in columns] for s in samples])
-            self.wandb_run.log({"samples": table}, step=examples)
-
-    def summary(self, final_metrics, examples: int, steps: int, resumed_at: int, start_time: float, speed, where):
-        """The run in a few lines: what was trained, how fast, how it ended, and where it is (None: debug=true)."""
-        trained, where = examples - resumed_at, where or "nowhere (debug=true)"
-        seconds = time.time() - start_time
-        evals = ", ".join(f"{name}={value:.4f}" for name, value in final_metrics.items())
-        print(
-            f"done: {trained} examples in {steps} steps"
-            + (f" (resumed at {resumed_at})" if resumed_at else "")
-            + f", {seconds / 60:.1f} min, {trained / max(seconds, 1e-9):.2f} pairs/s with evals and checkpoints\n"
-            f"training steps: {speed.describe()}\n"
-            f"final eval: {evals}\ncheckpoint and from_pretrained export: {where}; metrics: "
-            f"{self.run_dir / 'metrics.jsonl'}"
-        )
-
-    def truncate(self, step: int, evaluated: bool) -> None:
-        """Cut the logs back to a checkpoint at `step`: its own step's eval stays only if it came before the
-        checkpoint (evaluated); a round's record there came after it (rounds.py: a round starts after the checkpoint
-        that ends the one before)."""
-        if not self.is_main:
-            return
-
-        def kept(record: dict) -> bool:
-            at_step = (evaluated or "loss/eval" not in record) and "rounds/round" not in record
-            return record["step"] < step or record["step"] == step and at_step
-
-        self.write(lambda: truncate_jsonl(self.run_dir / "metrics.jsonl", kept))
-        samples_kept = lambda r: r["step"] < step or evaluated and r["step"] == step  # noqa: E731
-        self.write(lambda: truncate_jsonl(self.run_dir / "samples.jsonl", samples_kept))
-
-
-class StopSignals:
-    """SIGINT (Ctrl-C) and SIGTERM (a scheduler's preemption, torchrun's shutdown) ask the loop to stop after the
-    current step, with a checkpoint; a second Ctrl-C interrupts at once. Handlers can only be set in the main thread;
-    elsewhere (a test's thread) signals keep their usual effect."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self.previous = {}
-
-    def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():
-            self.previous = {signum: signal.signal(signum, self.handle) for signum in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    @property
-    def asked(self) -> bool:
-        """Whether a signal asked the run to stop."""
-        return self.received is not None
-
-    def handle(self, signum: int, frame) -> None:
-        if self.received is None:
-            print(f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint", flush=True)
-            self.received = signum
-        if signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def interrupted(self, examples: int, last_checkpoint: Path | None, run_dir: Path) -> Interrupted:
-        """The line a run stopped by the received signal ends with: where it stopped and how to go on."""
-        where = f"the checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint (debug=true)"
-        return Interrupted(
-            f"stopped by {signal.Signals(self.received).name} after {examples} examples; {where}. To continue, run "
-            f"the same command with resume_from=auto local_run_dir={run_dir}",
-            self.received,
-        )
-
-    def __exit__(self, *exception) -> None:
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)

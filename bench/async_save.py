@@ -41,9 +41,10 @@ def async_save_worker(result_file: str, overrides: list[str]) -> None:
     import train
     import trainers
     from persistence import checkpoint
+    from training.checkpointer import Checkpointer
 
     steps, saves = [], []
-    train_step, save, run = trainers.Trainer.train_step, trainers.Checkpointer.save, checkpoint.BackgroundSave.run
+    train_step, save, run = trainers.Trainer.train_step, Checkpointer.save, checkpoint.BackgroundSave.run
 
     def timed_step(self, examples):
         start = time.perf_counter()
@@ -62,7 +63,7 @@ def async_save_worker(result_file: str, overrides: list[str]) -> None:
         run(self, write)
         [r for r in saves if r["name"] == self.directory.name][-1]["written"] = time.perf_counter()
 
-    trainers.Trainer.train_step, trainers.Checkpointer.save, checkpoint.BackgroundSave.run = (
+    trainers.Trainer.train_step, Checkpointer.save, checkpoint.BackgroundSave.run = (
         timed_step,
         timed_save,
         timed_run,

@@ -41,8 +41,8 @@ def bench_attention_bookkeeping() -> None:
     segment, and one row of T) and of the block mask (one row of T), and the attention scores each path computes as
     a share of T^2 (SDPA with an arbitrary mask computes every score of its rows; FlexAttention the 128 x 128 blocks
     not fully masked), against the scores the data needs (visible query-key pairs)."""
+    from core.attention import FLEX_BLOCK, additive_mask, block_mask
     from core.layouts import dense_mask, pack, segment_lengths
-    from core.scoring import FLEX_BLOCK, additive_mask, block_mask
     from reporting.telemetry import visible_pairs
 
     def timed(build):
@@ -82,11 +82,13 @@ def bench_attention_bookkeeping() -> None:
 def cpu_reference_pass_worker(result_file: str, attention: str, dtype: str, max_length: int) -> None:
     """Seconds per no-grad forward (a reference-cache pass) of 8 HH pairs on SmolLM2, float32 or bfloat16 autocast,
     dense mask (rows of the longest segment) or block mask (one row), after a warm-up micro-batch."""
+    from core.attention import FLEX_BLOCK
+    from core.heads import sequence_logps
     from core.layouts import pack, segment_lengths
-    from core.scoring import FLEX_BLOCK, sequence_logps
-    from modeling.models import SMOLLM2_HUB_ID, resolve_model_dir
+    from modeling.model_dirs import SMOLLM2_HUB_ID, resolve_model_dir
+    from pairs.sources import read_file_rows
     from persistence.tokenized import Tokenization, tokenize_pairs
-    from preference_datasets import parse_rows, read_file_rows
+    from preference_datasets import parse_rows
 
     model_dir = resolve_model_dir(SMOLLM2_HUB_ID, REPO_ROOT / ".cache")
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)

@@ -29,7 +29,7 @@ HH_MEDIANS, HH_LOG_SPREAD = {"prompt": 94, "chosen": 27, "rejected": 37}, 1.0
 
 def smollm2_dir() -> str:
     """SmolLM2-135M-Instruct's directory under ./.cache (converted there once), the Hub asked nothing."""
-    from modeling.models import SMOLLM2_HUB_ID, resolve_model_dir
+    from modeling.model_dirs import SMOLLM2_HUB_ID, resolve_model_dir
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return resolve_model_dir(SMOLLM2_HUB_ID, REPO_ROOT / ".cache")

@@ -164,7 +164,7 @@ def bench_data(smoke: bool) -> None:
 def issue_construction(tmp: Path, n_rows: int) -> None:
     """The issue's measurement: HH rows repeated with a variant suffix in the prompt (responses repeat every 2,312
     rows), through `train.py dry_run=true` with the default model's tokenizer, first run and rerun."""
-    from modeling.models import SMOLLM2_HUB_ID, resolve_model_dir
+    from modeling.model_dirs import SMOLLM2_HUB_ID, resolve_model_dir
 
     data_file = synthetic_hh_file(tmp / "issue.jsonl", n_rows, distinct=False)
     model_dir = resolve_model_dir(SMOLLM2_HUB_ID, REPO_ROOT / ".cache")  # converted once, beforehand: not timed

@@ -1,9 +1,9 @@
 """Long pairs (--long): each rank's peak resident memory while it trains on one long pair a step, at
 sequence_parallel_size = 1, 2 and 4 (FSDPTrainer on as many CPU processes, gloo, one thread each, each size a fresh
 launch; float32, AdamW, the packed layout with its dense mask), beside the dry run's estimate of the same run's
-training memory per rank (the memory plan, reporting/report.py) and its activations part, which sequence parallelism
-divides by sp. Each rank's peak is the kernel's high-water mark (VmHWM), reset as training starts, so that the
-reference log-probs computed before it do not count.
+training memory per rank (the memory plan, reporting/memory_plan.py) and its activations part, which sequence
+parallelism divides by sp. Each rank's peak is the kernel's high-water mark (VmHWM), reset as training starts, so that
+the reference log-probs computed before it do not count.
 
 The model is a random Llama of 8 layers, hidden 256, 8 heads (MLP 1024), with the tiny byte-level tokenizer (a
 character is a token); each step trains one pair of a 160-token prompt and two 3999-character responses, each with its
@@ -45,7 +45,8 @@ LONG_SIZES = {
     },
 }  # fmt: skip
 STEPS = 2
-ACTIVATIONS, MASK = "activations (", "attention mask (packed, dense)"  # the memory plan's parts (report.device_memory)
+# the memory plan's parts (memory_plan.device_memory)
+ACTIVATIONS, MASK = "activations (", "attention mask (packed, dense)"
 
 
 def long_pairs(directory: Path, prompt: int, response: int) -> Path:
@@ -122,7 +123,7 @@ def long_launch(result_file: str, overrides: list[str], sp: int) -> None:
 
 def dry_run_worker(result_file: str, runs: dict[int, list[str]]) -> None:
     """`train.py dry_run=true` of each run ({sp: its overrides}); the training memory its plan gives a rank
-    ({part: bytes}, as report.memory_plan computes it), by sp, to result_file."""
+    ({part: bytes}, as memory_plan.memory_plan computes it), by sp, to result_file."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the plan of CPU processes, as measured
     import build
     import train

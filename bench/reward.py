@@ -28,7 +28,8 @@ def hh_pairs(model_dir: str, n: int, max_length: int) -> list[dict]:
     """The first n HH harmless-base pairs as (prompt, chosen, rejected) text, as our HH reader splits them, whose
     prompt + longer response + EOS fit max_length and prompt max_length / 2: our trainer would truncate a longer one,
     TRL's would drop it."""
-    from preference_datasets import parse_rows, read_file_rows
+    from pairs.sources import read_file_rows
+    from preference_datasets import parse_rows
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     length = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731

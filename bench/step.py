@@ -22,8 +22,9 @@ def bench_trainer(overrides: list[str], data_file: str = str(HH_FILE), n_rows: i
     import config as configuration
     from build import build
     from modeling.distributed import Topology
-    from modeling.models import load_tokenizer
-    from preference_datasets import parse_rows, read_file_rows
+    from modeling.tokenizers import load_tokenizer
+    from pairs.sources import read_file_rows
+    from preference_datasets import parse_rows
     from reporting.host_memory import use_huge_pages
     from trainers import Trainer
 

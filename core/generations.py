@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from core.heads import sequence_logps
+from core.image_inputs import with_image_inputs
 from core.layouts import left_padded_prompts, pad, to_device
 from core.rewards import ModelReward, check_reward, load_reward
-from core.scoring import sequence_logps, with_image_inputs
-from modeling.models import resolve_model_dir
+from modeling.model_dirs import resolve_model_dir
 from modeling.placement import root_gathered
 from modeling.vision import unpack_images
 from utils import REPO_ROOT, UserError, first_line
@@ -50,7 +51,7 @@ class Sampler:
     """Completions by a model of tokenized prompts, up to max_new_tokens each, and their log-probs, on this
     process's share of a topology: every data-parallel rank computes its share in batches of batch_size and the
     results are gathered in order on every rank. A vision-language model (the tokenizer's `vision`, as
-    modeling.models.load_tokenizer sets it) sees each prompt's images (pack_images; b"": none)."""
+    modeling.tokenizers.load_tokenizer sets it) sees each prompt's images (pack_images; b"": none)."""
 
     def __init__(self, tokenizer, topology, max_new_tokens: int, batch_size: int):
         self.tokenizer, self.topology = tokenizer, topology
@@ -219,7 +220,7 @@ class PairwiseJudge:
     kind = "pairwise"
 
     def __init__(self, directory: Path, template: Path | None, device: torch.device, batch_size: int):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # on use: the auto classes cost ~0.7 s to import
 
         self.setting = f"judge={directory}"
         self.template = read_template(template or DEFAULT_TEMPLATE)
@@ -292,7 +293,7 @@ def read_template(path: Path) -> str:
 def is_reward_model(source: str) -> bool:
     """Whether a judge's model (a directory, or a Hub name) is a sequence classifier (a reward model), not a causal
     LM."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # on use: the auto classes cost ~0.7 s of every start to import
 
     architectures = AutoConfig.from_pretrained(source).architectures or []
     return any(name.endswith("ForSequenceClassification") for name in architectures)
@@ -311,7 +312,7 @@ def check_judge(spec: str, template: str | None) -> None:
 def load_judge(spec: str, template: str | None, device, batch_size: int, max_length: int, cache_dir: Path):
     """The judge judge=`spec` names: a function (module:function) or a reward model (RewardJudge), or a causal LM
     (PairwiseJudge, asking in the words of `template`); a model from its directory, or a Hub name from the Hub (the
-    copy an earlier run downloaded, offline; modeling.models.resolve_model_dir)."""
+    copy an earlier run downloaded, offline; modeling.model_dirs.resolve_model_dir)."""
     if not Path(spec).is_dir() and not HUB_NAME.match(spec):
         if template is not None:
             raise UserError(f"judge_template={template} is for an LLM judge; judge={spec} is a function")

@@ -11,8 +11,10 @@ import sys
 
 import torch
 
+from core.attention import model_class
+from core.heads import sequence_logps
 from core.layouts import pad
-from core.scoring import PROBE_EXAMPLES, exact_float32, model_class, probe_tolerance, sequence_logps
+from core.probes import PROBE_EXAMPLES, exact_float32, probe_tolerance
 from utils import first_line
 
 # Liger's kernels taken, by the keyword its per-family functions name them; the losses stay off
@@ -31,7 +33,7 @@ def liger_problem(cuda: bool) -> str | None:
 
 def family_function(model: torch.nn.Module):
     """Liger's function that patches a model of this family in place (its model= argument), or None."""
-    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN  # optional: CUDA only
 
     return MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_class(model).config.model_type)
 

@@ -5,7 +5,8 @@ DPO reference."""
 import torch
 from omegaconf import OmegaConf
 
-from core.losses import LOSSES, PairStats, bradley_terry, compute, running_reward_mean
+from core.loss_contract import PairStats
+from core.losses import LOSSES, bradley_terry, compute, running_reward_mean
 
 
 class Objective:

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
+from core.heads import sequence_rewards
+from core.image_inputs import with_image_inputs
 from core.layouts import pad
-from core.scoring import sequence_rewards, with_image_inputs
 from modeling import weights
 from modeling.vision import Vision, unpack_images
 from utils import UserError, first_line
@@ -38,7 +39,7 @@ def check_reward(spec: str, key: str = "rounds.reward") -> None:
 def reads_images(spec: str) -> bool:
     """Whether rounds.reward=`spec` sees the prompts' images: a vision-language reward model's directory (one that
     transformers' sequence classifier of its family reads images with: modeling.weights.reads_images)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # on use: the auto classes cost ~0.7 s of every start to import
 
     if not Path(spec).is_dir():
         return False
@@ -91,13 +92,14 @@ class FunctionReward:
 
 class ModelReward:
     """A sequence-classification model's one output on prompt + completion, in float32, computed as training computes
-    it (padded rows of scoring.sequence_rewards): the prompt's and the completion's ids tokenized apart and joined as
+    it (padded rows of heads.sequence_rewards): the prompt's and the completion's ids tokenized apart and joined as
     training joins them, read at the completion's last token, the prompt's start cut where the two exceed
     max_length. A vision-language reward model (Gemma 3's) sees each prompt's images as training shows them: the
     prompt's text holds each image's tokens as the policy's processor expanded them, and is kept whole (the
     completion's end kept within what it leaves of max_length)."""
 
     def __init__(self, directory: Path, device: torch.device, batch_size: int, max_length: int, key="rounds.reward"):
+        # on use: the auto classes cost ~0.7 s of every start to import
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoProcessor, AutoTokenizer
 
         self.setting = f"{key}={directory}"

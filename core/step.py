@@ -13,7 +13,7 @@ import torch
 
 from core.examples import Examples, from_ids
 from core.layouts import ModelBatch, to_device
-from core.losses import PairStats
+from core.loss_contract import PairStats
 from core.router_loss import RouterCounts, Routers, token_weights
 from core.scoring import Scorer
 from modeling.distributed import Topology

@@ -47,9 +47,11 @@ def quantization_config(settings: LoraSettings):
     if not settings.quantize:
         return None
     try:
+        # optional: CUDA machines only (lora.quantize=4bit)
         import bitsandbytes  # noqa: F401
     except ImportError:
         raise UserError("lora.quantize=4bit needs bitsandbytes: pip install bitsandbytes") from None
+    # on use, with bitsandbytes
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
@@ -64,6 +66,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings, seed: int = 0) -> nn.Mo
     """The model with LoRA adapters on target_modules (default_targets: all linear layers but the head; a
     vision-language model's language model's), initialised from `seed` (init_adapters); only the adapters train, and
     a reward model's scalar head, whole (peft's trainable copy of it: modules_to_save)."""
+    # on use: peft costs ~5 s to import, and only LoRA runs need it
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if settings.quantize:
@@ -101,7 +104,7 @@ def init_adapters(model: nn.Module, seed: int) -> None:
     """(Re)initialise every adapter by peft's own rule (A as nn.Linear's default, B zero) from `seed`, in module order,
     so that every trainer and rank count starts from the same adapters. Over a base on the meta device (built empty,
     weights.py), peft has left the adapters there too: they get memory on the CPU first, and placement shards them."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # on use: peft costs ~5 s to import, and only LoRA runs need it
 
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -167,7 +170,7 @@ class ReferenceAdapter(AdaptersDisabled):
         # Each LoRA layer computes with its active adapter. peft's set_adapter would also mark the adapter it activates
         # trainable and the others frozen, which would toggle requires_grad on FSDP's sharded parameters mid-step:
         # only the active name is switched here, and switched back.
-        from peft.tuners.lora import LoraLayer
+        from peft.tuners.lora import LoraLayer  # on use: peft costs ~5 s to import, and only LoRA runs need it
 
         layers = [module for module in self.policy.modules() if isinstance(module, LoraLayer)]
         active = [layer._active_adapter for layer in layers]

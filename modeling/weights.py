@@ -57,6 +57,7 @@ def model_class(reward: bool, config: transformers.PretrainedConfig | None = Non
 
 
 def is_vision_language(config: transformers.PretrainedConfig | None) -> bool:
+    # on use: transformers' auto model tables cost ~0.7 s of every start to import
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     return hasattr(config, "vision_config") and config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
@@ -65,6 +66,7 @@ def is_vision_language(config: transformers.PretrainedConfig | None) -> bool:
 def reads_images(config: transformers.PretrainedConfig) -> bool:
     """Whether transformers has a sequence classifier of this vision-language model that takes the images
     (pixel_values) with the text: Gemma 3's and Qwen3.5's, each the model's body and a scalar head `score`."""
+    # on use: transformers' auto model tables cost ~0.7 s of every start to import
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
     classifier = getattr(transformers, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(config.model_type, ""), None)

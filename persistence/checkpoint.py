@@ -17,142 +17,41 @@ checkpoint from a copy in host memory while training goes on, checkpoint.json an
 rank's writes are complete. Checkpoints in the reference's format (a whole policy.pt and optimizer.pt, written before
 the sharded one) are still read."""
 
-import contextlib
 import copy
 import json
-import pickle
 import re
 import shutil
 import threading
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 import storage
 from modeling import weights
 from modeling.adapters import is_adapted, is_quantized, merged_weights
 from modeling.distributed import Topology
-from reporting.model_card import write_cards
-from utils import UserError, first_line
+from persistence.checkpoint_parts import ModelWeights, collective
+from utils import UserError
 
 DESCRIPTION_BYTES = 16 << 20  # the config, tokenizer and small parts of a checkpoint: a few MiB, rarely more
-LEGACY_FILES = ("policy", "optimizer", "scheduler")  # the reference format's files, which it requires
-IMPLEMENTATION = ("fused", "foreach")  # an optimizer's parameter-group keys that say how it steps, not what it computes
 MARKER = "checkpoint.json"  # written last: a directory without it was not written by save()
 STEP_DIR = re.compile(r"step-(\d+)")
 
 
-class ModelWeights:
-    """A checkpoint part: the model's weights and persistent buffers, or a LoRA policy's trainable ones (its
-    adapters); sharded as the model is. Collective: every rank writes and reads its own shards. A frozen part of a
-    model that is not LoRA's base (a vision-language model's vision tower, model.freeze_vision) is saved with the
-    rest: the final export is made from these shards, and must be the whole model."""
+@dataclass(frozen=True)
+class Snapshot:
+    """What one checkpoint is made of: the examples seen (`step`), the eval metrics there, the stateful parts by file
+    name (collective ones from checkpoint_parts.py, or objects with state_dict(); "policy" a ModelWeights), the
+    training loop's own state (its counters) and the tokenizer, whose files go beside the weights."""
 
-    collective = True
-
-    def __init__(self, model):
-        self.model = model
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """The part's tensors by name (DTensors where sharded; a tied weight under one of its names)."""
-        persistent = set(self.model.state_dict(keep_vars=True))
-        adapters_only = is_adapted(self.model)
-        return {
-            name: tensor
-            for name, tensor in weights.tensors(self.model).items()
-            if name in persistent and (tensor.requires_grad or not adapters_only)
-        }
-
-    def save(self, directory: Path, world_size: int) -> None:
-        self.write(self.state(), directory, world_size)
-
-    def write(self, state: dict, directory: Path, world_size: int, process_group=None) -> None:
-        """Write `state` (state(), or a staged copy of it) as this part's files; `process_group`: the collectives'
-        (None: the default group)."""
-        weights.write_shards(state, directory, world_size, process_group)
-
-    def nbytes(self) -> int:
-        """What save() writes: the tensors whole (over every rank)."""
-        return sum(weights.whole_bytes(tensor) for tensor in self.state().values())
-
-    def load(self, directory: Path) -> None:
-        weights.read_files(self.model, directory, {name: name for name in self.state()})
-
-    def load_whole(self, state: dict, broadcast: bool) -> None:
-        """A reference-format state: whole on rank 0 ({} elsewhere; broadcast from rank 0 when `broadcast`)."""
-        # strict=False: a LoRA checkpoint holds the adapters only (check_fit made sure it holds every trainable one)
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=False)
-        set_model_state_dict(self.model, state, options=options)
-
-
-class ChosenWeights(ModelWeights):
-    """A checkpoint part: the tensors of `model` that chosen() gives by name (a moving reference's weights:
-    reference_sync.py), sharded as the model is. Collective."""
-
-    def __init__(self, model, chosen: Callable[[], dict[str, torch.Tensor]]):
-        super().__init__(model)
-        self.chosen = chosen
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return self.chosen()
-
-
-class OptimizerState(ModelWeights):
-    """A checkpoint part: the optimizer's state, keyed by parameter name and sharded like the parameters."""
-
-    def __init__(self, model, optimizer):
-        super().__init__(model)
-        self.optimizer = optimizer
-
-    def state(self) -> dict:
-        """The optimizer's state by parameter name, each rank's shards (DCP's optimizer state dict)."""
-        return get_optimizer_state_dict(self.model, self.optimizer)
-
-    def write(self, state: dict, directory: Path, world_size: int, process_group=None) -> None:
-        dcp.save(state, checkpoint_id=str(directory), process_group=process_group, no_dist=weights.one_process())
-
-    def nbytes(self) -> int:
-        states = self.optimizer.state.values()
-        return sum(weights.whole_bytes(value) for state in states for value in state.values() if torch.is_tensor(value))
-
-    def load(self, directory: Path) -> None:
-        state = self.state()  # this run's shards, to be filled
-        dcp.load(state, checkpoint_id=str(directory), no_dist=weights.one_process())
-        with own_implementation(self.optimizer):
-            set_optimizer_state_dict(self.model, self.optimizer, state)
-
-    def load_whole(self, state: dict, broadcast: bool) -> None:
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=False)
-        with own_implementation(self.optimizer):
-            set_optimizer_state_dict(self.model, self.optimizer, state, options=options)
-
-
-@contextlib.contextmanager
-def own_implementation(optimizer: torch.optim.Optimizer):
-    """Loading a checkpoint's parameter groups keeps how this run's optimizer steps (fused or foreach, chosen for its
-    parameters: optim.fused_default), which torch would replace with the writer's: tensor parallelism's plain and
-    DTensor parameters, which the fused kernel cannot take together, made fused by a BasicTrainer or FSDP checkpoint,
-    stopped at the first step."""
-    own = [{key: group[key] for key in IMPLEMENTATION if key in group} for group in optimizer.param_groups]
-    yield
-    for group, keys in zip(optimizer.param_groups, own):
-        group.update(keys)
-
-
-def collective(part) -> bool:
-    """Whether every rank takes part in saving and loading the part (ModelWeights, OptimizerState)."""
-    return getattr(part, "collective", False)
+    step: int
+    metrics: dict[str, float]
+    parts: dict
+    loop_state: dict
+    tokenizer: Any
 
 
 class Draft:
@@ -160,15 +59,14 @@ class Draft:
     shards, taken when the save is asked for (`copied`: copies that training can no longer change, for a save that
     goes on in the background), and the steps rank 0 takes to write it (save, save_in_background)."""
 
-    def __init__(
-        self, output_dir: Path, step: int, metrics: dict, parts: dict, loop_state: dict, final: bool, copied: bool
-    ):
+    def __init__(self, output_dir: Path, snapshot: Snapshot, final: bool, copied: bool):
         self.output_dir, self.tmp_dir = output_dir, output_dir.with_name(output_dir.name + ".tmp")
-        self.step, self.metrics, self.parts, self.final = step, metrics, parts, final
-        self.marker = json.dumps({"step": step, "metrics": metrics, "final": final, "loop": loop_state}, indent=1)
-        small = {name: part.state_dict() for name, part in parts.items() if not collective(part)}
+        self.step, self.metrics, self.parts, self.final = snapshot.step, snapshot.metrics, snapshot.parts, final
+        marker = {"step": snapshot.step, "metrics": snapshot.metrics, "final": final, "loop": snapshot.loop_state}
+        self.marker = json.dumps(marker, indent=1)
+        small = {name: part.state_dict() for name, part in self.parts.items() if not collective(part)}
         self.small = copy.deepcopy(small) if copied else small
-        self.shapes = {name: tensor.shape for name, tensor in parts["policy"].state().items()}  # whole shapes
+        self.shapes = {name: tensor.shape for name, tensor in self.parts["policy"].state().items()}  # whole shapes
 
     def start(self, previous: Path | None, keep_last: int | None) -> None:
         """Room for the checkpoint (space_needed, make_room) and an empty temporary directory (rank 0)."""
@@ -197,25 +95,22 @@ class Draft:
 
 def save(
     output_dir: Path,
-    step: int,
-    metrics: dict[str, float],
-    parts: dict,
+    snapshot: Snapshot,
     topology: Topology,
-    loop_state: dict,
-    tokenizer,
     final: bool = False,
     previous: Path | None = None,
     keep_last: int | None = None,
+    describe_export: Callable[[Path], None] | None = None,
 ) -> None:
-    """Write each part (parts: name -> a collective part, or an object with state_dict(); "policy" a ModelWeights)
-    with the model's config and tokenizer to a temporary directory, every rank its shards; at the run's end (`final`)
-    the from_pretrained export too (export); then checkpoint.json with `loop_state` (the training loop's counters), and
-    swap the directory in whole. First the space it needs (space_needed; `previous`: this run's last checkpoint) is
-    checked against the free space, after pruning what keep_last would prune after it (make_room). A failure to write
-    (a full disk, a quota, no permission, a directory the machines do not share) is a WriteFailed on every rank,
-    and leaves no temporary directory behind."""
-    draft = Draft(output_dir, step, metrics, parts, loop_state, final, copied=False)
-    tmp_dir, policy = draft.tmp_dir, parts["policy"].model
+    """Write each of the snapshot's parts with the model's config and tokenizer to a temporary directory, every rank
+    its shards; at the run's end (`final`) the from_pretrained export too (export), and what `describe_export` writes
+    into it (rank 0: the model cards, written by what knows the run's config); then checkpoint.json with the loop's
+    state, and swap the directory in whole. First the space it needs (space_needed; `previous`: this run's last
+    checkpoint) is checked against the free space, after pruning what keep_last would prune after it (make_room). A
+    failure to write (a full disk, a quota, no permission, a directory the machines do not share) is a WriteFailed
+    on every rank, and leaves no temporary directory behind."""
+    draft = Draft(output_dir, snapshot, final, copied=False)
+    tmp_dir, parts, policy = draft.tmp_dir, snapshot.parts, snapshot.parts["policy"].model
 
     def on_main(write) -> None:
         topology.run_on_main(lambda: written(output_dir, write))
@@ -226,10 +121,11 @@ def save(
             for name, part in parts.items():
                 if collective(part):
                     part.save(tmp_dir / name, topology.world_size)
-        on_main(lambda: describe_model(tmp_dir, policy, tokenizer))
+        on_main(lambda: describe_model(tmp_dir, policy, snapshot.tokenizer))
         if final:
             export(tmp_dir, policy, topology, tmp_dir / "policy")
-            on_main(lambda: write_cards(tmp_dir, output_dir.parent, step, metrics, output_dir.parent.name))
+            if describe_export is not None:
+                on_main(lambda: describe_export(tmp_dir))
         on_main(draft.finish)
     except UserError as error:
         remove(tmp_dir, topology)
@@ -239,12 +135,8 @@ def save(
 
 def save_in_background(
     output_dir: Path,
-    step: int,
-    metrics: dict[str, float],
-    parts: dict,
+    snapshot: Snapshot,
     topology: Topology,
-    loop_state: dict,
-    tokenizer,
     previous: Path | None,
     keep_last: int | None,
     process_group,
@@ -257,8 +149,8 @@ def save_in_background(
     tokenizer. Only once every rank's writes are complete, which DCP's save and Topology.run_on_main agree on over that
     group, does rank 0 write checkpoint.json and swap the directory in, then prune to keep_last. A failure is a
     WriteFailed on every rank, raised by the BackgroundSave's wait(), and leaves no temporary directory behind."""
-    draft = Draft(output_dir, step, metrics, parts, loop_state, final=False, copied=True)
-    tmp_dir, policy = draft.tmp_dir, parts["policy"].model
+    draft = Draft(output_dir, snapshot, final=False, copied=True)
+    tmp_dir, parts, policy = draft.tmp_dir, snapshot.parts, snapshot.parts["policy"].model
     try:
         topology.run_on_main(lambda: written(output_dir, lambda: draft.start(previous, keep_last)))
     except UserError as error:
@@ -277,7 +169,7 @@ def save_in_background(
             with storage.writing(output_dir):
                 for name, state in staged.items():
                     parts[name].write(state, tmp_dir / name, topology.world_size, process_group)
-            on_main(lambda: describe_model(tmp_dir, policy, tokenizer))
+            on_main(lambda: describe_model(tmp_dir, policy, snapshot.tokenizer))
             on_main(finish)
         except UserError as error:
             topology.run_on_main(lambda: shutil.rmtree(tmp_dir, ignore_errors=True), process_group)
@@ -369,7 +261,7 @@ def describe_model(directory: Path, policy, tokenizer) -> None:
     config.save_pretrained(directory)
     if base.can_generate():
         base.generation_config.save_pretrained(directory)
-    vision = getattr(tokenizer, "vision", None)  # modeling.models.load_tokenizer's
+    vision = getattr(tokenizer, "vision", None)  # modeling.tokenizers.load_tokenizer's
     (vision.processor if vision is not None else tokenizer).save_pretrained(directory)
 
 
@@ -398,200 +290,6 @@ def export(directory: Path, policy, topology: Topology, shards: Path) -> None:
 def adapter_whole(tensor: torch.Tensor) -> torch.Tensor:
     """An adapter's tensor whole, on the CPU (collective where sharded)."""
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu()
-
-
-def is_legacy(checkpoint_dir: Path) -> bool:
-    """A checkpoint in the DPO reference's format: whole states in policy.pt and optimizer.pt."""
-    return not (checkpoint_dir / "policy").is_dir() and (checkpoint_dir / "policy.pt").exists()
-
-
-def load(checkpoint_dir: Path, parts: dict, batch_size: int, topology: Topology) -> tuple[int, dict]:
-    """Load each part's state (as save() wrote them) into the placed parts; return the examples seen and
-    checkpoint.json. Every rank reads its own shards of the collective parts; rank 0 reads the small parts' files
-    and broadcasts them. A part without a file keeps its state: an optional one that had none to save."""
-    if is_legacy(checkpoint_dir):
-        return load_legacy(checkpoint_dir, parts, batch_size, topology)
-    setting = f"resume_from={checkpoint_dir}"
-    optimizer = parts["optimizer"].optimizer
-    marker = topology.broadcast(
-        topology.run_on_main(lambda: check_sharded(checkpoint_dir, parts["policy"].model, optimizer, batch_size))
-    )
-    for name, part in parts.items():
-        if collective(part) and not optional_part_missing(checkpoint_dir, name):
-            try:
-                part.load(checkpoint_dir / name)
-            except CheckpointException as error:
-                raise UserError(f"{setting}: {checkpoint_dir / name} ({weights.failure(error)})") from None
-    load_small(checkpoint_dir, parts, topology, setting)
-    print(f"resumed from {checkpoint_dir} at {marker['step']} examples")
-    return marker["step"], marker
-
-
-def optional_part_missing(checkpoint_dir: Path, name: str) -> bool:
-    """Whether a collective part other than the weights and the optimizer (checked before: check_sharded) has no
-    directory in the checkpoint, written by a run without it: the part keeps its state as built, and a line says so."""
-    if name in ("policy", "optimizer") or (checkpoint_dir / name).is_dir():
-        return False
-    print(f"resume: {checkpoint_dir} holds no {name}/ (written by a run without it): the {name} is as built")
-    return True
-
-
-def load_small(checkpoint_dir: Path, parts: dict, topology: Topology, setting: str) -> None:
-    """The parts that are not collective: rank 0 reads their files and broadcasts the states."""
-    names = [name for name, part in parts.items() if not collective(part)]
-
-    def read() -> dict:
-        return {
-            n: weights.read_reference_format(checkpoint_dir / f"{n}.pt", setting)
-            for n in names
-            if (checkpoint_dir / f"{n}.pt").exists()
-        }
-
-    states = topology.broadcast(topology.run_on_main(read))
-    for name, state in states.items():
-        load_state(parts[name], state["state"], setting, checkpoint_dir / f"{name}.pt")
-
-
-def preflight(checkpoint_dir: Path, policy, batch_size: int, offload: bool = False) -> None:
-    """The checks of the files and the weights' names and shapes, made before the run spends time on anything else,
-    from the files' headers (tensors are not read). policy: the model before placement (names and whole shapes are the
-    same after it). offload: the run keeps FSDP's shards on the host (fsdp_cpu_offload), where the reference format's
-    broadcast from rank 0 (over NCCL, which reaches GPU tensors only) cannot put them."""
-    if is_legacy(checkpoint_dir):
-        setting = f"resume_from={checkpoint_dir}"
-        if offload:
-            raise UserError(
-                f"{setting} is in the DPO reference's format (whole policy.pt and optimizer.pt), broadcast from rank 0 "
-                "over the GPUs, which fsdp_cpu_offload=true's host shards cannot take: resume it once without "
-                "fsdp_cpu_offload, and go on with it from the sharded checkpoints that run writes"
-            )
-        check_fit(checkpoint_dir, read_states(checkpoint_dir, setting, mmap=True), policy, batch_size, setting)
-    else:
-        check_sharded(checkpoint_dir, policy, None, batch_size)
-
-
-def check_sharded(checkpoint_dir: Path, policy, optimizer, batch_size: int) -> dict:
-    """checkpoint.json of a complete checkpoint that fits this run: its step fits the batch size, policy/ holds every
-    trainable weight in its shape, optimizer/ names only those and has the optimizer's parameter groups (not checked
-    with optimizer=None)."""
-    setting = f"resume_from={checkpoint_dir}"
-    marker = describe(checkpoint_dir)
-    if marker is None:
-        what = "does not exist" if not checkpoint_dir.exists() else f"has no {MARKER}: not a complete checkpoint"
-        raise UserError(f"{setting}: {checkpoint_dir} {what}")
-    if marker["step"] % batch_size:
-        raise UserError(f"{setting}: {marker['step']} examples seen is not a multiple of batch_size={batch_size}")
-    try:
-        found = weights.stored_shapes(checkpoint_dir / "policy")
-        metadata = FileSystemReader(str(checkpoint_dir / "optimizer")).read_metadata()
-    except UserError as error:
-        raise UserError(f"{setting}: {error}") from None
-    except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
-        raise UserError(f"{setting}: {checkpoint_dir / 'optimizer'} is not readable ({first_line(error)})") from None
-    expected = {name: tuple(t.shape) for name, t in ModelWeights(policy).state().items()}
-    mismatch = fit_problem(expected, {name: tuple(shape) for name, shape in found.items()})
-    if mismatch:
-        raise UserError(
-            f"{setting}: {checkpoint_dir / 'policy'} does not fit this {weights.class_name(policy)} ({mismatch})"
-        )
-    paths = (metadata.planner_data or {}).values()
-    unknown = sorted({path[1] for path in paths if path[0] == "state"} - expected.keys())
-    if unknown:
-        raise UserError(f"{setting}: {checkpoint_dir / 'optimizer'} has state for an unknown parameter {unknown[0]!r}")
-    groups = len({path[1] for path in paths if path[0] == "param_groups"})
-    if optimizer is not None and groups != len(optimizer.param_groups):
-        raise UserError(
-            f"{setting}: {checkpoint_dir / 'optimizer'} does not fit this {type(optimizer).__name__} ({groups} "
-            f"parameter groups, expected {len(optimizer.param_groups)})"
-        )
-    return marker
-
-
-def fit_problem(expected: dict[str, tuple], found: dict[str, tuple]) -> str | None:
-    """The first way the checkpoint's weights (name -> shape) differ from the expected ones, or None."""
-    mismatches = [f"{name} is missing" for name in expected.keys() - found.keys()]
-    mismatches += [f"{name} is unexpected" for name in found.keys() - expected.keys()]
-    mismatches += [
-        f"{name} has shape {list(found[name])}, expected {list(expected[name])}"
-        for name in expected.keys() & found.keys()
-        if found[name] != expected[name]
-    ]
-    return sorted(mismatches)[0] if mismatches else None
-
-
-# -------------------------------------------------------------------------------------------------------------
-# The DPO reference's format, written before the sharded one: whole states, read by rank 0 and broadcast
-
-
-def load_legacy(checkpoint_dir: Path, parts: dict, batch_size: int, topology: Topology) -> tuple[int, dict]:
-    setting = f"resume_from={checkpoint_dir}"
-    policy, optimizer = parts["policy"].model, parts["optimizer"].optimizer
-    states = topology.run_on_main(lambda: read(checkpoint_dir, list(parts), policy, optimizer, batch_size, setting))
-    step, marker = topology.broadcast((states["policy"]["step_idx"], states["marker"]) if topology.is_main else None)
-    for name, part in parts.items():
-        if collective(part) and not optional_part_missing(checkpoint_dir, name):
-            part.load_whole(states[name]["state"] if topology.is_main else {}, broadcast=topology.world_size > 1)
-    load_small(checkpoint_dir, parts, topology, setting)
-    print(f"resumed from {checkpoint_dir} at {step} examples")
-    return step, marker
-
-
-def read(checkpoint_dir: Path, names: list[str], policy, optimizer, batch_size: int, setting: str) -> dict[str, dict]:
-    """The collective parts' files, checked to fit this run, so that loading them cannot fail half-way through a
-    broadcast; and checkpoint.json as "marker" ({} in checkpoints older than it)."""
-    states = read_states(checkpoint_dir, setting)
-    states["marker"] = describe(checkpoint_dir) or {}
-    check_fit(checkpoint_dir, states, policy, batch_size, setting)
-    if len(states["optimizer"]["state"].get("param_groups", [])) != len(optimizer.param_groups):
-        raise UserError(
-            f"{setting}: {checkpoint_dir / 'optimizer.pt'} does not fit this {type(optimizer).__name__} "
-            f"({len(states['optimizer']['state'].get('param_groups', []))} parameter groups, expected "
-            f"{len(optimizer.param_groups)})"
-        )
-    return states
-
-
-def read_states(checkpoint_dir: Path, setting: str, mmap: bool = False) -> dict[str, dict]:
-    states = {"policy": weights.read_reference_format(checkpoint_dir / "policy.pt", setting, mmap)}
-    if not isinstance(states["policy"].get("step_idx"), int):
-        raise UserError(f"{setting}: {checkpoint_dir / 'policy.pt'} has no step_idx: not a training checkpoint")
-    for name in LEGACY_FILES[1:]:
-        states[name] = weights.read_reference_format(checkpoint_dir / f"{name}.pt", setting, mmap)
-    return states
-
-
-def check_fit(checkpoint_dir: Path, states: dict[str, dict], policy, batch_size: int, setting: str) -> None:
-    """The step fits the batch size; policy.pt holds every trainable weight of the policy in its shape; the
-    optimizer state names only those."""
-    step = states["policy"]["step_idx"]
-    if step % batch_size:
-        raise UserError(f"{setting}: {step} examples seen is not a multiple of batch_size={batch_size}")
-    # DTensor shapes are global, so these are the full shapes whatever the sharding. Frozen weights (a LoRA base)
-    # are not saved.
-    frozen = {name for name, parameter in policy.named_parameters() if not parameter.requires_grad}
-    expected = {name: tuple(value.shape) for name, value in policy.state_dict().items() if name not in frozen}
-    found = {name: tuple(value.shape) for name, value in states["policy"]["state"].items()}
-    mismatch = fit_problem(expected, found)
-    if mismatch:
-        raise UserError(
-            f"{setting}: {checkpoint_dir / 'policy.pt'} does not fit this {weights.class_name(policy)} ({mismatch})"
-        )
-    optimizer_state = states["optimizer"]["state"]
-    groups = optimizer_state.get("param_groups", [])
-    parameters = [p for group in groups for p in group.get("params", [])] + list(optimizer_state.get("state", {}))
-    unknown = [p for p in parameters if p not in expected]
-    if unknown:
-        raise UserError(
-            f"{setting}: {checkpoint_dir / 'optimizer.pt'} has state for an unknown parameter {unknown[0]!r}"
-        )
-
-
-def load_state(target, state: dict, setting: str, path: Path) -> None:
-    """target.load_state_dict(state) for a module, optimizer or scheduler, with a one-line error on mismatch."""
-    try:
-        target.load_state_dict(state)
-    except (RuntimeError, ValueError, KeyError) as error:
-        raise UserError(f"{setting}: {path} does not fit this {type(target).__name__} ({first_line(error)})") from None
 
 
 # -------------------------------------------------------------------------------------------------------------

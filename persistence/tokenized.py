@@ -39,18 +39,9 @@ import numpy as np
 import storage
 from core.examples import NO_IMAGES, PER_EXAMPLE, Examples, example_keys, image_arrays, truncated
 from modeling.vision import pack_images
-from preference_datasets import (
-    LabelledCompletion,
-    PreferencePair,
-    RowCounts,
-    Source,
-    data_lines,
-    dataset_sources,
-    eval_split,
-    file_digest,
-    iter_pairs,
-    nothing_to_train_on,
-)
+from pairs.formats import LabelledCompletion, PreferencePair
+from pairs.sources import Source, dataset_sources, file_digest
+from preference_datasets import RowCounts, data_lines, eval_split, iter_pairs, nothing_to_train_on
 from utils import UserError, first_line, release_free_memory
 
 FORMAT = 6  # 3: margins; 4: conversational rows rendered as TRL renders them, tools; 5: the prompts' images;
@@ -67,7 +58,7 @@ class Tokenization:
     max_length: int
     max_prompt_length: int
     sft: bool  # one response per example, the pair's sft_target; else chosen and rejected
-    # the run's keyword arguments of every chat template call (preference_datasets.ChatTemplate)
+    # the run's keyword arguments of every chat template call (pairs.chat_templates.ChatTemplate)
     chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
 
     def texts(self, pair: PreferencePair | LabelledCompletion) -> list[str | tuple[str, tuple[bytes, ...]]]:

@@ -1,2 +1,4 @@
-"""What a run tells a person: the data report and memory plan before it starts (report), throughput while it runs
-(telemetry), plots.png (plots), and how the process maps its host memory (host_memory)."""
+"""What a run tells a person: before it starts, the data report (data_report), each rank's memory plan (memory_plan)
+on its machines (hardware), whether it fits and the smallest mesh that would (fit_check), and micro-batches sized by
+memory (micro_batches); throughput while it runs (telemetry), plots.png (plots), and how the process maps its host
+memory (host_memory)."""

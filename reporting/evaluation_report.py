@@ -118,7 +118,7 @@ def card_results(config: DictConfig, by_temperature: dict) -> list[dict]:
 def write_figure(path: Path, results: dict) -> None:
     """Win rate (ties half) against temperature with its 95% interval, and the judge's reward (or, without rewards,
     the win rate) against the sampled KL, one point per temperature: the DPO paper's Figures 3 and 2."""
-    import matplotlib
+    import matplotlib  # on use: ~1 s to import, and only the figure needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -160,7 +160,7 @@ def log_to_wandb(output: Path, config: DictConfig, results: dict, lines: list[di
     run = init_wandb(config, output)
     if run is None:
         return
-    import wandb
+    import wandb  # on use: ~1.3 s to import, and only evaluations that log to wandb need it
 
     columns = ["candidate", "temperature", "win_rate", "lc_win_rate", "win", "tie", "loss", "kl"]
     rows = [

@@ -68,7 +68,7 @@ def panel_points(records: list[dict]) -> dict[str, dict[tuple[str, str], list[tu
 def write_plots(run_dir: Path) -> Path | None:
     """Draw run_dir/metrics.jsonl into run_dir/plots.png (written whole: a crash leaves the previous picture), one
     panel for each group of metrics the run has logged; None while it has logged none."""
-    import matplotlib
+    import matplotlib  # on use: ~1 s to import, and only plots.png needs it
 
     matplotlib.use("Agg")  # files only: no display, no GUI toolkit
     import matplotlib.pyplot as plt

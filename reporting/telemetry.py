@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from modeling.adapters import logical_numel
-from modeling.models import reward_head
+from modeling.precision import cpu_matmul_flops, cpu_name
+from modeling.reward_head import reward_head
 
 # NVIDIA datasheet dense bfloat16 tensor-core peaks, TFLOP/s (sparsity excluded), matched on the device name in order.
 GPU_BFLOAT16_TFLOPS = (
@@ -136,8 +137,6 @@ class PeakRate:
     def mfu(self, achieved: float) -> float | None:
         """achieved: useful FLOP/s per device."""
         if achieved > self.flops and self.cache_dir is not None:
-            from modeling.precision import cpu_matmul_flops
-
             self.flops = cpu_matmul_flops(self.cache_dir, again=True)[self.dtype_name]
             self.source += "; measured again when training ran faster than it"
             self.cache_dir = None
@@ -156,8 +155,6 @@ def peak_flops(device: torch.device, dtype: torch.dtype, cache_dir: Path) -> Pea
             if re.search(pattern, name):
                 return PeakRate(tflops * 1e12, f"{name}'s datasheet bfloat16 peak")
         return PeakRate(measured_matmul_flops(device, dtype), f"a measured {dtype} matmul on {name}")
-    from modeling.precision import cpu_matmul_flops, cpu_name
-
     name = "bfloat16" if dtype == torch.bfloat16 else "float32"
     rate = cpu_matmul_flops(cache_dir)[name]
     return PeakRate(rate, f"the precision probe's {name} matmul on {cpu_name()}", cache_dir, name)

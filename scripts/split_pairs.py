@@ -1,7 +1,7 @@
 """python -m scripts.split_pairs PAIRS_FILE OUT_DIR NAME/SPLIT=COUNT ...: disjoint parts of a pairs file, whole
 prompts each, for recipes that must not train a judge, a policy and their evaluation on the same prompts.
 
-Rows are grouped by prompt (preference_datasets' parsing: an HH dialogue's prompt is the text its two responses
+Rows are grouped by prompt (pairs.formats' parsing: an HH dialogue's prompt is the text its two responses
 share), the prompts shuffled by --seed (default 0), and each part takes the next COUNT prompts' rows into
 OUT_DIR/NAME/SPLIT.jsonl, a file train.py reads (a directory's test* file is its held-out split). Example:
 python -m scripts.split_pairs hh.jsonl.gz data judge/train=640 judge/test=128 policy/train=768 policy/test=128"""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from preference_datasets import split_hh_dialogue
+from pairs.formats import split_hh_dialogue
 
 
 def prompt_of(row: dict) -> str:

@@ -139,21 +139,19 @@ def planned_training_peaks(config, on_gpu: bool = False) -> dict[int, float]:
     import build
     from core.objective import build_objective
     from modeling.distributed import Topology
-    from modeling.models import load_tokenizer
-    from reporting import report
+    from modeling.tokenizers import load_tokenizer
+    from reporting.memory_plan import Workload, memory_plan
+    from reporting.micro_batches import with_accumulation
 
     cache_dir = Path(config.local_dirs[0])
     topology = Topology.create(config.trainer, None, 1)
     precision = build.run_precision(config, topology, cache_dir, autocast=True)
     objective = build_objective(config.loss)
     data = build.load_data(config, load_tokenizer(config.model, cache_dir), objective, cache_dir, report=False)
-    work = report.Workload(
+    work = Workload(
         config, build.meta_policy(config, precision, cache_dir), data.train_examples, data.schedule, precision, False
     )
-    plans = {
-        k: report.memory_plan(report.with_accumulation(work, k), config.trainer, (1, 1, 1), on_gpu)
-        for k in (1, 2, 4, 8)
-    }
+    plans = {k: memory_plan(with_accumulation(work, k), config.trainer, (1, 1, 1), on_gpu) for k in (1, 2, 4, 8)}
     return {k: plan.device_peak() for k, plan in plans.items()}
 
 

@@ -17,6 +17,7 @@ import train
 import trainers
 from conftest import MEASURED, arithmetic_pairs, read_jsonl, tiny_run_overrides, write_jsonl
 from persistence import checkpoint
+from persistence.checkpoint_parts import ModelWeights
 from test_crash_resume import FAULTS_DIR, assert_equal_checkpoints
 from utils import Interrupted
 
@@ -70,7 +71,7 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_it_is_one_only_once_
             trained_on.set()
         return metrics
 
-    real_write = checkpoint.ModelWeights.write
+    real_write = ModelWeights.write
 
     def held_write(part, state, directory, world_size, process_group=None):
         if directory.parent.name == "step-16.tmp":
@@ -82,7 +83,7 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_it_is_one_only_once_
             seen["step-16 before step-24"] = checkpoint.describe(run_dir / "step-16") is not None
         real_write(part, state, directory, world_size, process_group)
 
-    monkeypatch.setattr(checkpoint.ModelWeights, "write", held_write)
+    monkeypatch.setattr(ModelWeights, "write", held_write)
     monkeypatch.setattr(trainers.Trainer, "train_step", counted_step)
     train.run(train.configuration.load([*overrides, f"local_run_dir={run_dir}", "save_async=true"]))
     expected = {"trained on": True, "step-16": False, "marker": False, "newest": run_dir / "step-8"}
@@ -110,7 +111,7 @@ def test_ctrl_c_while_a_checkpoint_is_written_in_the_background_completes_it_and
             stopped.set()
         return metrics
 
-    real_write = checkpoint.ModelWeights.write
+    real_write = ModelWeights.write
 
     def held_write(part, state, directory, world_size, process_group=None):
         if directory.parent.name == "step-16.tmp":
@@ -118,7 +119,7 @@ def test_ctrl_c_while_a_checkpoint_is_written_in_the_background_completes_it_and
         real_write(part, state, directory, world_size, process_group)
 
     with monkeypatch.context() as patched:
-        patched.setattr(checkpoint.ModelWeights, "write", held_write)
+        patched.setattr(ModelWeights, "write", held_write)
         patched.setattr(trainers.Trainer, "train_step", interrupted_step)
         with pytest.raises(Interrupted, match="^stopped by SIGINT after 24 examples; the checkpoint is .*step-24"):
             train.run(train.configuration.load(command))

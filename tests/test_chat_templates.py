@@ -1,4 +1,4 @@
-"""Conversational rows with tools and chat_template_kwargs (preference_datasets.ChatTemplate): prompts and responses
+"""Conversational rows with tools and chat_template_kwargs (pairs.chat_templates.ChatTemplate): prompts and responses
 rendered as TRL 1.16 renders them (trl.data_utils.apply_chat_template, on templates that read `tools` and
 `enable_thinking`: tests/assets/chat_templates), a row's keyword arguments over the run's, the tokenized cache keyed
 by the run's, and a tool-calling run that trains and shows its rendered tools."""

@@ -125,7 +125,8 @@ def test_every_key_of_config_yaml_has_a_type_and_the_schema_no_other(make_config
     # The schema and config.yaml name the same keys, in the same order (the order "valid:" lists them in).
     from omegaconf import OmegaConf
 
-    from config import CONFIG_DIR, Config
+    from config import Config
+    from configuration.composition import CONFIG_DIR
 
     yaml_keys = [key for key in OmegaConf.load(CONFIG_DIR / "config.yaml") if key != "defaults"]
     assert yaml_keys + ["model", "loss"] == [f.name for f in dataclasses.fields(Config)]
@@ -180,7 +181,8 @@ def schemas_by_option():
     """(the command line that selects it, schema): the config, and each loss option's schema."""
     from omegaconf import OmegaConf
 
-    from config import CONFIG_DIR, Config
+    from config import Config
+    from configuration.composition import CONFIG_DIR
     from core.losses import LOSSES
 
     yield [], Config, ""
@@ -236,7 +238,7 @@ def test_seed_range_is_numpys():
 def test_a_value_quoted_for_hydra_reads_back_exactly(value):
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from config import hydra_quoted
+    from configuration.composition import hydra_quoted
 
     assert OverridesParser.create().parse_override(f"key={hydra_quoted(value)}").value() == value
 
@@ -284,7 +286,7 @@ def test_every_torch_optimizer_knob_value_torch_refuses_is_one_line():
 
     import torch
 
-    from config import check_optimizer
+    from configuration.checks import check_optimizer
 
     refused = 0
     for name, optimizer in vars(torch.optim).items():

@@ -457,7 +457,7 @@ def test_kto_on_labelled_completions_matches_basic_trainer_across_processes(
 @pytest.mark.parametrize("trainer", ["FSDPTrainer", pytest.param("TensorParallelTrainer", marks=pytest.mark.slow)])
 def test_a_reward_model_matches_basic_trainer_across_processes(tmp_path, pairs_file, launch, trainer):
     # The scalar head reads hidden states inside the root's forward and hands its rewards out as the model's output
-    # (scoring.head_returns_rewards), where FSDP gathers the root again for the backward; tensor parallelism leaves
+    # (heads.head_returns_rewards), where FSDP gathers the root again for the backward; tensor parallelism leaves
     # the head whole. Packed rows, every eval, the final weights and the sequence-classifier export.
     launch(tmp_path / "basic", pairs_file, "trainer=BasicTrainer", "loss=reward")
     launch(tmp_path / "run", pairs_file, f"trainer={trainer}", "loss=reward")

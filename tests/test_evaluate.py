@@ -46,9 +46,9 @@ from core.generations import (
 )
 from core.rewards import ModelReward
 from modeling.distributed import Topology
-from modeling.models import load_tokenizer
+from modeling.tokenizers import load_tokenizer
 from modeling.vision import pack_images, vision_tower
-from reporting.report import length_bias
+from reporting.data_report import length_bias
 from trained import kind, model_settings
 from utils import UserError
 

@@ -13,8 +13,8 @@ from core.layouts import (
     pad,
     segment_lengths,
 )
+from pairs.formats import PreferencePair
 from persistence.tokenized import Tokenization, tokenize_pairs
-from preference_datasets import PreferencePair
 
 
 def token_sequences(batch) -> torch.Tensor:

@@ -10,8 +10,9 @@ import torch
 import train
 from conftest import tiny_lm_config, tiny_run_overrides
 from core import liger
+from core.heads import sequence_logps
 from core.layouts import pad
-from core.scoring import PROBE_EXAMPLES, exact_float32, sequence_logps
+from core.probes import PROBE_EXAMPLES, exact_float32
 
 
 @pytest.mark.parametrize("installed, cuda", [(False, False), (True, False)])

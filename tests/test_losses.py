@@ -9,6 +9,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from core.heads import response_sums
+from core.loss_contract import PairStats, PreferenceLoss, RatioLoss
 from core.losses import (
     LOSSES,
     DiscoPOPConfig,
@@ -16,15 +18,11 @@ from core.losses import (
     DPOPConfig,
     FDPOConfig,
     IPOConfig,
-    PairStats,
-    PreferenceLoss,
-    RatioLoss,
     SimPOConfig,
     SmoothedConfig,
     compute,
 )
 from core.objective import PreferenceObjective
-from core.scoring import response_sums
 from utils import UserError
 
 

@@ -12,8 +12,10 @@ from omegaconf import OmegaConf
 import config
 import export
 import train
+from config import NOT_REPRODUCED
 from conftest import read_jsonl
-from reporting.model_card import NOT_REPRODUCED, add_results, card_text
+from reporting.model_card import add_results
+from training.model_card import card_text
 
 METRIC_ROW = re.compile(r"^\| (\S+) \| (\S+) \|$", re.MULTILINE)
 

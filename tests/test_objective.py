@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import train
-from config import group_options
+from configuration.composition import group_options
 from conftest import assert_resume_matches_uninterrupted, build_trainer, records
 from persistence import checkpoint
 from utils import UserError

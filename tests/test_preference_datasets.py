@@ -6,13 +6,8 @@ import pyarrow.parquet
 import pytest
 
 from conftest import HH_TEST_FILE, arithmetic_pairs, labelled_completions, write_jsonl
-from preference_datasets import (
-    LabelledCompletion,
-    batch_schedule,
-    get_dataset,
-    split_hh_dialogue,
-    strip_html,
-)
+from pairs.formats import LabelledCompletion, split_hh_dialogue, strip_html
+from preference_datasets import batch_schedule, get_dataset
 from utils import UserError
 
 

@@ -1,6 +1,7 @@
-"""The data report and memory estimate (report.py) and the dry run (build.dry_run): lengths and truncation counted
-by hand, the decoded example, a dry run that loads no weights, writes no run and estimates memory from the model's
-shapes, and the estimate's activations against what a training forward keeps (a text model, a VLM's images)."""
+"""The data report (reporting/data_report.py), the memory estimate and what reads it (memory_plan.py, fit_check.py,
+micro_batches.py) and the dry run (build.dry_run): lengths and truncation counted by hand, the decoded example, a dry
+run that loads no weights, writes no run and estimates memory from the model's shapes, and the estimate's activations
+against what a training forward keeps (a text model, a VLM's images)."""
 
 import re
 import subprocess
@@ -26,9 +27,13 @@ from conftest import (
 from modeling.distributed import Topology
 from modeling.precision import decide_precision
 from modeling.vision import freeze_vision_tower, vision_projector, vision_tower
+from pairs.formats import PreferencePair
 from persistence.tokenized import Tokenization, tokenize_pairs
-from preference_datasets import PreferencePair
-from reporting import report
+from reporting.data_report import data_report
+from reporting.fit_check import fit_verdict
+from reporting.hardware import Hardware
+from reporting.memory_plan import Workload, memory_plan
+from reporting.micro_batches import AUTO_MEMORY_SHARE
 
 
 def eight_examples(tokenizer, prompt: str, chosen: str, rejected: str):
@@ -44,7 +49,7 @@ def test_data_report_gives_length_percentiles_truncation_and_the_tokens(tiny_tok
     # The tiny tokenizer spells text byte by byte: a text of n characters is n tokens, and each response ends in EOS.
     pairs = [PreferencePair("p" * n, "c" * (n // 10), "r", "", "keep_start") for n in (10, 20, 30)]
     examples = tokenize_pairs(pairs, tiny_tokenizer, Tokenization(max_length=25, max_prompt_length=12, sft=False))
-    text = report.data_report(examples.select([0, 1]), examples.select([2]), tiny_tokenizer, 25, 12)
+    text = data_report(examples.select([0, 1]), examples.select([2]), tiny_tokenizer, 25, 12)
     lines = text.splitlines()
     assert lines[0] == "data report: 2 training and 1 eval examples"
     # inclusive percentiles of 10, 20, 30: p50 20, p90 20 + 0.8 x 10 = 28, p99 29.8
@@ -76,8 +81,8 @@ def test_the_estimate_and_the_run_read_reference_dtype_alike(make_config, tiny_t
     examples = eight_examples(tiny_tokenizer, "q", "a", "b")
     policy = build.meta_policy(config, parts.precision, Path(config.local_dirs[0]))
     live = build.live_reference_model(config, needs_reference=True)
-    work = report.Workload(config, policy, examples, [list(range(8))], parts.precision, live)
-    assert report.memory_plan(work, config.trainer, (1, 1, 1), on_gpu=False).training["reference weights"] == held
+    work = Workload(config, policy, examples, [list(range(8))], parts.precision, live)
+    assert memory_plan(work, config.trainer, (1, 1, 1), on_gpu=False).training["reference weights"] == held
 
 
 def test_dry_run_reports_and_exits_without_weights_or_a_run(tmp_path, pairs_file, monkeypatch, capsys):
@@ -100,7 +105,7 @@ def test_the_dry_run_plans_the_micro_batches_that_fill_a_planned_gpu(make_config
     # micro_batch_memory=auto on a planned GPU: 80% of its memory, here between the GPU plan's peaks at 4 and 2
     # micro-batches a step; the plan printed after the choice is the chosen micro-batches' (its training total).
     peaks = planned_training_peaks(make_config(), on_gpu=True)
-    gpu_gib = (peaks[4] + peaks[2]) / 2 / report.AUTO_MEMORY_SHARE / 2**30
+    gpu_gib = (peaks[4] + peaks[2]) / 2 / AUTO_MEMORY_SHARE / 2**30
     planned = ("dry_run=true", "plan.gpus_per_node=1", f"plan.gpu_memory_gib={gpu_gib:.9f}")
     train.main([*tiny_run_overrides(tmp_path, pairs_file), *planned])
     out = capsys.readouterr().out
@@ -145,8 +150,8 @@ def test_memory_estimate_counts_the_real_model(
     examples = eight_examples(tiny_tokenizer, "q" * 5, "a" * 3, "b" * 6)
     precision = precision_of(config)
     policy = build.meta_policy(config, precision, Path(config.local_dirs[0]))
-    work = report.Workload(config, policy, examples, [list(range(8))], precision, False)
-    parts = report.memory_plan(work, config.trainer, (shards, 1, 1), on_gpu=False).training
+    work = Workload(config, policy, examples, [list(range(8))], precision, False)
+    parts = memory_plan(work, config.trainer, (shards, 1, 1), on_gpu=False).training
     assert parts["policy weights"] == n_parameters * 4 / shards  # float32
     assert parts["gradients"] == n_parameters * 4 / shards
     assert parts[f"{config.optimizer} state"] == optimizer_states * n_parameters * 4 / shards
@@ -167,8 +172,8 @@ def test_memory_estimate_counts_a_dense_mask_per_layer_type(make_config, tiny_to
     masks = []
     for layer_types in (None, ["sliding_attention", "full_attention"]):
         policy.config.layer_types = layer_types
-        work = report.Workload(config, policy, examples, [list(range(8))], precision, False)
-        masks.append(report.memory_plan(work, config.trainer, (1, 1, 1), on_gpu=False).training)
+        work = Workload(config, policy, examples, [list(range(8))], precision, False)
+        masks.append(memory_plan(work, config.trainer, (1, 1, 1), on_gpu=False).training)
     assert [parts["attention mask (packed, dense)"] for parts in masks] == [8 * 16 * 16 * 5, 2 * 8 * 16 * 16 * 5]
 
 
@@ -179,8 +184,8 @@ def test_tensor_parallel_memory_estimate_counts_the_unfused_step(make_config, ti
     precision = precision_of(config)
     policy = build.meta_policy(config, precision, Path(config.local_dirs[0]))
     examples = eight_examples(tiny_tokenizer, "q", "a", "b")
-    work = report.Workload(config, policy, examples, [list(range(8))], precision, False)
-    plan = report.memory_plan(work, config.trainer, (1, 1, 2), on_gpu=False)
+    work = Workload(config, policy, examples, [list(range(8))], precision, False)
+    plan = memory_plan(work, config.trainer, (1, 1, 2), on_gpu=False)
     assert plan.training["optimizer step intermediates"] == n_parameters * 4 / 2
 
 
@@ -193,8 +198,8 @@ def test_memory_estimate_of_lora_counts_the_adapters(make_config, tiny_tokenizer
     examples = eight_examples(tiny_tokenizer, "q", "a", "b")
     precision = precision_of(config)
     policy = build.meta_policy(config, precision, Path(config.local_dirs[0]))
-    work = report.Workload(config, policy, examples, [list(range(8))], precision, False)
-    plan = report.memory_plan(work, config.trainer, (1, 1, 1), on_gpu=False)
+    work = Workload(config, policy, examples, [list(range(8))], precision, False)
+    plan = memory_plan(work, config.trainer, (1, 1, 1), on_gpu=False)
     assert plan.training["gradients"] == trainable * 4
     assert f"{trainable / 1e6:.2f}M trainable" in plan.header
 
@@ -234,8 +239,8 @@ def activations_against_kept(config, parts) -> tuple[dict[str, float], dict[str,
     batch = parts.scorer.batch(parts.data.train_examples.take(parts.data.schedule[0]))
     kept = kept_for_backward(parts.policy, lambda: parts.scorer(parts.policy, batch, parts.precision.policy_compute))
     policy = build.meta_policy(config, parts.precision, Path(config.local_dirs[0]))
-    work = report.Workload(config, policy, parts.data.train_examples, parts.data.schedule, parts.precision, False)
-    planned = report.memory_plan(work, config.trainer, (1, 1, 1), on_gpu=False).training
+    work = Workload(config, policy, parts.data.train_examples, parts.data.schedule, parts.precision, False)
+    planned = memory_plan(work, config.trainer, (1, 1, 1), on_gpu=False).training
     trainable = sum(p.numel() * p.element_size() for p in parts.policy.parameters() if p.requires_grad)
     assert planned["gradients"] == trainable  # the dry run's policy trains what the run's does
     activations = sum(
@@ -273,8 +278,8 @@ def test_the_planned_activations_are_a_lower_bound_of_what_a_forward_keeps(make_
     for layout in ("packed", "padded"):
         config = OmegaConf.merge(trained, {"layout": layout})
         policy = build.meta_policy(config, parts.precision, Path(config.local_dirs[0]))
-        work = report.Workload(config, policy, parts.data.train_examples, parts.data.schedule, parts.precision, False)
-        planned.append(report.memory_plan(work, config.trainer, (1, 1, 1), on_gpu=False).training)
+        work = Workload(config, policy, parts.data.train_examples, parts.data.schedule, parts.precision, False)
+        planned.append(memory_plan(work, config.trainer, (1, 1, 1), on_gpu=False).training)
     packed, padded = (terms["vision tower and projector activations"] for terms in planned)
     assert packed > 0 and padded == 2 * packed
 
@@ -288,8 +293,8 @@ def tiny_plan(make_config, tiny_tokenizer, *overrides, mesh=(1, 1, 1), on_gpu=Fa
     precision = precision_of(config)
     policy = build.meta_policy(config, precision, Path(config.local_dirs[0]))
     examples = eight_examples(tiny_tokenizer, "q" * 5, "a" * 3, "b" * 6)
-    work = report.Workload(config, policy, examples, [list(range(8))], precision, False)
-    return work, report.memory_plan(work, config.trainer, mesh, on_gpu)
+    work = Workload(config, policy, examples, [list(range(8))], precision, False)
+    return work, memory_plan(work, config.trainer, mesh, on_gpu)
 
 
 @pytest.mark.parametrize("on_gpu", [False, True])
@@ -312,9 +317,9 @@ def test_each_moment_of_the_plan_counts_what_a_rank_holds(make_config, tiny_toke
 def test_a_plan_fits_or_names_what_is_short(make_config, tiny_tokenizer):
     _, plan = tiny_plan(make_config, tiny_tokenizer, on_gpu=True)
     device, host = plan.device_peak(), plan.host_peak()
-    assert plan.fit_problem(report.Hardware(1, 4, device, 4 * host)) is None  # exactly enough
-    assert plan.fit_problem(report.Hardware(1, 4, device - 1, None)).startswith(f"a GPU needs {device / GIB:.1f} GiB")
-    assert plan.fit_problem(report.Hardware(1, 4, device, 4 * host - 1)).startswith("a node's 4 ranks need")
+    assert plan.fit_problem(Hardware(1, 4, device, 4 * host)) is None  # exactly enough
+    assert plan.fit_problem(Hardware(1, 4, device - 1, None)).startswith(f"a GPU needs {device / GIB:.1f} GiB")
+    assert plan.fit_problem(Hardware(1, 4, device, 4 * host - 1)).startswith("a node's 4 ranks need")
 
 
 def test_the_smallest_mesh_fits_and_none_with_a_node_fewer_does(make_config, tiny_tokenizer):
@@ -323,14 +328,14 @@ def test_the_smallest_mesh_fits_and_none_with_a_node_fewer_does(make_config, tin
     work, one_node = tiny_plan(
         make_config, tiny_tokenizer, "trainer=FSDPTrainer", "nproc=2", mesh=(2, 1, 1), on_gpu=True
     )
-    hardware = report.Hardware(1, 2, one_node.device_peak() * 0.3, None)
-    plan, problem = report.fit_verdict(work, hardware, (2, 1, 1))
+    hardware = Hardware(1, 2, one_node.device_peak() * 0.3, None)
+    plan, problem = fit_verdict(work, hardware, (2, 1, 1))
     assert problem.startswith("this run does not fit 1 node x 2 GPUs of 0 GiB: a GPU needs") and plan is not None
     found = re.search(r"fits: (\d+) nodes? x 2 GPUs .* tensor_parallel_size=(\d)", problem)
     nodes, tp = int(found[1]), int(found[2])
 
     def fits(n: int, t: int) -> bool:
-        candidate = report.memory_plan(work, "FSDPTrainer", (n * 2 // t, 1, t), on_gpu=True)
+        candidate = memory_plan(work, "FSDPTrainer", (n * 2 // t, 1, t), on_gpu=True)
         return candidate.fit_problem(hardware.with_nodes(n)) is None
 
     assert fits(nodes, tp) and not any(fits(n, t) for n in range(1, nodes) for t in (1, 2))
@@ -452,9 +457,9 @@ def test_offload_moves_the_sharded_state_to_the_host_and_keeps_the_rest_on_the_d
     precision = precision_of(config)
     policy = build.meta_policy(config, precision, Path(config.local_dirs[0]))
     examples = eight_examples(tiny_tokenizer, "q", "a", "b")
-    work = report.Workload(config, policy, examples, [list(range(8))], precision, True)
-    on_gpus = report.memory_plan(work, "FSDPTrainer", (2, 1, 1), on_gpu=True)
-    offloaded = report.memory_plan(work, "FSDPTrainer", (2, 1, 1), on_gpu=True, offload=True)
+    work = Workload(config, policy, examples, [list(range(8))], precision, True)
+    on_gpus = memory_plan(work, "FSDPTrainer", (2, 1, 1), on_gpu=True)
+    offloaded = memory_plan(work, "FSDPTrainer", (2, 1, 1), on_gpu=True, offload=True)
     moved = ("policy weights", "gradients", "AdamW state", "optimizer step intermediates", "reference weights")
     assert not on_gpus.host_training and "CPU offload" in offloaded.header
     assert {k: v for k, v in on_gpus.training.items() if k not in moved} == {
@@ -476,7 +481,7 @@ def test_the_plan_counts_the_copy_a_background_save_is_written_from(make_config,
     step counts (a 4-byte scalar per parameter)."""
     from conftest import build_trainer
     from modeling import weights
-    from persistence import checkpoint
+    from persistence import checkpoint_parts as checkpoint
 
     _, synchronous = tiny_plan(make_config, tiny_tokenizer, *overrides)
     _, plan = tiny_plan(make_config, tiny_tokenizer, "save_async=true", *overrides)

@@ -17,14 +17,15 @@ from conftest import (
     records,
     write_jsonl,
 )
+from core.heads import reward_positions, sequence_rewards
 from core.layouts import pack, pad
 from core.losses import bradley_terry
 from core.objective import RewardObjective
 from core.rewards import ModelReward
-from core.scoring import reward_positions, sequence_rewards
-from modeling.models import init_reward_head, reward_head
+from modeling.reward_head import init_reward_head, reward_head
+from pairs.formats import PreferencePair
 from persistence.tokenized import Tokenization, tokenize_pairs
-from preference_datasets import PreferencePair, get_dataset
+from preference_datasets import get_dataset
 from utils import UserError, metric_mean
 
 EOS = transformers.AutoTokenizer.from_pretrained(TINY_DIR).eos_token_id

@@ -6,9 +6,9 @@ import torch
 import transformers
 
 from conftest import assert_same_metrics, read_jsonl, records, save_tiny_lm, tiny_lm_config
+from core.heads import sequence_logps
 from core.layouts import pack, pad
 from core.router_loss import find_routers, token_weights
-from core.scoring import sequence_logps
 from utils import UserError
 
 # model_type: the config overrides of a tiny MoE (4 experts, 2 chosen per token).

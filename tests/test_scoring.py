@@ -6,10 +6,12 @@ import torch
 import transformers
 
 from conftest import TINY_DIR, tiny_lm_config
-from core.layouts import dense_mask, pack, pad, segment_lengths
-from core.scoring import FLEX_BLOCK, block_attention_problem, packing_problem, scored_head_problem, sequence_logps
+from core.attention import FLEX_BLOCK
+from core.heads import sequence_logps
+from core.layouts import FULL_ATTENTION, dense_mask, pack, pad, segment_lengths
+from core.probes import block_attention_problem, packing_problem, scored_head_problem
+from pairs.formats import PreferencePair
 from persistence.tokenized import Tokenization, tokenize_pairs
-from preference_datasets import PreferencePair
 
 CPU = torch.device("cpu")
 
@@ -242,19 +244,19 @@ def windowed_mistral(window: int) -> torch.nn.Module:
 def test_packing_probe_checks_windows_shorter_than_its_examples(monkeypatch):
     # A 4096-token window is cut to 2 for the probe, against 6-token examples: packed rows without the window
     # compute other log-probs than transformers' own windowed mask of the padded rows, and the probe says so.
-    from core import scoring
+    from core import probes
 
     model = windowed_mistral(4096)
     assert packing_problem(model, torch.float32, CPU) is None
     assert model.config.sliding_window == 4096  # restored
-    monkeypatch.setattr(scoring, "attention_spans", lambda model: {"full_attention": scoring.FULL_ATTENTION})
+    monkeypatch.setattr(probes, "attention_spans", lambda model: {"full_attention": FULL_ATTENTION})
     assert "MistralForCausalLM does not honour a custom 4-D mask" in packing_problem(model, torch.float32, CPU)
 
 
 @pytest.mark.parametrize("scored_head", [True, False])
 def test_windowed_packed_rows_equal_padded(examples, scored_head):
     # Mistral with a window of 4: the packed rows' windowed mask gives the padded layout's log-probs and gradients.
-    from core import scoring
+    from core import attention as scoring
 
     model = windowed_mistral(4)
     expected, expected_grads = logps_and_gradients(model, pad(examples, 0), scored_head=False)
@@ -322,7 +324,7 @@ def test_layouts_and_heads_equal_padded_on_cuda(examples, architecture, dtype, a
 
 def test_a_packed_batch_builds_its_mask_once_for_policy_and_live_reference(make_config, monkeypatch):
     from conftest import build_trainer
-    from core import scoring
+    from core import attention as scoring
 
     trainer = build_trainer(make_config("reference_cache=false", "gradient_accumulation_steps=2"))
     built = []

@@ -19,9 +19,10 @@ from ballast import fill
 from conftest import REPO_ROOT, TINY_DIR, arithmetic_pairs, labelled_completions, write_jsonl
 from core.examples import truncated
 from core.step import mismatched
+from pairs.formats import PreferencePair
 from persistence import tokenized
 from persistence.tokenized import Tokenization, first_of_each_group, load_examples, tokenize_pairs
-from preference_datasets import PreferencePair, get_dataset
+from preference_datasets import get_dataset
 from utils import UserError
 
 PAIRS = Tokenization(max_length=24, max_prompt_length=10, sft=False)

@@ -25,7 +25,8 @@ from conftest import (
 )
 from core.step import Data
 from persistence import checkpoint
-from trainers import StopSignals, Trainer
+from trainers import Trainer
+from training.stop_signals import StopSignals
 from utils import UserError
 
 

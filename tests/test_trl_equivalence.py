@@ -18,7 +18,8 @@ import torch
 import transformers
 
 from conftest import TINY_DIR, build_trainer, tiny_lm_config, write_jsonl
-from core import losses, scoring
+from core import heads as scoring
+from core import losses
 from core.objective import PreferenceObjective
 from core.step import mismatched
 

@@ -13,6 +13,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import config
+from configuration.checks import check_optimizer
+from configuration.composition import CONFIG_DIR, hydra_read, schema_type
 from core.losses import LOSSES
 from utils import UserError
 
@@ -100,7 +102,7 @@ ABSENT = object()
 def loss_problems(option: str, keys: dict[str, str | None]) -> list[str]:
     """What is wrong with `loss=option` given `loss.KEY=VALUE` (VALUE None: the key alone): an unknown option or key,
     or a value its schema refuses, each checked as Hydra would compose it (the option's YAML on its schema)."""
-    path = config.CONFIG_DIR / "loss" / f"{option}.yaml"
+    path = CONFIG_DIR / "loss" / f"{option}.yaml"
     if not path.exists():
         return [f"loss={option}: no such loss option"]
     values = OmegaConf.load(path)
@@ -112,7 +114,7 @@ def loss_problems(option: str, keys: dict[str, str | None]) -> list[str]:
             if value is None and OmegaConf.select(node, key, default=ABSENT) is ABSENT:
                 problems.append(f"loss.{key}: not a key of loss={option}")
             elif value is not None:
-                OmegaConf.update(node, key, config.hydra_read(value), merge=True)
+                OmegaConf.update(node, key, hydra_read(value), merge=True)
         except OmegaConfBaseException as error:
             problems.append(f"loss.{key}={value} under loss={option}: {str(error).splitlines()[0]}")
     try:
@@ -137,14 +139,14 @@ def span_problems(span: str, base) -> list[str]:
         if key.startswith("+optimizer_kwargs."):
             knob = key.removeprefix("+optimizer_kwargs.")
             try:
-                config.check_optimizer("AdamW", {knob: config.hydra_read(value)}, 1e-5)
+                check_optimizer("AdamW", {knob: hydra_read(value)}, 1e-5)
             except UserError as error:
                 problems.append(str(error))
-        elif config.schema_type(key, {"loss": option}) is None:
+        elif schema_type(key, {"loss": option}) is None:
             problems.append(f"{key}: not a key of the config")
         elif value:
             try:
-                OmegaConf.update(base.copy(), key, config.hydra_read(value), merge=True)
+                OmegaConf.update(base.copy(), key, hydra_read(value), merge=True)
             except OmegaConfBaseException as error:
                 problems.append(f"{key}={value}: {str(error).splitlines()[0]}")
     return problems
@@ -208,7 +210,7 @@ def default_problems(span: str) -> list[str]:
     problems = []
     for key, value in words:
         found = OmegaConf.select(defaults, key, default=ABSENT)
-        if key != "loss" and (found is ABSENT or found != config.hydra_read(value)):
+        if key != "loss" and (found is ABSENT or found != hydra_read(value)):
             problems.append(f"{key}={value}: the default is {'no key' if found is ABSENT else found}")
     return problems
 

@@ -29,8 +29,9 @@ from conftest import (
 from core.scoring import Scorer
 from modeling.distributed import Topology
 from modeling.vision import Vision, pack_images, vision_tower
+from pairs.sources import read_file_rows
 from persistence.tokenized import Tokenization, tokenize_pairs
-from preference_datasets import parse_rows, read_file_rows
+from preference_datasets import parse_rows
 
 
 def images_at(directory, row: dict) -> list:
@@ -233,7 +234,7 @@ def test_the_inputs_probe_refuses_paligemma_marked_as_gemma_3_marks_images():
     # PaliGemma's token_type_ids say which tokens are its prefix (0) and which its suffix (1). Marked as Gemma 3 marks
     # images (1 on image tokens, 0 on text and the response), the model attends otherwise than from its processor's
     # inputs, and the inputs probe refuses it; marked as its processor marks them, the probe passes.
-    from core.scoring import vision_problem
+    from core.probes import vision_problem
     from modeling.vision import BIDIRECTIONAL_BLOCKS
 
     model, processor = tiny_vlm("paligemma")
@@ -248,8 +249,11 @@ def test_paligemma_scores_alike_in_train_and_eval_mode_and_causally_without_its_
     # transformers 5.24 makes PaliGemma's prefix bidirectional whenever token_type_ids are given, whatever the mode:
     # the policy (train mode) and the reference (eval mode) score alike, in padded rows (the prefix marked) and packed
     # ones (the prompts as blocks of the mask). Without the marks every token is causal, and the log-probs move.
+    from core.attention import attention_spans
+    from core.heads import sequence_logps
+    from core.image_inputs import with_image_inputs
     from core.layouts import pack, pad
-    from core.scoring import attention_spans, probe_examples, sequence_logps, with_image_inputs
+    from core.probes import probe_examples
 
     model, processor = tiny_vlm("paligemma")
     vision = Vision.of(processor).for_model(model)
@@ -340,7 +344,7 @@ def test_a_hub_models_processor_is_found_as_its_config_is(vlm_dir, tmp_path, mon
     # images, and the processor comes from where the config came from (here the Hub is played by a local copy).
     from omegaconf import OmegaConf
 
-    from modeling import models
+    from modeling import tokenizers as models
     from utils import REPO_ROOT
 
     hub = {

@@ -31,10 +31,11 @@ from conftest import (
 from core.rewards import ModelReward
 from core.scoring import Scorer
 from modeling.distributed import Topology
-from modeling.models import init_reward_head
+from modeling.reward_head import init_reward_head
 from modeling.vision import Vision, decode, pack_images, unpack_images, vision_tower
+from pairs.sources import read_file_rows
 from persistence.tokenized import Tokenization, tokenize_pairs
-from preference_datasets import parse_rows, read_file_rows
+from preference_datasets import parse_rows
 from rounds import Rounds
 from utils import UserError
 

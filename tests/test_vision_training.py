@@ -34,11 +34,12 @@ from conftest import (
 from core.evaluation import Evaluator
 from core.step import mismatched
 from modeling.distributed import Topology
-from modeling.models import load_tokenizer
 from modeling.placement import find_blocks, language_blocks, tensor_parallel_plan
+from modeling.tokenizers import load_tokenizer
 from modeling.vision import Vision, decode, vision_tower
+from pairs.sources import read_file_rows
 from persistence.tokenized import Tokenization, tokenize_pairs
-from preference_datasets import parse_rows, read_file_rows
+from preference_datasets import parse_rows
 from utils import UserError
 
 # As tests/test_distributed.py's runs: gradient clipping that acts on some steps, and AdamW's eps at 1e-6, so that

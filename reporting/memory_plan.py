@@ -1,14 +1,12 @@
-"""What a run will do, told before it does it: the data report every run prints before training, and the estimate
-of peak memory per process that `dry_run=true` prints (build.dry_run)."""
+"""The estimate of peak memory per rank that `dry_run=true` prints (build.dry_run) and the fit check reads
+(fit_check.py): its device's while training (the host's, on a CPU), and its host's while the weights are read and
+while a checkpoint is written, from the policy's shapes and the run's largest micro-batch, with what a vision-language
+model's image encoder keeps."""
 
-import copy
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -16,135 +14,11 @@ from core.examples import Examples
 from core.layouts import batch_shape
 from core.optim import build_optimizer
 from modeling.distributed import TRAINERS
-from modeling.placement import find_blocks, language_blocks, tensor_parallel_plan
+from modeling.placement import find_blocks, language_blocks
 from modeling.precision import Precision
 from modeling.vision import model_image_token, vision_projector, vision_tower
 from modeling.weights import rank_file_bytes
-from utils import UserError
-
-GIB = 2**30
-SHOWN_TOKENS = 24  # of a long segment, the decoded example shows this many tokens at each end
-
-
-def data_report(
-    train: Examples, evals: Examples, tokenizer, max_length: int, max_prompt_length: int, header: str | None = None
-) -> str:
-    """Token lengths (before truncation) of prompts and responses, how many examples were truncated, and the first
-    training example decoded token by token, so that a tokenization problem shows at a glance. Computed on the
-    examples' length arrays: a million examples take milliseconds. header: a first line instead of the counts (a
-    round's, rounds.py)."""
-    full = np.concatenate([train.full_lengths, evals.full_lengths])
-    kept = np.concatenate([train.lengths, evals.lengths])
-    names = ["prompt", "chosen", "rejected"] if full.shape[1] == 3 else ["prompt", "target"]
-    kind = ""
-    if train.labelled:
-        names = ["prompt", "response"]  # the completion (8 letters: the columns stay aligned)
-        desirable = int((train.labels == 1).sum())
-        kind = f" (labelled completions: {desirable} desirable, {len(train) - desirable} undesirable in training)"
-    lines = [
-        header or f"data report: {len(train)} training and {len(evals)} eval examples{kind}",
-        "  tokens     p50    p90    p99    max",
-    ]
-    for i, name in enumerate(names):
-        cuts = np.percentile(full[:, i], [50, 90, 99])  # linear interpolation between ranks ("inclusive")
-        lines.append(f"  {name:8} {cuts[0]:5.0f}  {cuts[1]:5.0f}  {cuts[2]:5.0f}  {full[:, i].max():5d}")
-    truncated = int((kept.sum(axis=1) < full.sum(axis=1)).sum())
-    lines.append(
-        f"  truncated: {truncated} of {len(full)} examples (prompt + longest response over max_length="
-        f"{max_length}; prompts cut to max_prompt_length={max_prompt_length})"
-    )
-    if full.shape[1] == 3 and not train.labelled and len(train):
-        lines.append(length_bias(train.full_lengths[:, 1], train.full_lengths[:, 2]))
-    example = train[0]
-    lines.append("  first training example, token by token (| between tokens; the responses are scored):")
-    for name, ids in zip(names, [example["prompt"], *example["responses"]]):
-        lines.append(f"    {name:8} {len(ids):4d} tokens: {decoded_tokens(ids, tokenizer)}")
-    return "\n".join(lines)
-
-
-LENGTH_BIAS = 2 / 3  # above it, the pairs teach length (Park et al. 2024, arXiv:2403.19159)
-
-
-def length_bias(chosen: np.ndarray, rejected: np.ndarray) -> str:
-    """The pairs' length bias: the share whose chosen response is longer (in tokens, before truncation) and the mean
-    ratio of chosen to rejected length; above LENGTH_BIAS, what DPO learns of it and the losses that control it."""
-    longer = float((chosen > rejected).mean())
-    ratio = float(np.mean(chosen / np.maximum(rejected, 1)))
-    line = f"  length bias: the chosen response is longer in {longer:.0%} of training pairs, {ratio:.2f}x on average"
-    if longer > LENGTH_BIAS:
-        line += (
-            "; DPO learns length from such data (its implicit reward rises with it): consider loss=ld_dpo or a "
-            "length-normalised loss (dpo_norm, simpo), and judge by length-controlled win rates (evaluate.py)"
-        )
-    return line
-
-
-def decoded_tokens(ids: list[int], tokenizer) -> str:
-    pieces = [tokenizer.decode([i]).replace("\n", "\\n") for i in ids]
-    if len(pieces) > 2 * SHOWN_TOKENS:
-        hidden = len(pieces) - 2 * SHOWN_TOKENS
-        pieces = [*pieces[:SHOWN_TOKENS], f" ... {hidden} more ... ", *pieces[-SHOWN_TOKENS:]]
-    return "|".join(pieces)
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """What a run's ranks have: the nodes, ranks on each, each rank's GPU memory (None: CPU ranks, whose device is the
-    host) and each node's host memory (None: not known, not checked); gpu_free_bytes: what this rank's GPU has free
-    now (None: not known, as on planned machines)."""
-
-    nodes: int
-    ranks_per_node: int
-    gpu_bytes: float | None
-    host_bytes: float | None
-    gpu_free_bytes: float | None = None
-
-    @classmethod
-    def here(cls, world_size: int) -> "Hardware":
-        """This machine, for a run of world_size ranks: torchrun's ranks per node, else all of them here."""
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        cuda = torch.cuda.is_available()
-        gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if cuda else None
-        free = torch.cuda.mem_get_info()[0] if cuda else None
-        return cls(max(1, world_size // per_node), per_node, gpu, host_memory(), free)
-
-    @classmethod
-    def planned(cls, plan) -> "Hardware | None":
-        """The machines `plan.*` describes (dry_run=true for other machines than this one), or None: this one."""
-        if plan.gpus_per_node is None:
-            return None
-        host = None if plan.host_memory_gib is None else plan.host_memory_gib * GIB
-        return cls(plan.nodes, plan.gpus_per_node, plan.gpu_memory_gib * GIB, host)
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.ranks_per_node
-
-    def with_nodes(self, nodes: int) -> "Hardware":
-        return dataclasses.replace(self, nodes=nodes)
-
-    def describe(self, host: bool = True) -> str:
-        shown = host and self.host_bytes is not None
-        memory = f", {self.host_bytes / GIB:.0f} GiB of host memory a node" if shown else ""
-        if self.gpu_bytes is None:
-            return f"{plural(self.nodes, 'machine')} x {plural(self.ranks_per_node, 'CPU process')}{memory}"
-        gpus = f"{plural(self.ranks_per_node, 'GPU')} of {self.gpu_bytes / GIB:.0f} GiB"
-        return f"{plural(self.nodes, 'node')} x {gpus}{memory}"
-
-
-def plural(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"
-
-
-def host_memory() -> float | None:
-    """This machine's memory in bytes (Linux: MemTotal), or None."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+from reporting.hardware import GIB, Hardware, plural
 
 
 @dataclass
@@ -449,80 +323,6 @@ def positions_per_image_token(config) -> int:
     return 1
 
 
-def fit_verdict(work: Workload, hardware: Hardware, mesh: tuple[int, int, int]) -> tuple[MemoryPlan, str | None]:
-    """(the run's memory plan on its mesh, why it does not fit `hardware` with the smallest mesh that would, or
-    None). Checked before any weight is read; a lower bound, so a run it refuses could not have fitted."""
-
-    def plan(trainer: str, candidate: tuple[int, int, int]) -> MemoryPlan:
-        return memory_plan(work, trainer, candidate, on_gpu=hardware.gpu_bytes is not None)
-
-    current = plan(work.config.trainer, mesh)
-    problem = current.fit_problem(hardware)
-    if problem is None:
-        return current, None
-    found = smallest_mesh(work.config, hardware, work.policy, plan) + offload_instead(work, hardware, mesh)
-    return current, f"this run does not fit {hardware.describe()}: {problem} ({current.header}); {found}"
-
-
-def offload_instead(work: Workload, hardware: Hardware, mesh: tuple[int, int, int]) -> str:
-    """Where an FSDP run on GPUs does not fit but would with fsdp_cpu_offload=true, on the same GPUs and a host
-    memory that is known: a clause that says so, with its memory; else ""."""
-    config = work.config
-    if config.fsdp_cpu_offload or config.lora.enabled or not TRAINERS[config.trainer].fsdp:
-        return ""
-    if hardware.gpu_bytes is None or hardware.host_bytes is None:
-        return ""
-    candidate = memory_plan(work, config.trainer, mesh, on_gpu=True, offload=True)
-    if candidate.fit_problem(hardware) is not None:
-        return ""
-    node = candidate.host_peak() * hardware.ranks_per_node
-    return (
-        f"; or on these GPUs with fsdp_cpu_offload=true ({candidate.device_peak() / GIB:.1f} GiB a GPU, "
-        f"{node / GIB:.1f} GiB of host memory a node)"
-    )
-
-
-MAX_NODES = 256
-
-
-def smallest_mesh(config: DictConfig, hardware: Hardware, policy: torch.nn.Module, plan) -> str:
-    """The fewest nodes of hardware's kind (then the smallest tensor-parallel size within a node, then the smallest
-    sequence-parallel size in what is left of it) on which FSDPTrainer fits the run, by plan(trainer, (dp, sp, tp))."""
-    per_node = hardware.ranks_per_node
-    divisors = [size for size in range(1, per_node + 1) if per_node % size == 0]
-    sizes = [1] if config.lora.enabled else divisors
-    sizes = [tp for tp in sizes if tp == 1 or splits_heads(policy, tp)]
-    heads = policy.config.get_text_config().num_attention_heads
-    packed = config.layout == "packed"
-    for nodes in range(1, MAX_NODES + 1):
-        for tp, sp in [(tp, sp) for tp in sizes for sp in divisors if per_node % (tp * sp) == 0]:
-            if sp > 1 and (not packed or heads % (sp * tp)):
-                continue
-            dp = nodes * per_node // (tp * sp)
-            candidate = plan("FSDPTrainer", (dp, sp, tp))
-            fitting = hardware.with_nodes(nodes)
-            if candidate.fit_problem(fitting) is None:
-                step = config.gradient_accumulation_steps * dp
-                unit = "GPU" if candidate.on_gpu else "process"
-                sequence = f" sequence_parallel_size={sp}" if sp > 1 else ""
-                shape = f"dp {dp}{f' x sp {sp}' if sp > 1 else ''} x tp {tp}"
-                return (
-                    f"the smallest mesh that fits: {fitting.describe(host=False)}, trainer=FSDPTrainer "
-                    f"tensor_parallel_size={tp}{sequence} ({shape}: {candidate.device_peak() / GIB:.1f} GiB a {unit}; "
-                    f"batch_size a multiple of {step})"
-                )
-    return f"none of up to {hardware.with_nodes(MAX_NODES).describe(host=False)} fits it"
-
-
-def splits_heads(policy: torch.nn.Module, tp: int) -> bool:
-    """Whether tensor parallelism of size tp can place the policy (its plan, its heads)."""
-    try:
-        tensor_parallel_plan(policy, tp, tp, "FSDPTrainer")
-    except UserError:
-        return False
-    return True
-
-
 def optimizer_states(config: DictConfig) -> tuple[int, bool]:
     """(tensors the optimizer keeps per parameter tensor (AdamW: 2, SGD with momentum: 1), whether its step is
     fused), as build_optimizer makes it for a plain 2-element parameter, counted after one step."""
@@ -534,82 +334,3 @@ def optimizer_states(config: DictConfig) -> tuple[int, bool]:
     optimizer.step()
     states = sum(torch.is_tensor(v) and v.numel() == 2 for v in optimizer.state[parameter].values())
     return states, bool(optimizer.defaults.get("fused"))
-
-
-# micro_batch_memory=auto fills this share of the GPU's free memory: the plan is a lower bound (the allocator's
-# fragmentation, kernels' workspaces and the attention's own buffers are not in it)
-AUTO_MEMORY_SHARE = 0.8
-
-
-def micro_batch_gib(setting: str | None) -> float | str | None:
-    """micro_batch_memory as a number of GiB, "auto" or None; anything else is a one-line UserError."""
-    if setting is None or setting == "auto":
-        return setting
-    try:
-        gib = float(setting)
-    except ValueError:
-        gib = math.nan
-    if not (math.isfinite(gib) and gib > 0):
-        raise UserError(f"micro_batch_memory={setting} must be auto, a positive number of GiB, or null")
-    return gib
-
-
-def micro_batch_budget(setting: str | None, hardware: Hardware) -> tuple[float, str, bool] | None:
-    """(bytes one rank's training may fill, where that figure comes from, whether it is the user's own) by
-    micro_batch_memory, or None: the micro-batches stay as gradient_accumulation_steps cuts them (null; auto on CPU
-    ranks)."""
-    gib = micro_batch_gib(setting)
-    if gib is None or gib == "auto" and hardware.gpu_bytes is None:
-        return None
-    if gib != "auto":
-        return gib * GIB, f"micro_batch_memory={setting}", True
-    free = hardware.gpu_bytes if hardware.gpu_free_bytes is None else hardware.gpu_free_bytes
-    share = f"{AUTO_MEMORY_SHARE:.0%} of {free / GIB:.1f} GiB free"
-    return AUTO_MEMORY_SHARE * free, f"micro_batch_memory=auto: {share}", False
-
-
-def choose_micro_batches(
-    work: Workload, trainer: str, mesh: tuple[int, int, int], on_gpu: bool, budget: tuple[float, str, bool]
-) -> tuple[int, str]:
-    """(micro-batches a step, the line that says so): the fewest, at least gradient_accumulation_steps, that split
-    each rank's share of batch_size and of eval_batch_size evenly and whose plan (memory_plan, at the schedule's
-    largest micro-batch in token positions) fits the budget; batch_size stays as it is. Where none fits, a budget
-    the user gave is a UserError naming micro_batch_memory; auto leaves the micro-batches as given, for the fit
-    check (fit_verdict) to judge against the whole GPU and to name a mesh that fits."""
-    config, (dp, sp, _) = work.config, mesh
-    share, limit, given = config.batch_size // dp, budget[0], budget[2]
-    counts = [
-        k
-        for k in range(config.gradient_accumulation_steps, share + 1)
-        if share % k == 0 and config.eval_batch_size % (k * dp) == 0
-    ]
-    peaks = {}
-    for k in counts:  # the fewest micro-batches first: the first that fits is the choice
-        peaks[k] = memory_plan(with_accumulation(work, k), trainer, mesh, on_gpu).device_peak()
-        if peaks[k] <= limit:
-            break
-    else:
-        finest = counts[-1]
-        short = (
-            f"the smallest micro-batches (gradient_accumulation_steps={finest}, {plural(share // finest, 'example')} "
-            f"a rank; eval_batch_size={config.eval_batch_size} splits into no more) need {peaks[finest] / GIB:.3g} "
-            f"GiB of the {limit / GIB:.3g} GiB budget"
-        )
-        if given:
-            raise UserError(f"{budget[1]}: {short}")
-        k = config.gradient_accumulation_steps
-        return k, f"micro-batches: {k} a step, as given (gradient_accumulation_steps={k}): {short} ({budget[1]})"
-    micro = share // k
-    positions = max(rows * length for rows, length in micro_batch_shapes(work, micro, sp)) // sp
-    return k, (
-        f"micro-batches: {k} a step of {plural(micro, 'example')} a rank (gradient_accumulation_steps={k}), "
-        f"at most {positions:,} token positions each; {peaks[k] / GIB:.3g} GiB of the {limit / GIB:.3g} GiB "
-        f"budget ({budget[1]})"
-    )
-
-
-def with_accumulation(work: Workload, accumulation: int) -> Workload:
-    """`work` with its config's gradient_accumulation_steps set to `accumulation` (a copy: work.config is kept)."""
-    config = copy.deepcopy(work.config)
-    config.gradient_accumulation_steps = accumulation
-    return dataclasses.replace(work, config=config)
