@@ -73,3 +73,36 @@ def test_seeded_sampling_draws_from_the_tempered_nucleus(temperature, top_p):
         mass += p[token].item()
     expected = torch.where(kept, p, 0) / p[kept].sum()
     torch.testing.assert_close(counts, expected, rtol=0, atol=1.5 / n)
+
+
+def sorted_draw(scores, uniforms, temperature, top_p):
+    """The seeded sampler as it was: a stable descending sort of the vocabulary, the nucleus's CDF, searchsorted."""
+    probs = torch.softmax(scores.float() / temperature, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+    outside[:, 0] = False
+    cdf = sorted_probs.masked_fill(outside, 0).cumsum(dim=-1)
+    index = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).clamp(max=cdf.shape[-1] - 1)
+    return order.gather(-1, index).squeeze(-1)
+
+
+@pytest.mark.parametrize("vocab", [7, 49152])
+def test_seeded_sampling_draws_the_token_the_stable_full_sort_drew(vocab):
+    # The sampler finds the stable sort's token without sorting the token ids: over many seeds, temperatures and
+    # top_p values, on logits with many exact ties (integers, -inf for suppressed tokens, underflow at low
+    # temperatures) and on continuous ones, and at uniforms at the ends of [0, 1), every draw is the old one.
+    generator = torch.Generator().manual_seed(vocab)
+    rows = 8 if vocab > 100 else 64
+    for seed in range(3 if vocab > 100 else 40):
+        continuous = torch.randn(rows, vocab, generator=generator) * (1 + seed % 4)
+        tied = torch.randint(-3, 3, (rows, vocab), generator=generator).float()
+        tied[torch.rand(rows, vocab, generator=generator) < 0.2] = -torch.inf
+        tied[:, 0] = 5.0  # never a row of -inf alone
+        uniforms = torch.rand(rows, 1, generator=generator)
+        uniforms[:3, 0] = torch.tensor([0.0, 1 - 2**-24, 0.5])
+        for logits in (continuous, tied, continuous.bfloat16()):
+            for temperature, top_p in ((1.0, 1.0), (0.25, 1.0), (0.7, 0.9), (2.0, 0.5), (1.0, 0.999)):
+                sampler = SeededSampling(uniforms, 0, temperature, top_p)
+                new = sampler.draw(logits, 0)
+                old = sorted_draw(logits, uniforms, temperature, top_p)
+                assert torch.equal(new, old), (seed, temperature, top_p, (new != old).nonzero()[:4])
