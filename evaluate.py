@@ -180,18 +180,23 @@ class Generations:
         return load_trained(spec, self.topology, self.dtype, self.cache_dir)
 
     def generate(self, model, name: str, side: str, kl: bool) -> None:
-        """The model's completions as `side` (candidate or baseline) at every temperature (and, with kl, their
-        log-probs under it)."""
-        self.completions[side, name] = {}
-        for temperature in self.config.temperatures:
-            start = time.time()
-            seeds = self.seeds(side, temperature)
-            completions = self.sampler.sample(model, self.prompt_ids, self.images, seeds, temperature)
-            self.seconds += time.time() - start
-            self.tokens += sum(map(len, completions))
-            self.completions[side, name][temperature] = completions
-            if kl:
-                self.own_logps.setdefault(name, {})[temperature] = self.score(model, completions, temperature)
+        """The model's completions as `side` (candidate or baseline) at every temperature, drawn together (rows of
+        one prompt share its prefill; and, with kl, their log-probs under it)."""
+        temperatures, n = list(self.config.temperatures), len(self.prompt_ids)
+        seeds = {t: self.seeds(side, t) for t in temperatures}
+        order = [(t, i) for i in range(n) for t in temperatures]  # prompt-major: a prompt's rows in one batch
+        start = time.time()
+        drawn = self.sampler.sample_rows(
+            model, [self.prompt_ids[i] for _, i in order], [self.images[i] for _, i in order],
+            [seeds[t][i] for t, i in order], [t for t, _ in order],
+        )  # fmt: skip
+        self.seconds += time.time() - start
+        self.tokens += sum(map(len, drawn))
+        self.completions[side, name] = {t: [None] * n for t in temperatures}
+        for (t, i), completion in zip(order, drawn):
+            self.completions[side, name][t][i] = completion
+        if kl:
+            self.own_logps[name] = {t: self.score(model, self.completions[side, name][t], t) for t in temperatures}
 
     def score(self, model, completions: list[list[int]], temperature: float) -> list[float]:
         return self.sampler.logps(model, self.prompt_ids, completions, self.images, temperature)

@@ -106,3 +106,29 @@ def test_seeded_sampling_draws_the_token_the_stable_full_sort_drew(vocab):
                 new = sampler.draw(logits, 0)
                 old = sorted_draw(logits, uniforms, temperature, top_p)
                 assert torch.equal(new, old), (seed, temperature, top_p, (new != old).nonzero()[:4])
+
+
+def test_the_own_decode_loop_draws_what_generate_drew_sharing_prefills_and_dropping_finished_rows(make_config):
+    # Rows of prompts x temperatures x samples through core.decoding's loop: each completion equal (float32) to the
+    # one model.generate with SeededSampling draws from the same seed and temperature, one row at a time; each
+    # distinct prompt prefilled once; rows that drew their EOS leave the batch (the forward passes shrink).
+    trainer = build_trainer(make_config("generation.max_new_tokens=12"))
+    policy, sampler = trainer.policy, trainer.evaluator.sampler
+    eos = trainer.tokenizer.eos_token_id
+    likelier_eos = lambda module, args, logits: logits + 3.0 * (torch.arange(logits.shape[-1]) == eos)  # noqa: E731
+    policy.get_output_embeddings().register_forward_hook(likelier_eos)  # rows finish early
+    prompts = [trainer.data.train_examples[i]["prompt"] for i in range(3)]
+    rows = [(p, t, j) for p in range(3) for t in (0.5, 1.0, 2.0) for j in range(2)]
+    seeds = [100 * p + 10 * j + int(4 * t) for p, t, j in rows]
+    widths = []
+    record = lambda module, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape))  # noqa: E731
+    hook = policy.register_forward_pre_hook(record, with_kwargs=True)
+    sampler.batch_size = len(rows)
+    drawn = sampler.sample_rows(policy, [prompts[p] for p, _, _ in rows], None, seeds, [t for _, t, _ in rows])
+    hook.remove()
+    old = [sampler.complete_seeded(policy, [prompts[p]], [seed], None, t)[0] for (p, t, _), seed in zip(rows, seeds)]
+    assert drawn == old
+    assert widths[0][0] == 3 and {w[1] for w in widths[1:]} == {1}  # three prefills, then one token a row
+    # a row is computed for each token it draws after its first, and for no step after its EOS
+    assert sum(w[0] for w in widths[1:]) == sum(len(c) - 1 for c in drawn)
+    assert sum(len(c) < 12 for c in drawn) >= 2 and widths[-1][0] < len(rows)
