@@ -406,7 +406,7 @@ def check_winrate(config: Config) -> None:
         raise UserError(f"{key}={getattr(config, key)} judges the win rate at each eval, but eval_winrate_prompts=0")
     if config.judge is None:
         raise UserError(f"{n} needs judge=DIR (a reward model or an instruct model) or judge=module:function")
-    if LOSSES[config.loss.name].objective == "reward" or not config.loss.needs_reference():
+    if LOSSES[config.loss.name].objective != "pairs" or not config.loss.needs_reference():  # sft, reward: no reference
         raise UserError(
             f"{n} compares the policy with its reference, and loss={config.loss.name} has none: compare its "
             "checkpoints with the starting model by evaluate.py"
@@ -739,15 +739,22 @@ def composed(args: list[str], name: str = "config") -> DictConfig:
 def load(args: list[str], name: str = "config") -> DictConfig:
     """The config of this command line (config/<name>.yaml's: train.py's, or evaluate.py's), checked."""
     config = composed(args, name)
-    check(config)
+    check(config, REQUIRED_EXAMPLES.get(name, REQUIRED_EXAMPLES["config"]))
     return config
 
 
-def check(config: DictConfig) -> None:
+# what a command line that sets the required keys looks like, by config
+REQUIRED_EXAMPLES = {
+    "config": "model.name_or_path=ORG/NAME",
+    "evaluate": "candidates=[runs/dpo/LATEST] judge=runs/rm/LATEST",
+}
+
+
+def check(config: DictConfig, example: str = REQUIRED_EXAMPLES["config"]) -> None:
     """Every value checked once, by the dataclass that owns it."""
     missing = sorted(OmegaConf.missing_keys(config))
     if missing:
-        raise UserError(f"{', '.join(missing)} must be set on the command line (e.g. model.name_or_path=ORG/NAME)")
+        raise UserError(f"{', '.join(missing)} must be set on the command line (e.g. {example})")
     try:
         OmegaConf.to_object(config)
     except OmegaConfBaseException as error:  # e.g. an interpolation that does not resolve

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from core.decoding import decode, own_loop_problem
@@ -98,9 +99,16 @@ class Sampler:
         """batch(rows) over this rank's share of the rows in batches of batch_size, gathered in order."""
         local, n_real = self.topology.shard(list(range(len(prompts))))
         completions = []
-        for start in range(0, len(local), self.batch_size):
-            completions += batch(local[start : start + self.batch_size])
+        with self.progress(len(local), "sampling") as bar:
+            for start in range(0, len(local), self.batch_size):
+                completions += batch(local[start : start + self.batch_size])
+                bar.update(len(completions) - bar.n)
         return self.topology.gather({"completions": completions[:n_real]})["completions"]
+
+    def progress(self, total: int, what: str) -> tqdm.tqdm:
+        """A progress bar of this rank's rows, with its ETA (rank 0's alone)."""
+        return tqdm.tqdm(total=total, desc=what, unit="row", leave=False, dynamic_ncols=True,
+                         disable=not self.topology.is_main)  # fmt: skip
 
     def uniforms(self, seeds: list[int]) -> torch.Tensor:
         """[rows, max_new_tokens]: each row's uniforms, from its seed alone."""
@@ -136,10 +144,13 @@ class Sampler:
         examples = [{"prompt": p, "responses": [c], "images": i} for p, c, i in zip(prompts, completions, images)]
         local, n_real = self.topology.shard(examples)
         dtype, values = next(model.parameters()).dtype, []
-        for start in range(0, len(local), self.batch_size):
-            chunk = local[start : start + self.batch_size]
-            batch = with_image_inputs(pad(chunk, self.tokenizer.pad_token_id), chunk, vision).to(self.topology.device)
-            values += sequence_logps(model, batch, None, dtype, False, temperature=temperature).cpu().tolist()
+        with self.progress(len(local), "log-probs") as bar:
+            for start in range(0, len(local), self.batch_size):
+                chunk = local[start : start + self.batch_size]
+                batch = with_image_inputs(pad(chunk, self.tokenizer.pad_token_id), chunk, vision)
+                values += sequence_logps(model, batch.to(self.topology.device), None, dtype, False,
+                                         temperature=temperature).cpu().tolist()  # fmt: skip
+                bar.update(len(chunk))
         return self.topology.gather({"logps": values[:n_real]})["logps"]
 
     @torch.no_grad()
