@@ -24,8 +24,8 @@ from utils import REPO_ROOT
 
 WORKER = REPO_ROOT / "bench" / "generate_worker.py"
 SIZES = {  # prompts, batch, max_new_tokens, temperatures
-    "full": (32, 32, 64, [1.0]),
-    "smoke": (4, 2, 6, [1.0]),
+    "full": (32, 32, 64, [0.25, 0.5, 0.75, 1.0]),  # the HH recipe's temperatures, new tokens and batch
+    "smoke": (4, 2, 6, [0.5, 1.0]),
 }
 
 
@@ -81,8 +81,8 @@ def report(label: str, result: dict, bound: float) -> dict:
           flush=True)  # fmt: skip
     if "generate" in result:
         g = result["generate"]
-        print(f"{'':12s} plain generate(do_sample=True) {g['tokens'] / g['seconds']:8.1f} tokens/s "
-              f"({g['tokens']} tokens in {g['seconds']:.1f} s)", flush=True)  # fmt: skip
+        print(f"{'':12s} plain generate(do_sample=True) {g['tokens'] / g['seconds']:8.1f} tokens/s at the last "
+              f"temperature ({g['tokens']} tokens in {g['seconds']:.1f} s)", flush=True)  # fmt: skip
     return {"sampler": rate, "evaluation": whole}
 
 
@@ -111,10 +111,12 @@ def bench_generate(smoke: bool, ref: str | None, rounds: int) -> None:
                         temperatures=temperatures)  # fmt: skip
         versions = [(ref, old), ("this tree", REPO_ROOT)] if ref else [("this tree", REPO_ROOT)]
         totals = {label: {"sampler": [], "evaluation": []} for label, _ in versions}
+        completions = {}
         for _ in range(rounds):
             for label, root in versions:
                 result_file = str(Path(tmp) / "result.json")
                 result = run_worker(root, result_file, plain=label == "this tree", **settings)
+                completions[label] = result["completions"]
                 for key, value in report(label, result, bound).items():
                     totals[label][key].append(value)
         if ref:
@@ -122,3 +124,5 @@ def bench_generate(smoke: bool, ref: str | None, rounds: int) -> None:
             sampler = sum(mine["sampler"]) / sum(theirs["sampler"])
             whole = sum(theirs["evaluation"]) / sum(mine["evaluation"])
             print(f"this tree / {ref}: sampler {sampler:.2f}x tokens/s, whole evaluation {whole:.2f}x faster")
+            pairs = [(a, b) for t in completions[ref] for a, b in zip(completions[ref][t], completions["this tree"][t])]
+            print(f"completions identical to {ref}'s: {sum(a == b for a, b in pairs)} of {len(pairs)}")

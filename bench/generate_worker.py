@@ -42,19 +42,24 @@ def seeds_of(n: int, temperature: float) -> list[int]:
 
 
 def time_sampler(sampler, model, clock, prompts, temperatures) -> tuple[dict, dict]:
-    """Sampler.sample at each temperature: seconds (whole, prefill, decode forward, the rest), tokens; and the
-    completions by temperature."""
-    totals, completions = {"seconds": 0.0, "prefill": 0.0, "decode": 0.0, "tokens": 0}, {}
-    for temperature in temperatures:
-        clock.reset()
-        start = time.perf_counter()
-        seeds = seeds_of(len(prompts), temperature)
-        completions[temperature] = sampler.sample(model, prompts, None, seeds, temperature)
-        totals["seconds"] += time.perf_counter() - start
-        totals["prefill"] += clock.prefill
-        totals["decode"] += clock.decode
-        totals["tokens"] += sum(map(len, completions[temperature]))
-    return totals, completions
+    """evaluate.py's sampling of one model: every temperature's rows drawn together, prompt-major, where the
+    Sampler can (sample_rows), else one temperature at a time (sample); seconds (whole, prefill, decode forward
+    passes), tokens; and the completions by temperature."""
+    clock.reset()
+    start = time.perf_counter()
+    if hasattr(sampler, "sample_rows"):
+        order = [(t, i) for i in range(len(prompts)) for t in temperatures]
+        seeds = {t: seeds_of(len(prompts), t) for t in temperatures}
+        drawn = sampler.sample_rows(model, [prompts[i] for _, i in order], None, [seeds[t][i] for t, i in order],
+                                    [t for t, _ in order])  # fmt: skip
+        completions = {t: [None] * len(prompts) for t in temperatures}
+        for (t, i), completion in zip(order, drawn):
+            completions[t][i] = completion
+    else:
+        completions = {t: sampler.sample(model, prompts, None, seeds_of(len(prompts), t), t) for t in temperatures}
+    seconds = time.perf_counter() - start
+    tokens = sum(len(c) for rows in completions.values() for c in rows)
+    return {"seconds": seconds, "prefill": clock.prefill, "decode": clock.decode, "tokens": tokens}, completions
 
 
 @torch.no_grad()
@@ -115,7 +120,7 @@ def generate_worker(result_file: str, model_dir: str, judge_dir: str, prompts_fi
         f"top_p={top_p}": time_processor(model.config.vocab_size, batch, 16, 1.0, top_p) for top_p in (1.0, 0.9)
     }
     if plain:
-        result["generate"] = time_generate(model, tokenizer, prompts, batch, max_new_tokens, temperatures)
+        result["generate"] = time_generate(model, tokenizer, prompts, batch, max_new_tokens, temperatures[-1:])
     start = time.perf_counter()
     for temperature, rows in completions.items():  # the KL's two passes: under the model and under the reference
         for _ in range(2):
@@ -129,4 +134,5 @@ def generate_worker(result_file: str, model_dir: str, judge_dir: str, prompts_fi
         decoded = tokenizer.batch_decode(rows, skip_special_tokens=True)
         judge(texts, decoded, decoded, None)
     result["judge"] = {"seconds": time.perf_counter() - start}
+    result["completions"] = {str(t): rows for t, rows in completions.items()}
     Path(result_file).write_text(json.dumps(result))
