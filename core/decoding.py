@@ -5,10 +5,11 @@ max_new_tokens) leaving the batch, so that the next steps compute only the live 
 SeededSampling draws them, so a completion is the same function of its seed, temperature and prompt as through
 model.generate (tested against it in float32).
 
-transformers' own continuous batching (`generate_batch`, its paged attention) is not used: in transformers 5.24 it
-samples every row from one generator (a row's tokens would depend on the rows beside it), takes one generation
-config for the whole batch (one temperature), and its paged-attention kernels are written for CUDA; on a CPU it
-falls back to a padded SDPA over the pages, which buys nothing here."""
+transformers' own continuous batching (`generate_batch`, transformers 5.24) is not used: it draws every row's
+token by torch.multinomial from one generator (model_runner.py), so a row's tokens would depend on the rows beside it
+and on the order they were scheduled in, and the seeded draw could only replace it by patching its internals; its
+paged decode fast path (block tables) needs Flash Attention on CUDA or XPU: on a CPU it runs its general path,
+with no paged-attention kernel."""
 
 import torch
 from transformers import DynamicCache
