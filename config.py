@@ -243,15 +243,22 @@ def composed(args: list[str], name: str = "config") -> DictConfig:
 def load(args: list[str], name: str = "config") -> DictConfig:
     """The config of this command line (config/<name>.yaml's: train.py's, or evaluate.py's), checked."""
     config = composed(args, name)
-    check(config)
+    check(config, REQUIRED_EXAMPLES.get(name, REQUIRED_EXAMPLES["config"]))
     return config
 
 
-def check(config: DictConfig) -> None:
+# what a command line that sets the required keys looks like, by config
+REQUIRED_EXAMPLES = {
+    "config": "model.name_or_path=ORG/NAME",
+    "evaluate": "candidates=[runs/dpo/LATEST] judge=runs/rm/LATEST",
+}
+
+
+def check(config: DictConfig, example: str = REQUIRED_EXAMPLES["config"]) -> None:
     """Every value checked once, by the dataclass that owns it."""
     missing = sorted(OmegaConf.missing_keys(config))
     if missing:
-        raise UserError(f"{', '.join(missing)} must be set on the command line (e.g. model.name_or_path=ORG/NAME)")
+        raise UserError(f"{', '.join(missing)} must be set on the command line (e.g. {example})")
     try:
         OmegaConf.to_object(config)
     except OmegaConfBaseException as error:  # e.g. an interpolation that does not resolve

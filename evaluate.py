@@ -13,6 +13,7 @@ samples.jsonl, winrate.png; a wandb table; and the results in each candidate's m
 Under torchrun the prompts are shared out over the ranks and each model is sharded over them (FSDP) as training
 shards it; the result is the same as on one process. Config: config/evaluate.yaml (types and checks below)."""
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+import tqdm
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 import config as configuration
@@ -143,9 +145,20 @@ def held_out_prompts(config: DictConfig, data: DictConfig, tokenizer, cache_dir:
     prompt: {"prompt", "responses" (its chosen and rejected), "key", and "images" where it has any}."""
     settings = Tokenization(data.max_length, data.max_prompt_length, False, dict(data.chat_template_kwargs))
     splits = load_examples(list(data.datasets), tokenizer, settings, data.seed, data.n_eval_examples, cache_dir)
-    held_out = first_of_each_group(splits["test"])
+    held_out = splits["test"]
+    if config.baseline == CHOSEN and held_out.labelled:  # KTO's unpaired data: "chosen" is a desirable completion
+        n_prompts = len(np.unique(held_out.groups))
+        held_out = held_out.select(np.flatnonzero(held_out.labels == 1))
+        left_out = n_prompts - len(np.unique(held_out.groups))
+        print(
+            f"baseline=chosen on unpaired data: each prompt's first desirable completion (label true); {left_out} "
+            f"of {n_prompts} held-out prompts have none and are left out"
+        )
+    held_out = first_of_each_group(held_out)
     if not len(held_out):
         raise UserError(f"datasets={list(data.datasets)} hold no held-out prompt to evaluate on")
+    if len(held_out) < config.n_prompts:
+        print(f"n_prompts={config.n_prompts}: the held-out split has {len(held_out)} distinct prompts, all evaluated")
     return held_out.take(range(min(config.n_prompts, len(held_out))))
 
 
@@ -181,21 +194,27 @@ class Generations:
 
     def load(self, spec: str) -> torch.nn.Module:
         print(f"loading {spec} ({kind(spec)})")
-        return load_trained(spec, self.topology, self.dtype, self.cache_dir)
+        with named_key(self.config, spec):
+            return load_trained(spec, self.topology, self.dtype, self.cache_dir)
 
     def generate(self, model, name: str, side: str, kl: bool) -> None:
-        """The model's completions as `side` (candidate or baseline) at every temperature (and, with kl, their
-        log-probs under it)."""
-        self.completions[side, name] = {}
-        for temperature in self.config.temperatures:
-            start = time.time()
-            seeds = self.seeds(side, temperature)
-            completions = self.sampler.sample(model, self.prompt_ids, self.images, seeds, temperature)
-            self.seconds += time.time() - start
-            self.tokens += sum(map(len, completions))
-            self.completions[side, name][temperature] = completions
-            if kl:
-                self.own_logps.setdefault(name, {})[temperature] = self.score(model, completions, temperature)
+        """The model's completions as `side` (candidate or baseline) at every temperature, drawn together (rows of
+        one prompt share its prefill; and, with kl, their log-probs under it)."""
+        temperatures, n = list(self.config.temperatures), len(self.prompt_ids)
+        seeds = {t: self.seeds(side, t) for t in temperatures}
+        order = [(t, i) for i in range(n) for t in temperatures]  # prompt-major: a prompt's rows in one batch
+        start = time.time()
+        drawn = self.sampler.sample_rows(
+            model, [self.prompt_ids[i] for _, i in order], [self.images[i] for _, i in order],
+            [seeds[t][i] for t, i in order], [t for t, _ in order],
+        )  # fmt: skip
+        self.seconds += time.time() - start
+        self.tokens += sum(map(len, drawn))
+        self.completions[side, name] = {t: [None] * n for t in temperatures}
+        for (t, i), completion in zip(order, drawn):
+            self.completions[side, name][t][i] = completion
+        if kl:
+            self.own_logps[name] = {t: self.score(model, self.completions[side, name][t], t) for t in temperatures}
 
     def score(self, model, completions: list[list[int]], temperature: float) -> list[float]:
         return self.sampler.logps(model, self.prompt_ids, completions, self.images, temperature)
@@ -238,6 +257,19 @@ class Generations:
         return np.asarray(values, dtype=np.float64).reshape(len(self.prompts), self.config.samples_per_prompt)
 
 
+@contextlib.contextmanager
+def named_key(config: DictConfig, spec: str):
+    """A model's loading errors name evaluate.py's key that gave it (candidates[i], baseline, reference), not the
+    key train.py would have read it from."""
+    keys = [f"candidates[{i}]" for i, c in enumerate(config.candidates) if c == spec]
+    keys += [key for key in ("baseline", "reference") if config[key] == spec]
+    try:
+        yield
+    except UserError as error:
+        key = keys[0] if keys else "candidates"
+        raise UserError(str(error).replace("model.name_or_path=", f"{key}=")) from None
+
+
 def text_length(ids: list[int], eos_token_id: int) -> int:
     """A completion's tokens without its closing EOS."""
     return len(ids) - (1 if ids and ids[-1] == eos_token_id else 0)
@@ -253,6 +285,7 @@ def judge_all(config: DictConfig, generations: Generations, tokenizer, device, m
     decode = lambda batch: tokenizer.batch_decode(batch, skip_special_tokens=True)  # noqa: E731
     lengths = lambda batch: generations.shaped([text_length(ids, tokenizer.eos_token_id) for ids in batch])  # noqa: E731
     results, lines = {}, []
+    bar = tqdm.tqdm(total=len(config.candidates) * len(config.temperatures), desc="judging", leave=False)
     for name in config.candidates:
         results[name] = {}
         for temperature in config.temperatures:
@@ -267,10 +300,12 @@ def judge_all(config: DictConfig, generations: Generations, tokenizer, device, m
                 config.seed, log_ratios, rewards,
             )  # fmt: skip
             results[name][temperature] = summary
+            bar.update()
             lines += evaluation_report.sample_lines(
                 name, temperature, config.samples_per_prompt, prompt_texts, ours_text, theirs_text, judgement,
                 lengths(ours), lengths(theirs), log_ratios,
             )  # fmt: skip
+    bar.close()
     return results, lines
 
 
@@ -278,10 +313,13 @@ def evaluate(config: DictConfig, topology: Topology) -> Path | None:
     """The whole evaluation on this rank; the output directory (rank 0's; None on the others)."""
     cache_dir = get_local_dir(config.local_dirs)
     with topology.main_first():
-        tokenizer = trained_tokenizer(config.candidates[0], cache_dir)
+        with named_key(config, config.candidates[0]):
+            tokenizer = trained_tokenizer(config.candidates[0], cache_dir)
         for spec in [*config.candidates[1:], config.baseline, config.reference]:
             if spec not in (None, CHOSEN):
-                check_same_vocabulary(tokenizer, trained_tokenizer(spec, cache_dir), config.candidates[0], spec)
+                with named_key(config, spec):
+                    other = trained_tokenizer(spec, cache_dir)
+                check_same_vocabulary(tokenizer, other, config.candidates[0], spec)
         data = data_settings(config)
         prompts = held_out_prompts(config, data, tokenizer, cache_dir)
     generations = Generations(config, topology, tokenizer, prompts)
@@ -292,7 +330,8 @@ def evaluate(config: DictConfig, topology: Topology) -> Path | None:
     def report() -> Path:
         results, lines = judge_all(config, generations, tokenizer, topology.device, data.max_length)
         output = Path(config.output_dir) if config.output_dir else get_local_run_dir(config.exp_name, config.local_dirs)
-        speed = {"tokens": int(generations.tokens), "seconds": generations.seconds, "tokens_per_second": rate}
+        speed = {"tokens": int(generations.tokens), "seconds": generations.seconds, "tokens_per_second": rate,
+                 "prompts": len(prompts)}  # fmt: skip
         evaluation_report.write(output, config, results, lines, speed)
         return output
 

@@ -61,6 +61,12 @@ One module per campaign:
   reference, TRL padded with its live reference (1.16 precomputes none for images): pairs/s, peak RSS and the
   images each vision tower encodes per pair, alternating fresh processes, 2 rounds (--vision --smoke: a tiny LLaVA,
   one short round, as the test suite runs it).
+- generate.py (generate_worker.py its worker, run from either version's code): --generate [--versus GIT_REF]
+  [--rounds N]: evaluate.py's sampling (the Sampler) in tokens/s against plain model.generate(do_sample=True) on the
+  same prompts and batches and against the bound of the precision probe's float32 matmul rate over a decode step's
+  FLOPs; the seeded sampler's time per step; where an evaluation's time goes (prefill, decode, the rest of sampling,
+  the KL's log-probs, judging by a reward model): SmolLM2-135M-Instruct, 32 HH prompts, batch 32, 64 new tokens
+  (--generate --smoke: a random tiny Llama, as the test suite runs it).
 
 What they share: common.py (the HH workload and HH-like pairs, the machine's matmul rates, a worker in a fresh
 process from this tree's code or another version's) and step.py (one configuration's training steps timed in a fresh

@@ -9,6 +9,7 @@ from bench import (
     attention,
     data,
     fsdp,
+    generate,
     gpu,
     kernels,
     levers,
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--rounds",
         type=int,
-        help="--versus, --vision, --async-save: rounds of the configurations alternating (default 2)",
+        help="--versus, --vision, --async-save: rounds of the configurations alternating (default 2; --generate 1)",
     )
     parser.add_argument(
         "--profile", nargs="*", metavar="KEY=VALUE", help="where a training step's time goes (train.py overrides)"
@@ -71,9 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reward", action="store_true", help="reward modelling against TRL's RewardTrainer")
     parser.add_argument("--vision", action="store_true", help="vision-language DPO against TRL's DPOTrainer")
     parser.add_argument(
+        "--generate", action="store_true", help="evaluate.py's sampling against plain generate and the bound"
+    )
+    parser.add_argument(
         "--smoke",
         action="store_true",
-        help="--gpu, --data, --scale, --reward, --vision, --async-save or --long at tiny sizes",
+        help="--gpu, --data, --scale, --reward, --vision, --async-save, --long or --generate at tiny sizes",
     )
     parser.add_argument(
         "--warmup", type=int, default=2, help="--levers, --compile, --lora, --window, --reward, --vision: untimed steps"
@@ -112,6 +116,8 @@ def run(args: argparse.Namespace) -> None:
         return reward.bench_reward(args.warmup, args.steps, args.smoke)
     if args.vision:
         return vision.bench_vision(args.warmup, args.steps, args.smoke, args.rounds or 2)
+    if args.generate:
+        return generate.bench_generate(args.smoke, args.versus, args.rounds or 1)
     if args.versus:
         return versus.bench_versus(args.versus, args.warmup, args.steps, args.rounds or 2)
     if args.profile is not None:

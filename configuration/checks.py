@@ -90,7 +90,7 @@ def check_winrate(config) -> None:
         raise UserError(f"{key}={getattr(config, key)} judges the win rate at each eval, but eval_winrate_prompts=0")
     if config.judge is None:
         raise UserError(f"{n} needs judge=DIR (a reward model or an instruct model) or judge=module:function")
-    if LOSSES[config.loss.name].objective == "reward" or not config.loss.needs_reference():
+    if LOSSES[config.loss.name].objective != "pairs" or not config.loss.needs_reference():  # sft, reward: no reference
         raise UserError(
             f"{n} compares the policy with its reference, and loss={config.loss.name} has none: compare its "
             "checkpoints with the starting model by evaluate.py"

@@ -13,9 +13,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
+import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from core.decoding import decode, own_loop_problem
 from core.heads import sequence_logps
 from core.image_inputs import with_image_inputs
 from core.layouts import left_padded_prompts, pad, to_device
@@ -60,19 +63,73 @@ class Sampler:
     def sample(self, model, prompts, images, seeds: list[int] | None, temperature=1.0, top_p=1.0) -> list[list[int]]:
         """Completions of every prompt (token ids; images: each prompt's, or None), sampled at `temperature` from the
         nucleus `top_p`, row i from seeds[i] (greedy where seeds is None); sharded over the ranks and gathered."""
-        model.eval()
+        if seeds is None:
+            model.eval()
+            images = images or [b""] * len(prompts)
+            greedy = lambda rows: self.complete(  # noqa: E731
+                model, [prompts[i] for i in rows], [images[i] for i in rows], do_sample=False
+            )
+            return self.sharded(prompts, greedy)
+        return self.sample_rows(model, prompts, images, seeds, [temperature] * len(prompts), top_p)
+
+    def sample_rows(self, model, prompts, images, seeds: list[int], temperatures: list[float], top_p=1.0):
+        """Completions of rows of prompts, row i from seeds[i] at temperatures[i] (a row is a function of its
+        prompt, seed and temperature alone: the same in any batch, on any number of ranks), sharded over the ranks
+        and gathered. Where core.decoding's own loop serves the model, rows of one prompt share its prefill and
+        finished rows leave the batch; else model.generate completes one temperature's rows at a time."""
         images = images or [b""] * len(prompts)
+        vision = getattr(self.tokenizer, "vision", None)
+        problem = own_loop_problem(model, vision, self.topology.world_size)
+
+        def batch(rows: list[int]) -> list[list[int]]:
+            if problem is None:
+                return self.decode_seeded(model, [prompts[i] for i in rows], [seeds[i] for i in rows],
+                                          [temperatures[i] for i in rows], top_p)  # fmt: skip
+            completions: dict[int, list[int]] = {}
+            for temperature in dict.fromkeys(temperatures[i] for i in rows):
+                same = [i for i in rows if temperatures[i] == temperature]
+                drawn = self.complete_seeded(model, [prompts[i] for i in same], [seeds[i] for i in same],
+                                             [images[i] for i in same], temperature, top_p)  # fmt: skip
+                completions.update(zip(same, drawn))
+            return [completions[i] for i in rows]
+
+        model.eval()
+        return self.sharded(prompts, batch)
+
+    def sharded(self, prompts: list, batch) -> list[list[int]]:
+        """batch(rows) over this rank's share of the rows in batches of batch_size, gathered in order."""
         local, n_real = self.topology.shard(list(range(len(prompts))))
         completions = []
-        for start in range(0, len(local), self.batch_size):
-            rows = local[start : start + self.batch_size]
-            batch, batch_images = [prompts[i] for i in rows], [images[i] for i in rows]
-            if seeds is None:
-                completions += self.complete(model, batch, batch_images, do_sample=False)
-            else:
-                row_seeds = [seeds[i] for i in rows]
-                completions += self.complete_seeded(model, batch, row_seeds, batch_images, temperature, top_p)
+        with self.progress(len(local), "sampling") as bar:
+            for start in range(0, len(local), self.batch_size):
+                completions += batch(local[start : start + self.batch_size])
+                bar.update(len(completions) - bar.n)
         return self.topology.gather({"completions": completions[:n_real]})["completions"]
+
+    def progress(self, total: int, what: str) -> tqdm.tqdm:
+        """A progress bar of this rank's rows, with its ETA (rank 0's alone)."""
+        return tqdm.tqdm(total=total, desc=what, unit="row", leave=False, dynamic_ncols=True,
+                         disable=not self.topology.is_main)  # fmt: skip
+
+    def uniforms(self, seeds: list[int]) -> torch.Tensor:
+        """[rows, max_new_tokens]: each row's uniforms, from its seed alone."""
+        generators = (torch.Generator().manual_seed(seed) for seed in seeds)
+        return torch.stack([torch.rand(self.max_new_tokens, generator=generator) for generator in generators])
+
+    def decode_seeded(self, model, prompts, seeds: list[int], temperatures: list[float], top_p: float):
+        """One batch's rows by core.decoding's own loop, each drawn as SeededSampling draws it."""
+        uniforms = self.uniforms(seeds)
+        one = len(set(temperatures)) == 1  # a number, as SeededSampling divides by it
+        temperature = torch.tensor(temperatures, dtype=torch.float32)[:, None]
+
+        def draw(logits: torch.Tensor, step: int, live: torch.Tensor) -> torch.Tensor:
+            rows = live.cpu()
+            row_temperature = temperatures[0] if one else temperature[rows].to(logits.device)
+            return seeded_draw(logits, row_temperature, uniforms[rows, step].to(logits.device), top_p)
+
+        pad_token_id, eos_token_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        with root_gathered(model):
+            return decode(model, prompts, draw, self.max_new_tokens, pad_token_id, eos_token_id, self.topology.device)
 
     @torch.no_grad()
     def logps(
@@ -88,10 +145,13 @@ class Sampler:
         examples = [{"prompt": p, "responses": [c], "images": i} for p, c, i in zip(prompts, completions, images)]
         local, n_real = self.topology.shard(examples)
         dtype, values = next(model.parameters()).dtype, []
-        for start in range(0, len(local), self.batch_size):
-            chunk = local[start : start + self.batch_size]
-            batch = with_image_inputs(pad(chunk, self.tokenizer.pad_token_id), chunk, vision).to(self.topology.device)
-            values += sequence_logps(model, batch, None, dtype, False, temperature=temperature).cpu().tolist()
+        with self.progress(len(local), "log-probs") as bar:
+            for start in range(0, len(local), self.batch_size):
+                chunk = local[start : start + self.batch_size]
+                batch = with_image_inputs(pad(chunk, self.tokenizer.pad_token_id), chunk, vision)
+                values += sequence_logps(model, batch.to(self.topology.device), None, dtype, False,
+                                         temperature=temperature).cpu().tolist()  # fmt: skip
+                bar.update(len(chunk))
         return self.topology.gather({"logps": values[:n_real]})["logps"]
 
     @torch.no_grad()
@@ -134,9 +194,7 @@ class Sampler:
     ) -> list[list[int]]:
         """One batch's completions sampled at `temperature` from the nucleus `top_p`, row i from its own seeds[i]
         alone: the same whatever rows share its batch and however many ranks there are (see SeededSampling)."""
-        uniforms = torch.stack(
-            [torch.rand(self.max_new_tokens, generator=torch.Generator().manual_seed(seed)) for seed in seeds]
-        )
+        uniforms = self.uniforms(seeds)
         width = max(map(len, prompts))
         sampler = SeededSampling(uniforms.to(self.topology.device), width, temperature, top_p)
         return self.complete(model, prompts, images, do_sample=False, logits_processor=LogitsProcessorList([sampler]))
@@ -155,17 +213,57 @@ class SeededSampling(LogitsProcessor):
         self.uniforms, self.prompt_width, self.temperature, self.top_p = uniforms, prompt_width, temperature, top_p
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        step = input_ids.shape[1] - self.prompt_width
-        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
-        # stable: equal probabilities in the order of their token ids, on every device
-        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-        outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= self.top_p  # the mass before it reached top_p
-        outside[:, 0] = False
-        cdf = sorted_probs.masked_fill(outside, 0).cumsum(dim=-1)
-        target = self.uniforms[:, step : step + 1] * cdf[:, -1:]
-        index = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[-1] - 1)
-        drawn = order.gather(-1, index)
-        return torch.full_like(scores, -torch.inf).scatter_(-1, drawn, 0.0)
+        drawn = self.draw(scores, input_ids.shape[1] - self.prompt_width)
+        return torch.full_like(scores, -torch.inf).scatter_(-1, drawn[:, None].to(scores.device), 0.0)
+
+    def draw(self, scores: torch.Tensor, step: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[B] the token each row draws at `step` from its scores [B, V] (rows: which rows of the uniforms these
+        are; None: all)."""
+        uniforms = self.uniforms[:, step] if rows is None else self.uniforms[rows, step]
+        return seeded_draw(scores, self.temperature, uniforms, self.top_p)
+
+
+def seeded_draw(scores: torch.Tensor, temperature, uniforms: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[B] the token each row draws from its scores [B, V] at `temperature` (a number, or [B, 1] one per row) with
+    its uniform (uniforms [B]). The nucleus's CDF is summed over the probabilities sorted by falling value, equal
+    ones in the order of their token ids (a stable sort); the drawn position is where the row's uniform times the
+    nucleus's mass falls in it. That arithmetic reads the sorted values alone, so a sort of the values gives exactly
+    the stable sort's CDF; the token at the drawn position is the r-th (by id) of the tokens of its probability, r
+    its place among them: the stable order's token, without sorting the token ids. On a CPU the values are sorted
+    by numpy (~13x torch's stable sort with indices at 32 x 49,152 here)."""
+    probs = torch.softmax(scores.float() / temperature, dim=-1)
+    if probs.device.type != "cpu":
+        return stable_sorted_draw(probs, uniforms, top_p)
+    p, u = probs.numpy(), uniforms.cpu().numpy()
+    ascending = np.sort(p, axis=-1)
+    descending = ascending[:, ::-1]
+    # torch's cumsum on a CPU: a float64 running sum, each element rounded to float32
+    cdf = np.cumsum(descending, axis=-1, dtype=np.float64).astype(np.float32)
+    drawn, top_p = np.empty(len(p), dtype=np.int64), np.float32(top_p)
+    for row in range(len(p)):
+        row_cdf = cdf[row]
+        if row_cdf[-1] >= top_p:  # else no mass before any token reaches top_p: the nucleus is everything
+            outside = row_cdf - descending[row] >= top_p
+            outside[0] = False
+            if outside.any():
+                row_cdf = np.cumsum(np.where(outside, 0, descending[row]), dtype=np.float64).astype(np.float32)
+        target = u[row] * row_cdf[-1]
+        index = min(int(np.searchsorted(row_cdf, target, side="right")), len(row_cdf) - 1)
+        value = descending[row, index]
+        first = len(row_cdf) - int(np.searchsorted(ascending[row], value, side="right"))
+        drawn[row] = np.flatnonzero(p[row] == value)[index - first]
+    return torch.from_numpy(drawn)
+
+
+def stable_sorted_draw(probs: torch.Tensor, uniforms: torch.Tensor, top_p: float) -> torch.Tensor:
+    """SeededSampling's draw by a stable sort of the whole vocabulary (on devices where sorting is cheap)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # the mass before it reached top_p
+    outside[:, 0] = False
+    cdf = sorted_probs.masked_fill(outside, 0).cumsum(dim=-1)
+    target = uniforms[:, None] * cdf[:, -1:]
+    index = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[-1] - 1)
+    return order.gather(-1, index).squeeze(-1)
 
 
 # -------------------------------------------------------------------------------------------------------------

@@ -80,7 +80,13 @@ class FunctionReward:
         as ModelReward takes them, are not its input)."""
         rewards = []
         for prompt, completion in zip(prompts, completions):
-            value = self.function(prompt, completion)
+            try:
+                value = self.function(prompt, completion)
+            except Exception as error:  # the user's code: its failure named in one line, its traceback chained
+                raise UserError(
+                    f"{self.setting} raised {type(error).__name__} ({first_line(error)}) when called as "
+                    "function(prompt, completion) with two strings"
+                ) from error
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise UserError(
                     f"{self.setting} returned {value!r} for the completion {completion[:40]!r}: expected "

@@ -251,3 +251,17 @@ def test_scale_ranks_take_the_project_modules_of_either_layout(tmp_path):
     assert module_name(str(tmp_path), "modeling.distributed") == "modeling.distributed"
     assert module_name(str(tmp_path / "flat"), "modeling.distributed") == "distributed"
     assert module_name(str(tmp_path / "flat"), "build") == "build"
+
+
+@pytest.mark.slow  # two fresh processes (the tiny model's maker and the worker) and their imports: ~40 s
+def test_generate_smoke_times_the_sampler_plain_generate_and_every_part_of_an_evaluation():
+    result = run_bench("--generate", "--smoke", timeout=900, OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    sampler = next(line for line in lines if line.startswith("this tree    sampler"))
+    assert float(sampler.split()[3]) > 0 and "tokens/s" in sampler and "of bound" in sampler, sampler
+    split = next(line.strip() for line in lines if line.strip().startswith("evaluation "))
+    shares = [int(share) for share in re.findall(r"\((\d+)%\)", split)]
+    assert len(shares) == 5 and abs(sum(shares) - 100) <= 3, split  # prefill, decode, the rest, log-probs, judging
+    plain = next(line for line in lines if "plain generate(do_sample=True)" in line)
+    assert float(plain.split()[2]) > 0, plain

@@ -73,3 +73,62 @@ def test_seeded_sampling_draws_from_the_tempered_nucleus(temperature, top_p):
         mass += p[token].item()
     expected = torch.where(kept, p, 0) / p[kept].sum()
     torch.testing.assert_close(counts, expected, rtol=0, atol=1.5 / n)
+
+
+def sorted_draw(scores, uniforms, temperature, top_p):
+    """The seeded sampler as it was: a stable descending sort of the vocabulary, the nucleus's CDF, searchsorted."""
+    probs = torch.softmax(scores.float() / temperature, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+    outside[:, 0] = False
+    cdf = sorted_probs.masked_fill(outside, 0).cumsum(dim=-1)
+    index = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).clamp(max=cdf.shape[-1] - 1)
+    return order.gather(-1, index).squeeze(-1)
+
+
+@pytest.mark.parametrize("vocab", [7, 49152])
+def test_seeded_sampling_draws_the_token_the_stable_full_sort_drew(vocab):
+    # The sampler finds the stable sort's token without sorting the token ids: over many seeds, temperatures and
+    # top_p values, on logits with many exact ties (integers, -inf for suppressed tokens, underflow at low
+    # temperatures) and on continuous ones, and at uniforms at the ends of [0, 1), every draw is the old one.
+    generator = torch.Generator().manual_seed(vocab)
+    rows = 8 if vocab > 100 else 64
+    for seed in range(3 if vocab > 100 else 40):
+        continuous = torch.randn(rows, vocab, generator=generator) * (1 + seed % 4)
+        tied = torch.randint(-3, 3, (rows, vocab), generator=generator).float()
+        tied[torch.rand(rows, vocab, generator=generator) < 0.2] = -torch.inf
+        tied[:, 0] = 5.0  # never a row of -inf alone
+        uniforms = torch.rand(rows, 1, generator=generator)
+        uniforms[:3, 0] = torch.tensor([0.0, 1 - 2**-24, 0.5])
+        for logits in (continuous, tied, continuous.bfloat16()):
+            for temperature, top_p in ((1.0, 1.0), (0.25, 1.0), (0.7, 0.9), (2.0, 0.5), (1.0, 0.999)):
+                sampler = SeededSampling(uniforms, 0, temperature, top_p)
+                new = sampler.draw(logits, 0)
+                old = sorted_draw(logits, uniforms, temperature, top_p)
+                assert torch.equal(new, old), (seed, temperature, top_p, (new != old).nonzero()[:4])
+
+
+def test_the_own_decode_loop_draws_what_generate_drew_sharing_prefills_and_dropping_finished_rows(make_config):
+    # Rows of prompts x temperatures x samples through core.decoding's loop: each completion equal (float32) to the
+    # one model.generate with SeededSampling draws from the same seed and temperature, one row at a time; each
+    # distinct prompt prefilled once; rows that drew their EOS leave the batch (the forward passes shrink).
+    trainer = build_trainer(make_config("generation.max_new_tokens=12"))
+    policy, sampler = trainer.policy, trainer.evaluator.sampler
+    eos = trainer.tokenizer.eos_token_id
+    likelier_eos = lambda module, args, logits: logits + 3.0 * (torch.arange(logits.shape[-1]) == eos)  # noqa: E731
+    policy.get_output_embeddings().register_forward_hook(likelier_eos)  # rows finish early
+    prompts = [trainer.data.train_examples[i]["prompt"] for i in range(3)]
+    rows = [(p, t, j) for p in range(3) for t in (0.5, 1.0, 2.0) for j in range(2)]
+    seeds = [100 * p + 10 * j + int(4 * t) for p, t, j in rows]
+    widths = []
+    record = lambda module, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape))  # noqa: E731
+    hook = policy.register_forward_pre_hook(record, with_kwargs=True)
+    sampler.batch_size = len(rows)
+    drawn = sampler.sample_rows(policy, [prompts[p] for p, _, _ in rows], None, seeds, [t for _, t, _ in rows])
+    hook.remove()
+    old = [sampler.complete_seeded(policy, [prompts[p]], [seed], None, t)[0] for (p, t, _), seed in zip(rows, seeds)]
+    assert drawn == old
+    assert widths[0][0] == 3 and {w[1] for w in widths[1:]} == {1}  # three prefills, then one token a row
+    # a row is computed for each token it draws after its first, and for no step after its EOS
+    assert sum(w[0] for w in widths[1:]) == sum(len(c) - 1 for c in drawn)
+    assert sum(len(c) < 12 for c in drawn) >= 2 and widths[-1][0] < len(rows)

@@ -1,0 +1,128 @@
+"""--generate [--versus GIT_REF] [--rounds N]: evaluate.py's sampling (core.generations.Sampler) against plain
+model.generate(do_sample=True) on the same prompts and batches, and against the bound of the machine's float32
+matmul rate (the precision probe's) over a decode step's FLOPs; and where a whole evaluation's time goes: prefill,
+decode forward passes, the rest of sampling (the seeded sampler, generate's own steps), the KL's log-probs (two
+passes: under the model and under the reference) and judging (a reward model of the same size). SmolLM2-135M-Instruct
+in float32 on the first HH harmless-base prompts; with --versus, the code at GIT_REF measured in the same run,
+alternating fresh processes. --smoke: a random tiny Llama, a few prompts, one round."""
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+
+from bench.common import code_at, hh_like_rows, smollm2_dir
+from bench.reward import hh_pairs, tiny_model_dir
+from modeling.precision import cpu_flags, cpu_matmul_flops, cpu_name
+from utils import REPO_ROOT
+
+WORKER = REPO_ROOT / "bench" / "generate_worker.py"
+SIZES = {  # prompts, batch, max_new_tokens, temperatures
+    "full": (32, 32, 64, [0.25, 0.5, 0.75, 1.0]),  # the HH recipe's temperatures, new tokens and batch
+    "smoke": (4, 2, 6, [0.5, 1.0]),
+}
+
+
+def run_worker(root: Path, result_file: str, **kwargs) -> dict:
+    """generate_worker(**kwargs) in a fresh process, importing the project's modules from `root`."""
+    code = (
+        f"import sys, importlib.util; sys.path.insert(0, {str(root)!r}); "
+        f"spec = importlib.util.spec_from_file_location('generate_worker', {str(WORKER)!r}); "
+        "worker = importlib.util.module_from_spec(spec); spec.loader.exec_module(worker); "
+        f"worker.generate_worker(result_file={result_file!r}, **{kwargs!r})"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL, cwd=root)
+    return json.loads(Path(result_file).read_text())
+
+
+def decode_flops_per_token(model_dir: str, context: int) -> float:
+    """A decode step's FLOPs per row: 2 per weight of every matmul (the LM head included, the embedding lookup not)
+    and the attention's scores and mixing over `context` cached positions."""
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    weights = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in name)
+    if config.tie_word_embeddings:
+        weights += model.get_input_embeddings().weight.numel()
+    return 2 * weights + 4 * config.num_hidden_layers * config.hidden_size * context
+
+
+def judge_dir(model_dir: str, directory: Path) -> str:
+    """The model with a random one-output head, saved as a reward model (the HH recipe's judge is one of this size)."""
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1)
+    model.save_pretrained(directory)
+    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(directory)
+    return str(directory)
+
+
+def prompt_ids(model_dir: str, n: int, smoke: bool) -> list[list[int]]:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    texts = [row["prompt"] for row in (hh_like_rows(n, 64, 0) if smoke else hh_pairs(model_dir, n, 256))]
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+
+
+def report(label: str, result: dict, bound: float) -> dict:
+    """One version's line: tokens/s, the share of the bound, and the evaluation's time split."""
+    s = result["sampler"]
+    rate = s["tokens"] / s["seconds"]
+    parts = {"prefill": s["prefill"], "decode": s["decode"], "sampling rest": s["seconds"] - s["prefill"] - s["decode"]}
+    parts |= {"KL log-probs": result["logps"]["seconds"], "judging": result["judge"]["seconds"]}
+    whole = sum(parts.values())
+    split = "  ".join(f"{name} {seconds:.1f} s ({seconds / whole:.0%})" for name, seconds in parts.items())
+    processor = " ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result["processor"].items())
+    print(f"{label:12s} sampler {rate:8.1f} tokens/s {rate / bound:6.1%} of bound  ({s['tokens']} tokens in "
+          f"{s['seconds']:.1f} s); seeded sampler per step: {processor}\n{'':12s} evaluation {whole:.1f} s: {split}",
+          flush=True)  # fmt: skip
+    if "generate" in result:
+        g = result["generate"]
+        print(f"{'':12s} plain generate(do_sample=True) {g['tokens'] / g['seconds']:8.1f} tokens/s at the last "
+              f"temperature ({g['tokens']} tokens in {g['seconds']:.1f} s)", flush=True)  # fmt: skip
+    return {"sampler": rate, "evaluation": whole}
+
+
+def bench_generate(smoke: bool, ref: str | None, rounds: int) -> None:
+    n, batch, new_tokens, temperatures = SIZES["smoke" if smoke else "full"]
+    rounds = 1 if smoke else rounds
+    with tempfile.TemporaryDirectory() as tmp, code_at(ref) if ref else contextlib.nullcontext() as old:
+        model_dir = tiny_model_dir(Path(tmp) / "model") if smoke else smollm2_dir()
+        prompts = prompt_ids(model_dir, n, smoke)
+        prompts_file = Path(tmp) / "prompts.json"
+        prompts_file.write_text(json.dumps(prompts))
+        rate = cpu_matmul_flops(REPO_ROOT / ".cache", again=not smoke)["float32"]  # the best rate seen here
+        context = sum(map(len, prompts)) / len(prompts) + new_tokens / 2
+        bound = rate / decode_flops_per_token(model_dir, round(context))
+        print(
+            f"CPU: {cpu_name()}, {os.cpu_count()} cores, flags {' '.join(cpu_flags()) or 'none'}; torch "
+            f"{torch.__version__}, {torch.get_num_threads()} threads; load {os.getloadavg()[0]:.2f}\n"
+            f"{'a random tiny Llama' if smoke else 'SmolLM2-135M-Instruct'}, float32, {n} HH prompts (mean "
+            f"{sum(map(len, prompts)) / n:.0f} tokens), batch {batch}, {new_tokens} new tokens, temperatures "
+            f"{temperatures}; bound: float32 matmul {rate / 1e9:.0f} GFLOP/s (the precision probe) / "
+            f"{decode_flops_per_token(model_dir, round(context)) / 1e6:.1f} MFLOP a decode token = {bound:.0f} "
+            f"tokens/s; {rounds} round(s), each version in a fresh process, alternating"
+        )
+        settings = dict(model_dir=model_dir, judge_dir=judge_dir(model_dir, Path(tmp) / "judge"),
+                        prompts_file=str(prompts_file), batch=batch, max_new_tokens=new_tokens,
+                        temperatures=temperatures)  # fmt: skip
+        versions = [(ref, old), ("this tree", REPO_ROOT)] if ref else [("this tree", REPO_ROOT)]
+        totals = {label: {"sampler": [], "evaluation": []} for label, _ in versions}
+        completions = {}
+        for _ in range(rounds):
+            for label, root in versions:
+                result_file = str(Path(tmp) / "result.json")
+                result = run_worker(root, result_file, plain=label == "this tree", **settings)
+                completions[label] = result["completions"]
+                for key, value in report(label, result, bound).items():
+                    totals[label][key].append(value)
+        if ref:
+            mine, theirs = totals["this tree"], totals[ref]
+            sampler = sum(mine["sampler"]) / sum(theirs["sampler"])
+            whole = sum(theirs["evaluation"]) / sum(mine["evaluation"])
+            print(f"this tree / {ref}: sampler {sampler:.2f}x tokens/s, whole evaluation {whole:.2f}x faster")
+            pairs = [(a, b) for t in completions[ref] for a, b in zip(completions[ref][t], completions["this tree"][t])]
+            print(f"completions identical to {ref}'s: {sum(a == b for a, b in pairs)} of {len(pairs)}")

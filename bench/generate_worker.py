@@ -1,0 +1,138 @@
+"""--generate's worker, run in a fresh process from the code of either version (this tree's or --versus's, by file
+path: it imports only core.generations and modeling.distributed, which both have): evaluate.py's sampling (the
+Sampler) and its parts, plain model.generate on the same batches, the seeded sampler alone on random logits, the
+KL's log-probs and a reward model's judging, each timed."""
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+
+class ForwardClock:
+    """Seconds the model's forward passes take, prefill (more than one new position) apart from decode steps."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.prefill = self.decode = 0.0
+        self.start = 0.0
+
+        def before(module, args, kwargs):
+            self.start = time.perf_counter()
+
+        def after(module, args, kwargs, output):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            width = ids.shape[1] if ids is not None else kwargs["inputs_embeds"].shape[1]
+            elapsed = time.perf_counter() - self.start
+            if width > 1:
+                self.prefill += elapsed
+            else:
+                self.decode += elapsed
+
+        model.register_forward_pre_hook(before, with_kwargs=True)
+        model.register_forward_hook(after, with_kwargs=True)
+
+    def reset(self) -> None:
+        self.prefill = self.decode = 0.0
+
+
+def seeds_of(n: int, temperature: float) -> list[int]:
+    return [int(temperature * 1e6) * 10_000 + i for i in range(n)]
+
+
+def time_sampler(sampler, model, clock, prompts, temperatures) -> tuple[dict, dict]:
+    """evaluate.py's sampling of one model: every temperature's rows drawn together, prompt-major, where the
+    Sampler can (sample_rows), else one temperature at a time (sample); seconds (whole, prefill, decode forward
+    passes), tokens; and the completions by temperature."""
+    clock.reset()
+    start = time.perf_counter()
+    if hasattr(sampler, "sample_rows"):
+        order = [(t, i) for i in range(len(prompts)) for t in temperatures]
+        seeds = {t: seeds_of(len(prompts), t) for t in temperatures}
+        drawn = sampler.sample_rows(model, [prompts[i] for _, i in order], None, [seeds[t][i] for t, i in order],
+                                    [t for t, _ in order])  # fmt: skip
+        completions = {t: [None] * len(prompts) for t in temperatures}
+        for (t, i), completion in zip(order, drawn):
+            completions[t][i] = completion
+    else:
+        completions = {t: sampler.sample(model, prompts, None, seeds_of(len(prompts), t), t) for t in temperatures}
+    seconds = time.perf_counter() - start
+    tokens = sum(len(c) for rows in completions.values() for c in rows)
+    return {"seconds": seconds, "prefill": clock.prefill, "decode": clock.decode, "tokens": tokens}, completions
+
+
+@torch.no_grad()
+def time_generate(model, tokenizer, prompts, batch: int, max_new_tokens: int, temperatures) -> dict:
+    """Plain model.generate(do_sample=True) on the same left-padded batches (no top-k: the full tempered
+    distribution, as the Sampler draws from), tokens counted up to each row's EOS."""
+    from core.layouts import left_padded_prompts
+
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    seconds = tokens = 0
+    torch.manual_seed(0)
+    for temperature in temperatures:
+        for start in range(0, len(prompts), batch):
+            ids, mask = left_padded_prompts([{"prompt": p} for p in prompts[start : start + batch]], pad)
+            began = time.perf_counter()
+            output = model.generate(
+                ids, attention_mask=mask, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos,
+            )  # fmt: skip
+            seconds += time.perf_counter() - began
+            for row in output[:, ids.shape[1] :].tolist():
+                tokens += row.index(eos) + 1 if eos in row else len(row)
+    return {"seconds": seconds, "tokens": tokens}
+
+
+def time_processor(vocab: int, batch: int, steps: int, temperature: float, top_p: float) -> float:
+    """Seconds per call of the seeded sampler (core.generations.SeededSampling) on [batch, vocab] random logits."""
+    from core.generations import SeededSampling
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(steps, batch, vocab, generator=generator) * 3
+    sampler = SeededSampling(torch.rand(batch, steps, generator=generator), 0, temperature, top_p)
+    sampler(torch.zeros(batch, 0, dtype=torch.long), logits[0])  # warm-up
+    start = time.perf_counter()
+    for step in range(steps):
+        sampler(torch.zeros(batch, step, dtype=torch.long), logits[step])
+    return (time.perf_counter() - start) / steps
+
+
+def generate_worker(result_file: str, model_dir: str, judge_dir: str, prompts_file: str, batch: int,
+                    max_new_tokens: int, temperatures: list[float], plain: bool) -> None:  # fmt: skip
+    """Every timing of one version's code into result_file (JSON)."""
+    from core.generations import RewardJudge, Sampler
+    from core.rewards import ModelReward
+    from modeling.distributed import Topology
+
+    torch.manual_seed(0)
+    prompts = json.loads(Path(prompts_file).read_text())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    topology = Topology.create("BasicTrainer")
+    sampler = Sampler(tokenizer, topology, max_new_tokens, batch)
+    clock = ForwardClock(model)
+    sampler.sample(model, prompts[:2], None, [1, 2], 1.0)  # warm-up
+    result = {"threads": torch.get_num_threads()}
+    result["sampler"], completions = time_sampler(sampler, model, clock, prompts, temperatures)
+    result["processor"] = {
+        f"top_p={top_p}": time_processor(model.config.vocab_size, batch, 16, 1.0, top_p) for top_p in (1.0, 0.9)
+    }
+    if plain:
+        result["generate"] = time_generate(model, tokenizer, prompts, batch, max_new_tokens, temperatures[-1:])
+    start = time.perf_counter()
+    for temperature, rows in completions.items():  # the KL's two passes: under the model and under the reference
+        for _ in range(2):
+            sampler.logps(model, prompts, rows, None, temperature)
+    result["logps"] = {"seconds": time.perf_counter() - start}
+    del model
+    judge = RewardJudge(ModelReward(Path(judge_dir), topology.device, batch, 512, "judge"))
+    texts = [tokenizer.decode(ids) for ids in prompts]
+    start = time.perf_counter()
+    for rows in completions.values():  # each pair's two sides: here the same model's completions twice
+        decoded = tokenizer.batch_decode(rows, skip_special_tokens=True)
+        judge(texts, decoded, decoded, None)
+    result["judge"] = {"seconds": time.perf_counter() - start}
+    result["completions"] = {str(t): rows for t, rows in completions.items()}
+    Path(result_file).write_text(json.dumps(result))
