@@ -214,10 +214,17 @@ class Generations:
         for (t, i), completion in zip(order, drawn):
             self.completions[side, name][t][i] = completion
         if kl:
-            self.own_logps[name] = {t: self.score(model, self.completions[side, name][t], t) for t in temperatures}
+            self.own_logps[name] = self.score(model, self.completions[side, name])
 
-    def score(self, model, completions: list[list[int]], temperature: float) -> list[float]:
-        return self.sampler.logps(model, self.prompt_ids, completions, self.images, temperature)
+    def score(self, model, completions: dict[float, list[list[int]]]) -> dict[float, list[float]]:
+        """Each completion's log-prob under `model` at its temperature: every temperature's together, so that a
+        prompt is computed once for all its completions."""
+        temperatures, n = list(completions), len(self.prompt_ids)
+        logps = self.sampler.logps(
+            model, self.prompt_ids * len(temperatures), [c for t in temperatures for c in completions[t]],
+            self.images * len(temperatures), [t for t in temperatures for _ in range(n)],
+        )  # fmt: skip
+        return {t: logps[k * n : (k + 1) * n] for k, t in enumerate(temperatures)}
 
     def run(self) -> None:
         """Candidates first, then the baseline, then the reference where it is another model."""
@@ -243,9 +250,7 @@ class Generations:
 
     def score_under_reference(self, reference: torch.nn.Module) -> None:
         for name in self.config.candidates:
-            self.reference_logps[name] = {
-                t: self.score(reference, self.completions["candidate", name][t], t) for t in self.config.temperatures
-            }
+            self.reference_logps[name] = self.score(reference, self.completions["candidate", name])
 
     def log_ratios(self, name: str, temperature: float) -> np.ndarray | None:
         if name not in self.reference_logps:

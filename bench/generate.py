@@ -111,12 +111,13 @@ def bench_generate(smoke: bool, ref: str | None, rounds: int) -> None:
                         temperatures=temperatures)  # fmt: skip
         versions = [(ref, old), ("this tree", REPO_ROOT)] if ref else [("this tree", REPO_ROOT)]
         totals = {label: {"sampler": [], "evaluation": []} for label, _ in versions}
-        completions = {}
+        completions, values = {}, {}
         for _ in range(rounds):
             for label, root in versions:
                 result_file = str(Path(tmp) / "result.json")
                 result = run_worker(root, result_file, plain=label == "this tree", **settings)
                 completions[label] = result["completions"]
+                values[label] = {part: result[part]["values"] for part in ("logps", "judge")}
                 for key, value in report(label, result, bound).items():
                     totals[label][key].append(value)
         if ref:
@@ -126,3 +127,7 @@ def bench_generate(smoke: bool, ref: str | None, rounds: int) -> None:
             print(f"this tree / {ref}: sampler {sampler:.2f}x tokens/s, whole evaluation {whole:.2f}x faster")
             pairs = [(a, b) for t in completions[ref] for a, b in zip(completions[ref][t], completions["this tree"][t])]
             print(f"completions identical to {ref}'s: {sum(a == b for a, b in pairs)} of {len(pairs)}")
+            for part, what in (("logps", "KL log-probs"), ("judge", "judge's rewards")):
+                mine, theirs = (torch.tensor(values[label][part]) for label in ("this tree", ref))
+                print(f"{what}: largest difference from {ref}'s {(mine - theirs).abs().max():.2e} "
+                      f"(largest value {theirs.abs().max():.1f})")  # fmt: skip

@@ -3,6 +3,7 @@ path: it imports only core.generations and modeling.distributed, which both have
 Sampler) and its parts, plain model.generate on the same batches, the seeded sampler alone on random logits, the
 KL's log-probs and a reward model's judging, each timed."""
 
+import inspect
 import json
 import time
 from pathlib import Path
@@ -99,6 +100,17 @@ def time_processor(vocab: int, batch: int, steps: int, temperature: float, top_p
     return (time.perf_counter() - start) / steps
 
 
+def time_logps(sampler, model, prompts: list[list[int]], completions: dict[float, list[list[int]]]) -> list[float]:
+    """The KL's log-probs of every completion, as evaluate.py asks for them: every temperature's in one call where
+    the Sampler takes one temperature per completion, else one temperature at a time."""
+    temperatures = list(completions)
+    if "temperatures" in inspect.signature(sampler.logps).parameters:
+        rows = [row for t in temperatures for row in completions[t]]
+        each = [t for t in temperatures for _ in prompts]
+        return sampler.logps(model, prompts * len(temperatures), rows, None, each)
+    return [logp for t in temperatures for logp in sampler.logps(model, prompts, completions[t], None, t)]
+
+
 def generate_worker(result_file: str, model_dir: str, judge_dir: str, prompts_file: str, batch: int,
                     max_new_tokens: int, temperatures: list[float], plain: bool) -> None:  # fmt: skip
     """Every timing of one version's code into result_file (JSON)."""
@@ -122,17 +134,16 @@ def generate_worker(result_file: str, model_dir: str, judge_dir: str, prompts_fi
     if plain:
         result["generate"] = time_generate(model, tokenizer, prompts, batch, max_new_tokens, temperatures[-1:])
     start = time.perf_counter()
-    for temperature, rows in completions.items():  # the KL's two passes: under the model and under the reference
-        for _ in range(2):
-            sampler.logps(model, prompts, rows, None, temperature)
-    result["logps"] = {"seconds": time.perf_counter() - start}
+    for _ in range(2):  # the KL's two passes: under the model and under the reference
+        logps = time_logps(sampler, model, prompts, completions)
+    result["logps"] = {"seconds": time.perf_counter() - start, "values": logps}
     del model
     judge = RewardJudge(ModelReward(Path(judge_dir), topology.device, batch, 512, "judge"))
     texts = [tokenizer.decode(ids) for ids in prompts]
-    start = time.perf_counter()
+    start, rewards = time.perf_counter(), []
     for rows in completions.values():  # each pair's two sides: here the same model's completions twice
         decoded = tokenizer.batch_decode(rows, skip_special_tokens=True)
-        judge(texts, decoded, decoded, None)
-    result["judge"] = {"seconds": time.perf_counter() - start}
+        rewards += judge(texts, decoded, decoded, None).rewards[0]
+    result["judge"] = {"seconds": time.perf_counter() - start, "values": rewards}
     result["completions"] = {str(t): rows for t, rows in completions.items()}
     Path(result_file).write_text(json.dumps(result))

@@ -19,9 +19,8 @@ import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from core.decoding import decode, own_loop_problem
-from core.heads import sequence_logps
-from core.image_inputs import with_image_inputs
-from core.layouts import left_padded_prompts, pad, to_device
+from core.layouts import left_padded_prompts, to_device
+from core.prompt_groups import prompt_scorer, scores_by_prompt
 from core.rewards import ModelReward, check_reward, load_reward
 from modeling.model_dirs import resolve_model_dir
 from modeling.placement import root_gathered
@@ -94,17 +93,21 @@ class Sampler:
             return [completions[i] for i in rows]
 
         model.eval()
-        return self.sharded(prompts, batch)
+        return self.sharded(prompts, batch, by_prompt=problem is None)
 
-    def sharded(self, prompts: list, batch) -> list[list[int]]:
-        """batch(rows) over this rank's share of the rows in batches of batch_size, gathered in order."""
+    def sharded(self, prompts: list, batch, by_prompt: bool = False) -> list[list[int]]:
+        """batch(rows) over this rank's share of the rows, gathered in order: in batches of batch_size rows, or
+        (by_prompt) of the rows of batch_size distinct prompts, prompts of similar lengths together."""
         local, n_real = self.topology.shard(list(range(len(prompts))))
-        completions = []
+        batches = prompt_batches(local, prompts, self.batch_size) if by_prompt else [
+            local[start : start + self.batch_size] for start in range(0, len(local), self.batch_size)
+        ]  # fmt: skip
+        completions: dict[int, list[int]] = {}
         with self.progress(len(local), "sampling") as bar:
-            for start in range(0, len(local), self.batch_size):
-                completions += batch(local[start : start + self.batch_size])
-                bar.update(len(completions) - bar.n)
-        return self.topology.gather({"completions": completions[:n_real]})["completions"]
+            for rows in batches:
+                completions.update(zip(rows, batch(rows)))
+                bar.update(len(rows))
+        return self.topology.gather({"completions": [completions[i] for i in local[:n_real]]})["completions"]
 
     def progress(self, total: int, what: str) -> tqdm.tqdm:
         """A progress bar of this rank's rows, with its ETA (rank 0's alone)."""
@@ -131,28 +134,21 @@ class Sampler:
         with root_gathered(model):
             return decode(model, prompts, draw, self.max_new_tokens, pad_token_id, eos_token_id, self.topology.device)
 
-    @torch.no_grad()
-    def logps(
-        self, model, prompts: list[list[int]], completions: list[list[int]], images: list[bytes] | None, temperature
-    ) -> list[float]:
-        """Each completion's float32 log-probability under `model` sampling at `temperature` (its logits divided by
-        it: the distribution a completion sampled at that temperature, with top_p 1, was drawn from); sharded over
-        the ranks in padded batches and gathered."""
+    def logps(self, model, prompts: list[list[int]], completions: list[list[int]], images: list[bytes] | None,
+              temperatures: float | list[float]) -> list[float]:  # fmt: skip
+        """Each completion's float32 log-probability under `model` sampling at its temperature (one per completion,
+        or one for all): its logits divided by it, the distribution a completion sampled at that temperature, with
+        top_p 1, was drawn from. Each prompt is computed once for all its completions (core/prompt_groups.py);
+        sharded over the ranks and gathered."""
         model.eval()
-        images = images or [b""] * len(prompts)
+        n = len(prompts)
+        temperatures = [float(t) for t in temperatures] if isinstance(temperatures, list) else [temperatures] * n
+        images = images or [b""] * n
         vision = getattr(self.tokenizer, "vision", None)
-        vision = vision.for_model(model) if vision is not None else None
-        examples = [{"prompt": p, "responses": [c], "images": i} for p, c, i in zip(prompts, completions, images)]
-        local, n_real = self.topology.shard(examples)
-        dtype, values = next(model.parameters()).dtype, []
-        with self.progress(len(local), "log-probs") as bar:
-            for start in range(0, len(local), self.batch_size):
-                chunk = local[start : start + self.batch_size]
-                batch = with_image_inputs(pad(chunk, self.tokenizer.pad_token_id), chunk, vision)
-                values += sequence_logps(model, batch.to(self.topology.device), None, dtype, False,
-                                         temperature=temperature).cpu().tolist()  # fmt: skip
-                bar.update(len(chunk))
-        return self.topology.gather({"logps": values[:n_real]})["logps"]
+        scorer = prompt_scorer(model, self.topology, self.tokenizer.pad_token_id, vision)
+        progress = lambda total: self.progress(total, "log-probs")  # noqa: E731
+        return scores_by_prompt(scorer, model, self.topology, prompts, completions, images, self.batch_size,
+                                progress, temperatures)  # fmt: skip
 
     @torch.no_grad()
     def complete(
@@ -221,6 +217,18 @@ class SeededSampling(LogitsProcessor):
         are; None: all)."""
         uniforms = self.uniforms[:, step] if rows is None else self.uniforms[rows, step]
         return seeded_draw(scores, self.temperature, uniforms, self.top_p)
+
+
+def prompt_batches(rows: list[int], prompts: list[list[int]], n_prompts: int) -> list[list[int]]:
+    """The rows in batches of the rows of n_prompts distinct prompts each, the prompts in order of length: each
+    prompt is prefilled once for all its rows (core.decoding), and prompts of similar lengths pad little. A row's
+    completion does not depend on its batch, so any grouping draws the same completions. (A batch of a prompt
+    sampled at 4 temperatures holds 4 rows: more rows per weight read, which bounds a CPU's decode step.)"""
+    by_prompt: dict[tuple, list[int]] = {}
+    for row in rows:
+        by_prompt.setdefault(tuple(prompts[row]), []).append(row)
+    groups = sorted(by_prompt.values(), key=lambda group: len(prompts[group[0]]))
+    return [sum(groups[start : start + n_prompts], []) for start in range(0, len(groups), n_prompts)]
 
 
 def seeded_draw(scores: torch.Tensor, temperature, uniforms: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -303,7 +311,9 @@ class RewardJudge:
         self.reward = reward
 
     def __call__(self, prompts: list[str], first: list[str], second: list[str], images=None) -> Judgement:
-        first_rewards, second_rewards = self.reward(prompts, first, images), self.reward(prompts, second, images)
+        # in one call: a reward model reads each prompt once for both completions (core.prompt_groups)
+        rewards = self.reward(prompts + prompts, first + second, images and images + images)
+        first_rewards, second_rewards = rewards[: len(prompts)], rewards[len(prompts) :]
         verdicts = [sign(a - b) for a, b in zip(first_rewards, second_rewards)]
         return Judgement(verdicts, list(verdicts), (first_rewards, second_rewards))
 

@@ -12,6 +12,7 @@ that a policy and its cached reference agree to the last bit on any device.
 """
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -51,18 +52,32 @@ def head_logit_map(model: torch.nn.Module) -> LogitMap:
 
 @contextlib.contextmanager
 def head_returns_token_logps(
-    model: torch.nn.Module, rows: torch.Tensor, targets: torch.Tensor, with_sum_sq: bool, logit_map: LogitMap
+    model: torch.nn.Module,
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    with_sum_sq: bool,
+    logit_map: LogitMap,
+    temperatures: torch.Tensor | None = None,
 ):
     """For the forwards inside this block, the model's LM head maps the kept hidden states [R, K, H] to the
     float32 log-probs [M] of `targets` at flat kept rows `rows` (chunked: no [M, V] logits), its output mapped by
     `logit_map` first, and the model's own map of the head's output is the identity. with_sum_sq: the block yields
     a dict that the forward fills with "log_sum_sq", [M] log sum_v p_v^2 (the model returns one tensor, its
-    head's)."""
+    head's). temperatures: [M] (on the host) each token's, its logits divided by it after the map (no with_sum_sq):
+    the tokens of each temperature go through the head together."""
     head, extras = model.get_output_embeddings(), {}
     own_maps = head_output_maps(model)
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.flatten(0, -2)
+        if temperatures is not None:
+            out = torch.empty(rows.numel(), dtype=torch.float32, device=hidden.device)
+            for temperature in temperatures.unique().tolist():
+                group = (temperatures == temperature).nonzero().flatten().to(rows.device)
+                tempered = dataclasses.replace(logit_map, temperature=temperature)
+                weight, bias = head.weight, head.bias
+                out[group] = token_logps_from_hidden(hidden, weight, bias, rows[group], targets[group], False, tempered)
+            return out
         out = token_logps_from_hidden(hidden, head.weight, head.bias, rows, targets, with_sum_sq, logit_map)
         if not with_sum_sq:
             return out
@@ -92,7 +107,7 @@ def sequence_logps(
     spans: dict[str, AttentionSpan] | None = None,
     logit_map: LogitMap = IDENTITY,
     sequence: SequenceGroup | None = None,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
 ):
     """[S] float32 summed log-probs of each sequence's scored tokens, in one forward pass of `model`.
 
@@ -110,10 +125,15 @@ def sequence_logps(
     (batch.sequence_part) with the whole rows' mask, and scores the tokens its slice predicts; summed over the
     group, in their places among the batch's scored tokens (the others zeros), every rank has every token's
     log-prob, and sums them in the order one process does: an sp run's sums do not depend on where a slice ends.
-    temperature: the log-probs of the model's logits divided by it (all logits only: sampled completions' log-probs,
-    core/generations.py)."""
-    if scored_head and temperature != 1.0:
-        raise ValueError("a temperature is applied to all logits (scored_head=False)")
+    temperature: the log-probs of the model's logits divided by it, a number or [S] one per sequence (on the host;
+    no with_sum_sq, no sequence parallelism): sampled completions' log-probs (core/generations.py)."""
+    per_token = None  # [N] each scored token's temperature, on the host
+    if isinstance(temperature, torch.Tensor):
+        per_token = temperature.float().repeat_interleave(batch.sequence_lengths.cpu())
+    elif temperature != 1.0:
+        per_token = torch.full((batch.score_targets.numel(),), float(temperature))
+    if per_token is not None and (with_sum_sq or sequence is not None):
+        raise ValueError("a temperature: without with_sum_sq and sequence parallelism")
     inputs, flex = model_inputs(batch, mask_dtype, attention, spans)
     scored = batch
     if sequence is not None:  # the sequence-parallel attention runs FlexAttention itself for a block mask
@@ -124,13 +144,21 @@ def sequence_logps(
     ):
         if scored_head:
             rows, targets = scored.score_rows, scored.score_targets
-            with head_returns_token_logps(model, rows, targets, with_sum_sq, logit_map) as extras:
+            with head_returns_token_logps(model, rows, targets, with_sum_sq, logit_map, per_token) as extras:
                 token_logps = model(**inputs, logits_to_keep=scored.keep_positions).logits
             log_sum_sq = extras.get("log_sum_sq")
         else:
             logits = model(**inputs).logits.flatten(0, 1)
-            logits = logits / temperature if temperature != 1.0 else logits
-            out = token_logps_from_logits(logits, scored.score_positions, scored.score_targets, with_sum_sq)
+            if per_token is None:
+                out = token_logps_from_logits(logits, scored.score_positions, scored.score_targets, with_sum_sq)
+            else:  # each temperature's tokens from their own logits divided by it (in the packed layout the last
+                # prompt token predicts the first token of every response, at each response's temperature)
+                out = torch.empty(scored.score_targets.numel(), dtype=torch.float32, device=logits.device)
+                for value in per_token.unique().tolist():
+                    group = (per_token == value).nonzero().flatten().to(logits.device)
+                    tempered = logits[scored.score_positions[group]] / value
+                    every = torch.arange(group.numel(), device=logits.device)
+                    out[group] = token_logps_from_logits(tempered, every, scored.score_targets[group])
             token_logps, log_sum_sq = out if with_sum_sq else (out, None)
     token_logps = token_logps.float().view(-1)
     if sequence is not None:  # every rank's tokens in their places, the rest zeros: summed, the whole batch's

@@ -85,29 +85,35 @@ def token_logps_from_logits(logits, rows, targets, with_sum_sq: bool = False):
 class LogitMap:
     """The elementwise map some models apply to their LM head's output before the softmax: times `scale` (Cohere's
     `logit_scale`; Granite divides by `logits_scaling`), then soft-capped into (-cap, cap) as cap * tanh(x / cap)
-    (Gemma 2's `final_logit_softcapping`, Team Gemma 2024, arXiv:2408.00118); cap None: no cap. The identity by
-    default. Applied in float32 to the upcast logits, in place."""
+    (Gemma 2's `final_logit_softcapping`, Team Gemma 2024, arXiv:2408.00118); cap None: no cap; then divided by a
+    sampling `temperature` (the distribution a completion sampled at it was drawn from: the sampled KL's). The
+    identity by default. Applied in float32 to the upcast logits, in place."""
 
     scale: float = 1.0
     cap: float | None = None
+    temperature: float = 1.0
 
     def apply_(self, logits: torch.Tensor) -> torch.Tensor:
         if self.scale != 1.0:
             logits.mul_(self.scale)
         if self.cap is not None:
             logits.div_(self.cap).tanh_().mul_(self.cap)
+        if self.temperature != 1.0:
+            logits.div_(self.temperature)
         return logits
 
     def slope(self, mapped: torch.Tensor) -> torch.Tensor | float:
         """The map's derivative at each element, from its output y: the scale, times 1 - (y / cap)^2 = 1 - tanh^2
-        under a cap (a new tensor, the shape of `mapped`; a float without a cap)."""
+        under a cap, over the temperature (a new tensor, the shape of `mapped`; a float without a cap)."""
         if self.cap is None:
-            return self.scale
-        return (mapped / self.cap).square_().neg_().add_(1).mul_(self.scale)
+            return self.scale / self.temperature
+        capped = mapped * self.temperature if self.temperature != 1.0 else mapped
+        return (capped / self.cap).square_().neg_().add_(1).mul_(self.scale / self.temperature)
 
     def describe(self) -> str:
         parts = [f"times {self.scale:g}"] if self.scale != 1.0 else []
         parts += [f"soft-capped at {self.cap:g}"] if self.cap is not None else []
+        parts += [f"at temperature {self.temperature:g}"] if self.temperature != 1.0 else []
         return ", ".join(parts)
 
 

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import torch
 
-from core.heads import sequence_rewards
-from core.image_inputs import with_image_inputs
-from core.layouts import pad
+from core.prompt_groups import prompt_scorer, scores_by_prompt
 from modeling import weights
+from modeling.distributed import Topology
 from modeling.vision import Vision, unpack_images
 from utils import UserError, first_line
 
@@ -98,11 +97,11 @@ class FunctionReward:
 
 class ModelReward:
     """A sequence-classification model's one output on prompt + completion, in float32, computed as training computes
-    it (padded rows of heads.sequence_rewards): the prompt's and the completion's ids tokenized apart and joined as
-    training joins them, read at the completion's last token, the prompt's start cut where the two exceed
-    max_length. A vision-language reward model (Gemma 3's) sees each prompt's images as training shows them: the
-    prompt's text holds each image's tokens as the policy's processor expanded them, and is kept whole (the
-    completion's end kept within what it leaves of max_length)."""
+    it (core.prompt_groups: the completions of one prompt in one packed segment, where the model allows it): the
+    prompt's and the completion's ids tokenized apart and joined as training joins them, read at the completion's
+    last token, the prompt's start cut where the two exceed max_length. A vision-language reward model (Gemma 3's)
+    sees each prompt's images as training shows them: the prompt's text holds each image's tokens as the policy's
+    processor expanded them, and is kept whole (the completion's end kept within what it leaves of max_length)."""
 
     def __init__(self, directory: Path, device: torch.device, batch_size: int, max_length: int, key="rounds.reward"):
         # on use: the auto classes cost ~0.7 s of every start to import
@@ -134,6 +133,8 @@ class ModelReward:
             self.vision = Vision.of(processor).for_model(model)
         self.eos_token_id = self.tokenizer.eos_token_id  # a completion ending with it is read before it, as in training
         self.device, self.batch_size, self.max_length = device, batch_size, max_length
+        self.topology = Topology("BasicTrainer", device=device)  # one process reads it (a round's rank 0, a judge's)
+        self.scorer = prompt_scorer(self.model, self.topology, self.pad_token_id, self.vision, self.eos_token_id)
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
@@ -156,12 +157,9 @@ class ModelReward:
             room = self.max_length - len(completion)
             prompt = prompt[max(0, len(prompt) - room) :] if room else []
             examples.append({"prompt": prompt, "responses": [completion], "images": packed})
-        rewards = []
-        for start in range(0, len(examples), self.batch_size):
-            chunk = examples[start : start + self.batch_size]
-            batch = with_image_inputs(pad(chunk, self.pad_token_id), chunk, self.vision).to(self.device)
-            rewards += sequence_rewards(self.model, batch, None, torch.float32, self.eos_token_id).cpu().tolist()
-        return rewards
+        prompts, completions = [ex["prompt"] for ex in examples], [ex["responses"][0] for ex in examples]
+        images = [ex["images"] for ex in examples]
+        return scores_by_prompt(self.scorer, self.model, self.topology, prompts, completions, images, self.batch_size)
 
     def check_image_tokens(self, prompt: list[int], packed: bytes) -> None:
         """A one-line error unless the prompt holds as many image tokens as this model's processor makes of its

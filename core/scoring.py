@@ -141,10 +141,13 @@ class Scorer:
             batch.attention_mask = packed_mask(batch, self.attention, self.spans)
         return batch
 
-    def __call__(self, model: torch.nn.Module, batch: ModelBatch, compute: torch.dtype | None, with_sum_sq=False):
+    def __call__(
+        self, model: torch.nn.Module, batch: ModelBatch, compute: torch.dtype | None, with_sum_sq=False, temperature=1.0
+    ):
         """[R * B] float32 summed log-probs of each example's responses (all first responses, then all second
         ones), or a reward model's rewards, in one forward pass; compute: the model's compute dtype, or None for its
-        weights'. with_sum_sq: and their sums of log sum_v p_v^2 (sequence_logps)."""
+        weights'. with_sum_sq: and their sums of log sum_v p_v^2 (sequence_logps). temperature: the log-probs'
+        (sequence_logps: a number, or [R * B] one per sequence)."""
         autocast = compute if self.autocast else None
         mask_dtype = compute or next(model.parameters()).dtype
         if self.sequence is not None:
@@ -164,6 +167,7 @@ class Scorer:
             with_sum_sq,
             logit_map=self.logit_map,
             sequence=self.sequence,
+            temperature=temperature,
         )
 
 

@@ -6,6 +6,7 @@ import torch
 import train
 from conftest import build_trainer, read_jsonl
 from core.generations import SeededSampling
+from core.scoring import Scorer
 
 
 def test_sampling_during_eval_strips_prompt(make_config):
@@ -132,3 +133,52 @@ def test_the_own_decode_loop_draws_what_generate_drew_sharing_prefills_and_dropp
     # a row is computed for each token it draws after its first, and for no step after its EOS
     assert sum(w[0] for w in widths[1:]) == sum(len(c) - 1 for c in drawn)
     assert sum(len(c) < 12 for c in drawn) >= 2 and widths[-1][0] < len(rows)
+
+
+def test_completions_of_one_prompt_are_scored_together_each_as_it_would_be_alone(make_config, monkeypatch):
+    # The sampled KL's log-probs: the completions of each prompt, at several temperatures, scored in one packed
+    # segment (the prompt computed once) equal each completion's own forward, its logits divided by its temperature;
+    # prompts with unequal numbers of completions are scored one completion an example, to the same values.
+    trainer = build_trainer(make_config("generation.max_new_tokens=8"))
+    policy, sampler = trainer.policy, trainer.evaluator.sampler
+    prompts = [trainer.data.train_examples[i]["prompt"] for i in range(3)]
+    rows = [(p, t) for p in range(3) for t in (0.5, 1.0, 2.0)]
+    row_prompts, temperatures = [prompts[p] for p, _ in rows], [t for _, t in rows]
+    completions = sampler.sample_rows(policy, row_prompts, None, list(range(len(rows))), temperatures)
+    positions, batch = [], Scorer.batch
+    monkeypatch.setattr(Scorer, "batch", lambda *a: positions.append(batch(*a).input_ids.numel()) or batch(*a))
+    together = sampler.logps(policy, row_prompts, completions, None, temperatures)
+    monkeypatch.undo()
+    with torch.no_grad():
+        alone = []
+        for prompt, completion, temperature in zip(row_prompts, completions, temperatures):
+            logits = policy(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+            logps = torch.log_softmax(logits.double() / temperature, -1)
+            alone.append(logps.gather(1, torch.tensor(completion)[:, None]).sum().item())
+    assert together == pytest.approx(alone, abs=1e-4)
+    # each prompt once: fewer positions than the completions' rows hold without any padding
+    assert sum(positions) < sum(len(p) + len(c) for p, c in zip(row_prompts, completions))
+    uneven = sampler.logps(policy, row_prompts[:-1], completions[:-1], None, temperatures[:-1])
+    assert uneven == pytest.approx(together[:-1], abs=1e-5)
+
+
+def test_sampling_batches_hold_the_rows_of_batch_size_prompts_shortest_prompts_first(make_config):
+    # batch_size counts prompts: a batch holds every row (temperature, sample) of batch_size distinct prompts, which
+    # share one prefill, prompts of similar lengths together; the completions are those of any other batching.
+    trainer = build_trainer(make_config("generation.max_new_tokens=6"))
+    policy, sampler = trainer.policy, trainer.evaluator.sampler
+    first = trainer.data.train_examples[0]["prompt"]
+    prompts = [first + first[: 2 * k] for k in (4, 3, 2, 1, 0)]  # 20, 18, 16, 14 and 12 tokens
+    rows = [(p, t) for p in range(5) for t in (0.5, 1.0)]
+    args = ([list(prompts[p]) for p, _ in rows], None, [7 * p + int(4 * t) for p, t in rows], [t for _, t in rows])
+    prefills = []
+    record = lambda module, args, kwargs: prefills.append(tuple(kwargs["input_ids"].shape))  # noqa: E731
+    hook = policy.register_forward_pre_hook(record, with_kwargs=True)
+    sampler.batch_size = 2
+    by_two = sampler.sample_rows(policy, *args)
+    hook.remove()
+    sampler.batch_size = 1
+    assert sampler.sample_rows(policy, *args) == by_two
+    widths = [shape for shape in prefills if shape[1] > 1]
+    assert [rows for rows, _ in widths] == [2, 2, 1]  # prefills of distinct prompts: 2, 2 and the last one
+    assert [width for _, width in widths] == sorted(len(p) for p in prompts)[1::2] + [len(prompts[0])]

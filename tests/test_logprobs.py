@@ -97,21 +97,25 @@ def test_chunk_size_is_bounded_in_elements_not_rows():
     assert logprobs.chunk_rows(2**17, cuda) == 2048  # a GPU's chunk: 1 GiB of float32 logits
 
 
-# (scale, cap) of the head's output map: none, Cohere's scale, Granite's 1 / scaling, Gemma 2's soft cap, both.
-LOGIT_MAPS = [(1.0, None), (4.0, None), (0.25, None), (1.0, 0.5), (3.0, 2.0)]
+# (scale, cap, temperature) of the head's output map: none, Cohere's scale, Granite's 1 / scaling, Gemma 2's soft
+# cap, both; a sampling temperature (the sampled KL's log-probs) alone and after a cap.
+LOGIT_MAPS = [(1.0, None, 1.0), (4.0, None, 1.0), (0.25, None, 1.0), (1.0, 0.5, 1.0), (3.0, 2.0, 1.0)]
+LOGIT_MAPS += [(1.0, None, 0.7), (3.0, 2.0, 0.25)]
 
 
-def mapped(logits: torch.Tensor, scale: float, cap: float | None) -> torch.Tensor:
-    """The maps as the models write them: logits * scale, then cap * tanh(logits / cap)."""
+def mapped(logits: torch.Tensor, scale: float, cap: float | None, temperature: float) -> torch.Tensor:
+    """The maps as the models write them: logits * scale, then cap * tanh(logits / cap); then a sampler's / T."""
     logits = logits * scale
-    return logits if cap is None else cap * torch.tanh(logits / cap)
+    return (logits if cap is None else cap * torch.tanh(logits / cap)) / temperature
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows_per_chunk", [3, 4096])
-@pytest.mark.parametrize("scale, cap", LOGIT_MAPS)
-def test_fused_head_logps_match_head_then_log_softmax(dtype, bias, rows_per_chunk, scale, cap, chunk_rows_of):
+@pytest.mark.parametrize("scale, cap, temperature", LOGIT_MAPS)
+def test_fused_head_logps_match_head_then_log_softmax(
+    dtype, bias, rows_per_chunk, scale, cap, temperature, chunk_rows_of
+):
     # The fused head equals f(lm_head(hidden[rows]).float()).log_softmax()[targets], f the model's map of its
     # logits, in value and in the gradients of hidden, weight and bias, including rows used twice (the last prompt
     # token predicts chosen[0] and rejected[0]); in 3 chunks (two recomputed in the backward, the last kept from the
@@ -124,7 +128,7 @@ def test_fused_head_logps_match_head_then_log_softmax(dtype, bias, rows_per_chun
     targets = torch.randint(0, 40, (8,))
     weights = torch.randn(8)
     autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
-    logit_map = logprobs.LogitMap(scale, cap)
+    logit_map = logprobs.LogitMap(scale, cap, temperature)
     with autocast:
         fused = logprobs.token_logps_from_hidden(hidden, head.weight, head.bias, rows, targets, logit_map=logit_map)
     (fused * weights).sum().backward()
@@ -133,7 +137,7 @@ def test_fused_head_logps_match_head_then_log_softmax(dtype, bias, rows_per_chun
     head.zero_grad(set_to_none=True)
     with autocast:
         logits = head(hidden)
-    naive = mapped(logits.float(), scale, cap).log_softmax(-1)[rows, targets]
+    naive = mapped(logits.float(), scale, cap, temperature).log_softmax(-1)[rows, targets]
     (naive * weights).sum().backward()
     naive_grads = [hidden.grad, head.weight.grad] + ([head.bias.grad] if bias else [])
     assert fused.dtype == torch.float32

@@ -8,6 +8,7 @@ import torch
 
 import train
 from conftest import TINY_DIR, assert_same_metrics, policy_state, read_jsonl, write_jsonl
+from core.generations import RewardJudge
 from core.rewards import load_reward
 from rounds import Rounds, round_lines
 from utils import UserError
@@ -198,6 +199,35 @@ def test_a_reward_model_scores_each_text_as_it_would_alone(reward_model_dir):
         ]
     assert reward(prompts, completions) == pytest.approx(alone, abs=1e-5)
     assert len(set(alone)) == 4  # the texts score apart: padding them together could not pass unnoticed
+
+
+def test_a_judging_reward_model_reads_each_prompt_once_for_both_completions(reward_model_dir):
+    # A judge's reward model (evaluate.py) scores two completions of each prompt: in one packed segment, the prompt
+    # computed once, each reward equal to its text's alone; the verdict follows the rewards.
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    reward = load_reward(str(reward_model_dir), torch.device("cpu"), batch_size=4, max_length=64)
+    prompts = ["Q: 2 + 3?\nA:", "Q: 1 + 1 + 1 + 1?\nA:", "Hi"]
+    first, second = [" 5, glad to help.", " 4", " there"], [" 6", " four, I think", " you, a longer answer"]
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)
+    with torch.no_grad():
+        alone = [
+            model(**tokenizer(p + c, add_special_tokens=False, return_tensors="pt")).logits[0, 0].item()
+            for p, c in zip(prompts * 2, first + second)
+        ]
+    read = []
+    hook = reward.model.register_forward_pre_hook(
+        lambda m, a, kw: read.append(kw["input_ids"].numel()), with_kwargs=True
+    )
+    judgement = RewardJudge(reward)(prompts, first, second)
+    hook.remove()
+    assert judgement.rewards[0] + judgement.rewards[1] == pytest.approx(alone, abs=1e-5)
+    assert judgement.outcomes == [math.copysign(1, a - b) for a, b in zip(alone[:3], alone[3:])]
+    length = lambda text: len(tokenizer(text)["input_ids"])  # noqa: E731
+    once = sum(length(p + a + b) for p, a, b in zip(prompts, first, second))
+    twice = sum(length(p + a) + length(p + b) for p, a, b in zip(prompts, first, second))
+    assert once <= sum(read) < twice  # the prompt once (packed rows' tails padded)
 
 
 def test_a_reward_model_keeps_a_prompt_that_fits_whole(reward_model_dir):

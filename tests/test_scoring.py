@@ -159,6 +159,32 @@ def test_sums_of_log_sum_squared_probs_equal_the_padded_full_logits(examples, la
         torch.testing.assert_close(param.grad, plain_grads[name], rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+@pytest.mark.parametrize("scored_head", [True, False])
+def test_log_probs_at_a_temperature_per_sequence_equal_each_sequence_alone(examples, layout, scored_head):
+    # The sampled KL's log-probs (core/prompt_groups.py): each sequence's response tokens under softmax(logits / T),
+    # T its own temperature, from one forward of the whole batch, equal a plain forward of that sequence alone,
+    # its logits divided by its T (sequences are numbered response-major: all first responses, then all second).
+    model = tiny_model("llama", "sdpa")
+    n = len(examples)
+    temperatures = torch.tensor([0.25, 0.5, 1.0, 2.0, 0.7, 1.5, 1.5, 0.7, 2.0, 1.0, 0.5, 0.25])[: 2 * n]
+    with torch.no_grad():
+        logps = sequence_logps(
+            model, LAYOUTS[layout](examples), None, torch.float32, scored_head, temperature=temperatures
+        )
+        expected = []
+        for sequence, temperature in enumerate(temperatures.tolist()):
+            response, example = divmod(sequence, n)
+            prompt, tokens = examples[example]["prompt"], examples[example]["responses"][response]
+            ids = torch.tensor([prompt + tokens])
+            first = max(len(prompt), 1)  # with no prompt, nothing predicts the first token: not scored
+            logits = model(input_ids=ids).logits[0, first - 1 : -1].double() / temperature
+            expected.append(torch.log_softmax(logits, -1).gather(1, ids[0, first:, None]).sum().item())
+    torch.testing.assert_close(logps.double(), torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-4)
+    at_one = sequence_logps(model, LAYOUTS[layout](examples), None, torch.float32, scored_head)
+    assert (logps - at_one).abs().max() > 1  # the temperatures change the log-probs: the test can tell
+
+
 def test_probes_accept_models_that_take_both():
     for architecture in ("llama", "gpt2"):
         for attention in ("sdpa", "eager"):
