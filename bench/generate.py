@@ -127,7 +127,8 @@ def bench_generate(smoke: bool, ref: str | None, rounds: int) -> None:
             print(f"this tree / {ref}: sampler {sampler:.2f}x tokens/s, whole evaluation {whole:.2f}x faster")
             pairs = [(a, b) for t in completions[ref] for a, b in zip(completions[ref][t], completions["this tree"][t])]
             print(f"completions identical to {ref}'s: {sum(a == b for a, b in pairs)} of {len(pairs)}")
+            same = torch.tensor([a == b for a, b in pairs])  # in the order of the values: temperature, prompt
             for part, what in (("logps", "KL log-probs"), ("judge", "judge's rewards")):
-                mine, theirs = (torch.tensor(values[label][part]) for label in ("this tree", ref))
-                print(f"{what}: largest difference from {ref}'s {(mine - theirs).abs().max():.2e} "
-                      f"(largest value {theirs.abs().max():.1f})")  # fmt: skip
+                mine, theirs = (torch.tensor(values[label][part])[same] for label in ("this tree", ref))
+                print(f"{what} of the identical completions: largest difference from {ref}'s "
+                      f"{(mine - theirs).abs().max():.2e} (largest value {theirs.abs().max():.1f})")  # fmt: skip
