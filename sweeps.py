@@ -78,6 +78,7 @@ class Plan:
     directory: Path
     objective: str
     resume: bool
+    swept: list[str]  # the keys whose values the sweeper chooses, which name each job
 
     @classmethod
     def read(cls, args: list[str]) -> "Plan":
@@ -106,9 +107,11 @@ class Plan:
                 ours.append(f"hydra/{group}=none")
         group = os.environ.get("WANDB_RUN_GROUP", directory.name)  # wandb reads it at each job's wandb.init
         ours.append(f"++hydra.job.env_set.WANDB_RUN_GROUP={hydra_quoted(group)}")
-        task = swept + normalized(fixed, selected_options(fixed))
+        as_single_run = dict(zip(fixed, normalized(fixed, selected_options(fixed))))
+        task = [as_single_run.get(arg, arg) for arg in task_args]  # in the order given: a later value wins
         objective = objectives[-1] if objectives else DEFAULT_OBJECTIVE
-        return cls(hydra_args + ours, task, directory, objective, base.resume_from == "auto")
+        swept_keys = [arg.lstrip("+").partition("=")[0] for arg in swept]
+        return cls(hydra_args + ours, task, directory, objective, base.resume_from == "auto", swept_keys)
 
 
 def is_sweep(arg: str) -> bool:
@@ -124,13 +127,20 @@ def check_hydra_override(arg: str) -> None:
     key, _, value = arg.partition("=")
     if key.startswith("hydra/") and (key[len("hydra/") :], value) in PLUGINS:
         module, package = PLUGINS[key[len("hydra/") :], value]
-        if importlib.util.find_spec(module) is None:
+        if not installed(module):
             raise UserError(f"{arg} needs Hydra's plugin, which is not installed: pip install {package}")
     if key.lstrip("+") == "hydra.sweep.dir":
         raise UserError(
             f"{arg}: a sweep's directory is local_run_dir=DIR (null: <local_dir>/<user>/<exp_name>_<timestamp>), "
             "its jobs in DIR/0, DIR/1, ..."
         )
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # no Hydra plugin at all: not even their namespace, hydra_plugins
+        return False
 
 
 def check_directory(base: DictConfig, directory: Path) -> None:
@@ -171,10 +181,10 @@ def main(args: list[str], start: Start, run: Callable[[DictConfig], None]) -> No
             print(f"{write_summary(plan.directory)}\nsweep summary: {plan.directory / SUMMARY_MD}")
     failed = [job for job in jobs(plan.directory) if job.status == "failed"]
     if failed:
-        count, first = len(failed), failed[0]
+        first = failed[0]
         error = UserError(
-            f"{count} of {len(jobs(plan.directory))} jobs failed; job {first.number} ({' '.join(first.overrides)}): "
-            f"{first.reason}"
+            f"{len(failed)} of {len(jobs(plan.directory))} jobs failed; job {first.number} "
+            f"({named(first.overrides, plan.swept)}): {first.reason}"
         )
     if error is not None:
         exit_with(error)
@@ -204,10 +214,11 @@ def sweep(plan: Plan, start: Start, run: Callable[[DictConfig], None]) -> None:
     check_direction(config, plan.objective, basic)
     callbacks = Callbacks(config)
     context = HydraContext(config_loader=app.config_loader, callbacks=callbacks)
-    task = functools.partial(job, start, run, plan.objective, not basic)
+    task = functools.partial(job, start, run, plan.objective, not basic, plan.swept)
     sweeper = Plugins.instance().instantiate_sweeper(config=config, hydra_context=context, task_function=task)
-    sweeper.launcher = CheckedLauncher(sweeper.launcher, app.config_loader, config, plan.objective)
-    sweeper.validate_batch_is_legal = lambda batch: None  # CheckedLauncher checks each job, naming it
+    launching = getattr(sweeper, "sweeper", sweeper)  # a plugin's sweeper keeps its launcher in its implementation
+    launching.launcher = CheckedLauncher(launching.launcher, app.config_loader, config, plan)
+    launching.validate_batch_is_legal = lambda batch: None  # CheckedLauncher checks each job, naming it
     callbacks.on_multirun_start(config=config, config_name="config")
     sweeper.sweep(arguments=OmegaConf.to_container(config.hydra.overrides.task))
     callbacks.on_multirun_end(config=config, config_name="config")
@@ -216,8 +227,9 @@ def sweep(plan: Plan, start: Start, run: Callable[[DictConfig], None]) -> None:
 def check_direction(config: DictConfig, objective: str, basic: bool) -> None:
     """A sweeper that optimizes must go the objective's way (Optuna minimizes unless told)."""
     direction = OmegaConf.select(config, "hydra.sweeper.direction")
-    if basic or direction is None or not isinstance(direction, str):
+    if basic or direction is None or OmegaConf.is_list(direction):  # several objectives: the user's to order
         return
+    direction = getattr(direction, "name", direction)  # Optuna's is an enum
     wanted = "maximize" if objective.startswith(HIGHER_IS_BETTER) else "minimize"
     if direction != wanted:
         raise UserError(
@@ -235,8 +247,9 @@ class CheckedLauncher:
     single run passes (configuration.check, the processes it takes), each job's keys read as a single run reads
     them; an error is one line naming the job."""
 
-    def __init__(self, launcher, loader: ConfigLoaderImpl, config: DictConfig, objective: str):
-        self.launcher, self.loader, self.config, self.objective = launcher, loader, config, objective
+    def __init__(self, launcher, loader: ConfigLoaderImpl, config: DictConfig, plan: Plan):
+        self.launcher, self.loader, self.config = launcher, loader, config
+        self.objective, self.swept = plan.objective, plan.swept
 
     def launch(self, job_overrides, initial_job_idx: int):
         batch = []
@@ -244,7 +257,7 @@ class CheckedLauncher:
             try:
                 batch.append(self.checked(list(overrides), number))
             except UserError as error:
-                raise UserError(f"job {number} ({' '.join(overrides)}): {error}") from None
+                raise UserError(f"job {number} ({named(overrides, self.swept)}): {error}") from None
         for number, (overrides, job_dir) in enumerate(zip(job_overrides, batch), initial_job_idx):
             if not (job_dir / JOB_STATE).exists():  # listed in the summary before it starts
                 Job(job_dir, number, list(overrides), "pending").write()
@@ -267,6 +280,11 @@ class CheckedLauncher:
             raise UserError(f"{objective} is logged only with eval_winrate_prompts > 0 and a judge")
         check_same_job(task, job_dir)
         return job_dir
+
+
+def named(overrides: list[str], swept: list[str]) -> str:
+    """A job by the values of the swept keys, as its overrides give them: loss.beta=0.1 lr=0.001."""
+    return " ".join(arg for arg in overrides if arg.lstrip("+").partition("=")[0] in swept)
 
 
 def normalized_job(overrides: list[str]) -> list[str]:
@@ -296,14 +314,14 @@ def check_same_job(task: DictConfig, job_dir: Path) -> None:
         )
 
 
-def job(start: Start, run: Callable[[DictConfig], None], objective: str, required: bool, config: DictConfig):
+def job(start: Start, run: Callable, objective: str, required: bool, swept: list[str], config: DictConfig):
     """One job, as Hydra's launcher calls it: the single run of its keys in its own directory (skipped when an
     earlier attempt finished it); its objective's last value, for the sweeper."""
     hydra = HydraConfig.get()
     job_dir, number = Path(hydra.runtime.output_dir), hydra.job.num
     config.local_run_dir = str(job_dir)
     state = Job(job_dir, number, list(hydra.overrides.task), "running")
-    keys = " ".join(state.overrides)
+    keys = named(state.overrides, swept)
     if config.resume_from == "auto" and (job_dir / JOB_STATE).exists() and Job.read(job_dir).finished():
         print(f"job {number} ({keys}): finished in an earlier attempt of this sweep, not run again")
         state = Job.read(job_dir)
@@ -318,11 +336,12 @@ def job(start: Start, run: Callable[[DictConfig], None], objective: str, require
         start(config, configuration.processes(config), functools.partial(job_rank, run))
     except SystemExit as exit:
         stopped = isinstance(exit.code, int) and exit.code > 128  # a signal: the whole sweep stops
-        state.status, state.reason = ("interrupted" if stopped else "failed"), Job.read(job_dir).reason
+        reason = Job.read(job_dir).reason or f"exit code {exit.code}, its error printed above"
+        state.status, state.reason = ("interrupted" if stopped else "failed"), reason
         state.write()
         if stopped:
             raise
-        raise JobFailed(state.reason or f"exit code {exit.code}") from None
+        raise JobFailed(state.reason or f"exit code {exit.code}, its error printed above") from None
     except Exception as error:  # a bug's traceback: Hydra keeps it, and raises it after the other jobs
         state.status, state.reason = "failed", first_line(error)
         state.write()
