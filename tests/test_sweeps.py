@@ -7,11 +7,16 @@ import signal
 import traceback
 from pathlib import Path
 
+import matplotlib
 import pytest
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from conftest import MEASURED, read_jsonl, tiny_run_overrides
+from reporting import frontier
 from reporting.sweep_report import SUMMARY_JSON, Job, jobs
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
 
 
 def sweep_args(tmp_path: Path, pairs_file: Path, directory: Path, *overrides: str) -> list[str]:
@@ -27,7 +32,7 @@ def computed(run_dir: Path) -> list[dict]:
 
 def test_each_job_of_a_beta_sweep_equals_the_single_run_of_its_keys(tmp_path, pairs_file, run_main):
     sweep = tmp_path / "sweep"
-    result = run_main(*sweep_args(tmp_path, pairs_file, sweep, "loss.beta=0.1,0.3"))
+    result = run_main(*sweep_args(tmp_path, pairs_file, sweep, "loss.beta=0.1,0.3", "n_examples=8"))
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((sweep / SUMMARY_JSON).read_text())
     assert [(job["keys"], job["status"]) for job in summary["jobs"]] == [
@@ -36,7 +41,7 @@ def test_each_job_of_a_beta_sweep_equals_the_single_run_of_its_keys(tmp_path, pa
     ]
     for number, beta in enumerate((0.1, 0.3)):
         single = tmp_path / f"single-{beta}"
-        args = sweep_args(tmp_path, pairs_file, single, f"loss.beta={beta}")[1:]  # the same keys, without -m
+        args = sweep_args(tmp_path, pairs_file, single, f"loss.beta={beta}", "n_examples=8")[1:]  # the keys, no -m
         assert run_main(*args).returncode == 0
         assert computed(sweep / str(number)) == computed(single)  # every record, bit for bit
         assert summary["jobs"][number]["objective"]["value"] == computed(single)[-1]["loss/eval"]
@@ -146,3 +151,40 @@ def test_optuna_tunes_beta_on_the_objective_each_job_returns(tmp_path, pairs_fil
     results = (sweep / "optimization_results.yaml").read_text()
     assert f"best_value: {max(job.objective['value'] for job in found)}" in results
     assert isinstance(Job.read(found[0].directory).objective["value"], float)
+
+
+@pytest.mark.slow  # a sweep of two tiny jobs and two evaluations: ~22 s on two cores
+def test_evaluate_draws_one_point_per_job_and_temperature_and_refuses_two_references(tmp_path, pairs_file, run_main):
+    from conftest import save_tiny_lm
+
+    base = save_tiny_lm(tmp_path / "base", "llama")  # the jobs' policy and reference at the start
+    sweep = tmp_path / "sweep"
+    model = ("model=blank_model", f"model.name_or_path={base}", "model.fsdp_policy_mp=null")
+    result = run_main(*sweep_args(tmp_path, pairs_file, sweep, *model, "n_examples=8", "loss.beta=0.1,0.5"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    evaluation = (
+        f"candidates=[{sweep}]", f"baseline={base}", "judge=tests.round_rewards:lowercase_letters", "n_prompts=2",
+        "max_new_tokens=4", "temperatures=[0.5,1.0]", "wandb.enabled=false", f"output_dir={tmp_path / 'out'}",
+        f"local_dirs=[{tmp_path}]", "bootstrap_resamples=100",
+    )  # fmt: skip
+    result = run_main(*evaluation, script="evaluate.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    points = json.loads((tmp_path / "out" / "evaluation.json").read_text())["frontier"]
+    assert sorted((p["label"], p["temperature"]) for p in points) == [
+        ("loss.beta=0.1", 0.5), ("loss.beta=0.1", 1.0), ("loss.beta=0.5", 0.5), ("loss.beta=0.5", 1.0)
+    ]  # fmt: skip
+    assert all(p["candidate"].startswith(str(sweep)) and isinstance(p["kl"], float) for p in points)
+    assert "loss.beta=0.5  0.5" in result.stdout  # the table names each job by its keys
+    figure, axis = plt.subplots()
+    frontier.draw(axis, points)
+    assert sum(len(drawn.get_offsets()) for drawn in axis.collections) == 4
+    plt.close(figure)
+    assert (tmp_path / "out" / "winrate.png").stat().st_size > 0
+
+    job = sweep / "1" / "config.yaml"
+    job.write_text(job.read_text().replace(f"name_or_path: {base}", f"name_or_path: {tmp_path}"))
+    result = run_main(*evaluation, script="evaluate.py")
+    assert result.returncode == 2 and result.stderr.count("error: ") == 1
+    assert result.stderr.strip().endswith(f"trained against another reference than {sweep / '0' / 'LATEST'} "
+                                          f"(model.name_or_path={tmp_path}, not {base}); a frontier needs one: "
+                                          "evaluate them apart")  # fmt: skip
