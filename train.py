@@ -1,4 +1,5 @@
-"""Entry point: python train.py [key=value ...] (Hydra overrides of config/config.yaml; types in config.py).
+"""Entry point: python train.py [key=value ...] (Hydra overrides of config/config.yaml; types in config.py); with -m
+(--multirun), a sweep of such runs (sweeps.py).
 
 BasicTrainer runs in this process. FSDPTrainer and TensorParallelTrainer run on every rank of a torch.distributed
 process group: under torchrun this process is one rank; otherwise train.py starts one worker per GPU (or `nproc`
