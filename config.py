@@ -35,6 +35,7 @@ from configuration.sections import GenerationConfig, ModelConfig, PlanConfig, Ro
 from modeling.adapters import LoraSettings
 from modeling.distributed import TRAINERS, mesh_shape, planned_world_size
 from pairs.chat_templates import template_kwargs_problem
+from reporting.hardware import Hardware
 from utils import NON_NEGATIVE, POSITIVE, Range, UserError, check_ranges, ranged
 
 PROCESSES = "a positive number of processes, or null"
@@ -245,6 +246,13 @@ def load(args: list[str], name: str = "config") -> DictConfig:
     config = composed(args, name)
     check(config, REQUIRED_EXAMPLES.get(name, REQUIRED_EXAMPLES["config"]))
     return config
+
+
+def processes(config: DictConfig) -> int:
+    """How many processes a checked config's run takes: the machines plan.* describes (dry_run=true for other
+    machines), else this machine's (modeling.distributed.planned_world_size)."""
+    planned = Hardware.planned(config.plan)
+    return planned.world_size if planned else planned_world_size(config.trainer, config.nproc)
 
 
 # what a command line that sets the required keys looks like, by config

@@ -14,6 +14,7 @@ Under torchrun the prompts are shared out over the ranks and each model is shard
 shards it; the result is the same as on one process. Config: config/evaluate.yaml (types and checks below)."""
 
 import contextlib
+import glob
 import sys
 import time
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from modeling.distributed import (
 )
 from pairs.chat_templates import template_kwargs_problem
 from persistence.tokenized import Tokenization, first_of_each_group, load_examples
-from reporting import evaluation_report
+from reporting import evaluation_report, sweep_report
 from trained import kind, load_trained, run_config, trained_tokenizer
 from utils import (
     POSITIVE,
@@ -55,6 +56,8 @@ from utils import (
 )
 
 CHOSEN = "chosen"  # baseline=chosen: the dataset's chosen responses
+# what a run's reference is made of: the runs of a sweep's frontier must share it (seed: a random initialisation's)
+REFERENCE_KEYS = ("model.name_or_path", "model.archive", "model.random_init")
 
 
 @dataclass
@@ -314,8 +317,58 @@ def judge_all(config: DictConfig, generations: Generations, tokenizer, device, m
     return results, lines
 
 
-def evaluate(config: DictConfig, topology: Topology) -> Path | None:
-    """The whole evaluation on this rank; the output directory (rank 0's; None on the others)."""
+def sweep_jobs(config: DictConfig) -> dict[str, dict]:
+    """The candidates with each sweep directory, or glob, replaced by the final checkpoints (LATEST) of its
+    finished runs (in config.candidates); the keys that set those runs apart, by candidate ({} without a sweep).
+    Their runs must share one reference (REFERENCE_KEYS), and the KL needs a reference model."""
+    candidates, runs = [], {}
+    for spec in config.candidates:
+        matched = sorted(glob.glob(spec)) if glob.has_magic(spec) else [spec]
+        if not matched:
+            raise UserError(f"candidates: {spec} matches no directory")
+        for path in map(Path, matched):
+            found = sweep_report.jobs(path) if sweep_report.is_sweep(path) else []
+            if glob.has_magic(spec) and (path / "LATEST").is_dir() and (path / "config.yaml").exists():
+                found = [sweep_report.Job(path, len(runs), [], "run")]  # a run the glob matched; LATEST says if done
+            for job in found:
+                if job.finished() and (job.directory / "LATEST").is_dir():
+                    runs[str(job.directory / "LATEST")] = job.settings()
+                else:
+                    print(f"candidates: {job.directory} left out ({job.status}: no final checkpoint)")
+            candidates += [str(job.directory / "LATEST") for job in found if str(job.directory / "LATEST") in runs]
+            candidates += [] if found else [str(path)]
+    config.candidates = candidates
+    if runs:
+        check_same_reference(runs)
+        if config.reference is None and config.baseline == CHOSEN:
+            raise UserError(
+                "a sweep's frontier is reward against the KL to the runs' reference: give reference=MODEL, e.g. "
+                f"reference={shared_reference(next(iter(runs.values())))}"
+            )
+    return sweep_report.labels(runs) if runs else {}
+
+
+def check_same_reference(runs: dict[str, dict]) -> None:
+    """The runs were trained against one reference, or their KLs are to different models."""
+    first, settings = next(iter(runs.items()))
+    for name, other in runs.items():
+        keys = [*REFERENCE_KEYS, *(("seed",) if settings.get("model.random_init") else ())]
+        differ = [key for key in keys if other.get(key) != settings.get(key)]
+        if differ:
+            raise UserError(
+                f"candidates: {name} was trained against another reference than {first} ({differ[0]}="
+                f"{other.get(differ[0])}, not {settings.get(differ[0])}); a frontier needs one: evaluate them apart"
+            )
+
+
+def shared_reference(settings: dict) -> str:
+    """The model a run's reference was loaded from: its SFT archive where it has one."""
+    return settings.get("model.archive") or settings["model.name_or_path"]
+
+
+def evaluate(config: DictConfig, topology: Topology, labels: dict[str, dict] | None = None) -> Path | None:
+    """The whole evaluation on this rank; the output directory (rank 0's; None on the others). `labels`: the keys
+    that set a sweep's jobs apart (sweep_jobs), for its frontier."""
     cache_dir = get_local_dir(config.local_dirs)
     with topology.main_first():
         with named_key(config, config.candidates[0]):
@@ -337,7 +390,7 @@ def evaluate(config: DictConfig, topology: Topology) -> Path | None:
         output = Path(config.output_dir) if config.output_dir else get_local_run_dir(config.exp_name, config.local_dirs)
         speed = {"tokens": int(generations.tokens), "seconds": generations.seconds, "tokens_per_second": rate,
                  "prompts": len(prompts)}  # fmt: skip
-        evaluation_report.write(output, config, results, lines, speed)
+        evaluation_report.write(output, config, results, lines, speed, labels or {})
         return output
 
     return topology.run_on_main(report)
@@ -356,6 +409,7 @@ def main(args: list[str]) -> None:
         return
     try:
         config = configuration.load(args, "evaluate")
+        labels = sweep_jobs(config)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -364,7 +418,7 @@ def main(args: list[str]) -> None:
         init_process_group(timeout_secs=1800)
     try:
         with reported_errors():
-            evaluate(config, Topology.create("FSDPTrainer" if distributed else "BasicTrainer"))
+            evaluate(config, Topology.create("FSDPTrainer" if distributed else "BasicTrainer"), labels)
     finally:
         if distributed:
             leave_process_group()

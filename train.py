@@ -1,4 +1,5 @@
-"""Entry point: python train.py [key=value ...] (Hydra overrides of config/config.yaml; types in config.py).
+"""Entry point: python train.py [key=value ...] (Hydra overrides of config/config.yaml; types in config.py); with -m
+(--multirun), a sweep of such runs (sweeps.py).
 
 BasicTrainer runs in this process. FSDPTrainer and TensorParallelTrainer run on every rank of a torch.distributed
 process group: under torchrun this process is one rank; otherwise train.py starts one worker per GPU (or `nproc`
@@ -16,16 +17,17 @@ torch.backends.cudnn.allow_tf32 = True
 import contextlib
 import sys
 from pathlib import Path
+from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
 import config as configuration
 import storage
+import sweeps
 from build import build, dry_run
-from modeling.distributed import Topology, launch, planned_world_size, process_rank, reported_errors
+from modeling.distributed import Topology, launch, process_rank, reported_errors
 from persistence import checkpoint
 from persistence.run_lock import RunLock
-from reporting.hardware import Hardware
 from reporting.wandb_run import init_wandb, wants_wandb
 from rounds import Rounds
 from trainers import Trainer
@@ -87,25 +89,32 @@ def run(config: DictConfig) -> None:
             wandb_run.finish()
 
 
-def main(args: list[str]) -> None:
-    if args and args[0] in ("-h", "--help"):
-        print(f"{__doc__}\nThe defaults (config/config.yaml, config/model/, config/loss/):\n")
-        print(OmegaConf.to_yaml(configuration.load([])))
-        return
-    try:
-        config = configuration.load(args)
-        planned = Hardware.planned(config.plan)  # dry_run=true for other machines (plan.*)
-        world_size = planned.world_size if planned else planned_world_size(config.trainer, config.nproc)
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+def start(config: DictConfig, world_size: int, rank_main: Callable[[DictConfig], None] = run) -> None:
+    """A checked config's run: a dry run in this process, else rank_main(config) on each of its processes."""
     OmegaConf.resolve(config)  # workers resolve nothing: the run directory and exp_name are fixed here
     if config.dry_run:  # one process, whatever the trainer: nothing is computed
         with reported_errors():
             if process_rank() == 0:
                 dry_run(config, world_size)
     else:
-        launch(run, config, world_size)
+        launch(rank_main, config, world_size)
+
+
+def main(args: list[str]) -> None:
+    if args and args[0] in ("-h", "--help"):
+        print(f"{__doc__}\nThe defaults (config/config.yaml, config/model/, config/loss/):\n")
+        print(OmegaConf.to_yaml(configuration.load([])))
+        return
+    if sweeps.requested(args):  # -m or --multirun: one job per combination of values, each one run as here
+        sweeps.main(args, start, run)
+        return
+    try:
+        config = configuration.load(args)
+        world_size = configuration.processes(config)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    start(config, world_size)
 
 
 if __name__ == "__main__":

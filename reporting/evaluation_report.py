@@ -10,6 +10,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 import storage
+from reporting import frontier
 from reporting.model_card import add_results
 from reporting.wandb_run import init_wandb
 
@@ -50,8 +51,9 @@ def sample_lines(
     return lines
 
 
-def table(results: dict) -> str:
-    """The results as a fixed-width table: percentages with their 95% intervals."""
+def table(results: dict, names: dict[str, str] | None = None) -> str:
+    """The results as a fixed-width table: percentages with their 95% intervals; each candidate under its name in
+    `names` (a sweep's job by its keys), else its path."""
     rows = [
         ("candidate", "T", "win rate % (ties half)", "LC win rate %", "win/tie/loss %", "length", "KL (nats)", "reward")
     ]
@@ -64,7 +66,7 @@ def table(results: dict) -> str:
                 reward = f"{s['reward']['candidate']['value']:.3g} vs {s['reward']['baseline']['value']:.3g}"
             lengths = f"{s['length']['candidate']:.0f} vs {s['length']['baseline']:.0f}"
             win, lc = described(s["win_rate"], 100), described(s["lc_win_rate"], 100)
-            rows.append((name, f"{temperature:g}", win, lc, wtl, lengths, kl, reward))
+            rows.append(((names or {}).get(name, name), f"{temperature:g}", win, lc, wtl, lengths, kl, reward))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
@@ -74,20 +76,25 @@ def described(estimate: dict, scale: float = 1.0, digits: int = 1) -> str:
     return f"{value:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
 
 
-def write(output: Path, config: DictConfig, results: dict, lines: list[dict], speed: dict) -> None:
-    """Every output of an evaluation in `output` (rank 0), the table printed, the model cards updated."""
+def write(output: Path, config: DictConfig, results: dict, lines: list[dict], speed: dict, labels: dict) -> None:
+    """Every output of an evaluation in `output` (rank 0), the table printed, the model cards updated. `labels`:
+    the keys that set a sweep's jobs apart, by candidate (empty without a sweep): the frontier across them."""
     summary = {
         "config": OmegaConf.to_container(config, resolve=True),
         "results": {name: {str(t): s for t, s in by_t.items()} for name, by_t in results.items()},
         "generation": speed,
     }
+    points = frontier.points(results, labels) if labels else None
+    if points is not None:
+        summary["frontier"] = points
     with storage.writing(output):
         output.mkdir(parents=True, exist_ok=True)
     storage.write_text(output / SUMMARY, json.dumps(summary, indent=1) + "\n")
     storage.write_text(output / SAMPLES, "".join(json.dumps(line) + "\n" for line in lines))
-    print(f"{len(lines)} judged pairs, judge={config.judge}, baseline={config.baseline}\n{table(results)}")
+    names = {name: frontier.label(keys) or name for name, keys in labels.items()}
+    print(f"{len(lines)} judged pairs, judge={config.judge}, baseline={config.baseline}\n{table(results, names)}")
     if config.plots:
-        write_figure(output / FIGURE, results)
+        write_figure(output / FIGURE, results, points)
     if config.wandb.enabled:
         log_to_wandb(output, config, results, lines)
     for name in results:  # an export's model card (model_card.py)
@@ -115,24 +122,27 @@ def card_results(config: DictConfig, by_temperature: dict) -> list[dict]:
     ]
 
 
-def write_figure(path: Path, results: dict) -> None:
+def write_figure(path: Path, results: dict, sweep_points: list[dict] | None = None) -> None:
     """Win rate (ties half) against temperature with its 95% interval, and the judge's reward (or, without rewards,
-    the win rate) against the sampled KL, one point per temperature: the DPO paper's Figures 3 and 2."""
+    the win rate) against the sampled KL, one point per temperature: the DPO paper's Figures 3 and 2; for a sweep's
+    jobs, its Figure 2 across them (frontier.py's points)."""
     import matplotlib  # on use: ~1 s to import, and only the figure needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    job_labels = {point["candidate"]: point["label"] for point in sweep_points or []}
     for name, by_temperature in results.items():
         model = Path(name)  # a checkpoint by its run's name: dpo/LATEST
         label = str(Path(*model.parts[-2:])) if model.name == "LATEST" or model.name.startswith("step-") else model.name
+        label = job_labels.get(name, label)
         temperatures = sorted(by_temperature)
         values = np.array([[by_temperature[t]["win_rate"][k] for k in ("value", "low", "high")] for t in temperatures])
         errors = [values[:, 0] - values[:, 1], values[:, 2] - values[:, 0]]
         left.errorbar(temperatures, values[:, 0] * 100, yerr=np.array(errors) * 100, marker="o", capsize=3, label=label)
         kl = [by_temperature[t]["kl"]["value"] for t in temperatures if "kl" in by_temperature[t]]
-        if len(kl) == len(temperatures):
+        if len(kl) == len(temperatures) and sweep_points is None:
             rewarded = all("reward" in by_temperature[t] for t in temperatures)
             point = (lambda s: s["reward"]["candidate"]) if rewarded else (lambda s: s["win_rate"])  # noqa: E731
             y = [point(by_temperature[t])["value"] for t in temperatures]
@@ -143,6 +153,8 @@ def write_figure(path: Path, results: dict) -> None:
     left.axhline(50, color="grey", linewidth=0.8, linestyle=":")
     left.set(xlabel="sampling temperature", ylabel="win rate % (ties half), 95% interval", title="win rate")
     right.set(xlabel="sampled KL(candidate || reference), nats", title="reward against KL")
+    if sweep_points is not None:
+        frontier.draw(right, sweep_points)
     for axis in (left, right):
         if axis.lines:
             axis.legend(fontsize=8)
