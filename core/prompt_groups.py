@@ -45,8 +45,10 @@ def prompt_groups(prompts: list[list[int]], completions: list[list[int]], images
     for row, key in enumerate(zip(map(tuple, prompts), images)):
         groups.setdefault(key, []).append(row)
     sizes = {len(group) for group in groups.values()}
-    size = max((d for d in range(1, min(sizes) + 1) if min(sizes) % d == 0 and d <= most), default=1)
-    size = size if len(sizes) == 1 else 1
+    size = 1
+    if len(sizes) == 1:
+        (count,) = sizes
+        size = max(d for d in range(1, min(count, most) + 1) if count % d == 0)
     rows = [group[start : start + size] for group in groups.values() for start in range(0, len(group), size)]
     examples = [
         {"prompt": prompts[group[0]], "responses": [completions[row] for row in group], "images": images[group[0]]}
