@@ -202,22 +202,25 @@ class Generations:
 
     def generate(self, model, name: str, side: str, kl: bool) -> None:
         """The model's completions as `side` (candidate or baseline) at every temperature, drawn together (rows of
-        one prompt share its prefill; and, with kl, their log-probs under it)."""
+        one prompt share its prefill) and, with kl, their log-probs under it, summed as they are drawn."""
         temperatures, n = list(self.config.temperatures), len(self.prompt_ids)
         seeds = {t: self.seeds(side, t) for t in temperatures}
         order = [(t, i) for i in range(n) for t in temperatures]  # prompt-major: a prompt's rows in one batch
+        rows = ([self.prompt_ids[i] for _, i in order], [self.images[i] for _, i in order],
+                [seeds[t][i] for t, i in order], [t for t, _ in order])  # fmt: skip
         start = time.time()
-        drawn = self.sampler.sample_rows(
-            model, [self.prompt_ids[i] for _, i in order], [self.images[i] for _, i in order],
-            [seeds[t][i] for t, i in order], [t for t, _ in order],
-        )  # fmt: skip
+        if kl:
+            drawn, logps = self.sampler.sample_scored(model, *rows)
+            self.own_logps[name] = {t: [None] * n for t in temperatures}
+            for (t, i), logp in zip(order, logps):
+                self.own_logps[name][t][i] = logp
+        else:
+            drawn = self.sampler.sample_rows(model, *rows)
         self.seconds += time.time() - start
         self.tokens += sum(map(len, drawn))
         self.completions[side, name] = {t: [None] * n for t in temperatures}
         for (t, i), completion in zip(order, drawn):
             self.completions[side, name][t][i] = completion
-        if kl:
-            self.own_logps[name] = self.score(model, self.completions[side, name])
 
     def score(self, model, completions: dict[float, list[list[int]]]) -> dict[float, list[float]]:
         """Each completion's log-prob under `model` at its temperature: every temperature's together, so that a

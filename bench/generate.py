@@ -111,13 +111,14 @@ def bench_generate(smoke: bool, ref: str | None, rounds: int) -> None:
                         temperatures=temperatures)  # fmt: skip
         versions = [(ref, old), ("this tree", REPO_ROOT)] if ref else [("this tree", REPO_ROOT)]
         totals = {label: {"sampler": [], "evaluation": []} for label, _ in versions}
-        completions, values = {}, {}
+        completions, values, own = {}, {}, []
         for _ in range(rounds):
             for label, root in versions:
                 result_file = str(Path(tmp) / "result.json")
                 result = run_worker(root, result_file, plain=label == "this tree", **settings)
                 completions[label] = result["completions"]
                 values[label] = {part: result[part]["values"] for part in ("logps", "judge")}
+                own.append(result["logps"].get("while drawing"))
                 for key, value in report(label, result, bound).items():
                     totals[label][key].append(value)
         if ref:
@@ -132,3 +133,6 @@ def bench_generate(smoke: bool, ref: str | None, rounds: int) -> None:
                 mine, theirs = (torch.tensor(values[label][part])[same] for label in ("this tree", ref))
                 print(f"{what} of the identical completions: largest difference from {ref}'s "
                       f"{(mine - theirs).abs().max():.2e} (largest value {theirs.abs().max():.1f})")  # fmt: skip
+        if own[-1] is not None:  # this tree's log-probs summed while drawing, against the same model's scored ones
+            gap = (torch.tensor(own[-1]) - torch.tensor(values["this tree"]["logps"])).abs().max()
+            print(f"KL log-probs summed while drawing: largest difference from the scored ones {gap:.2e}")

@@ -42,17 +42,23 @@ def seeds_of(n: int, temperature: float) -> list[int]:
     return [int(temperature * 1e6) * 10_000 + i for i in range(n)]
 
 
-def time_sampler(sampler, model, clock, prompts, temperatures) -> tuple[dict, dict]:
-    """evaluate.py's sampling of one model: every temperature's rows drawn together, prompt-major, where the
-    Sampler can (sample_rows), else one temperature at a time (sample); seconds (whole, prefill, decode forward
-    passes), tokens; and the completions by temperature."""
+def time_sampler(sampler, model, clock, prompts, temperatures) -> tuple[dict, dict, list | None]:
+    """evaluate.py's sampling of one model: every temperature's rows drawn together, prompt-major, with their
+    log-probs summed while drawing (the KL's first term) where the Sampler can (sample_scored), or drawn together
+    alone (sample_rows), else one temperature at a time (sample); seconds (whole, prefill, decode forward passes),
+    tokens; the completions by temperature; and their log-probs (temperature-major), or None."""
     clock.reset()
-    start = time.perf_counter()
+    start, own = time.perf_counter(), None
+    order = [(t, i) for i in range(len(prompts)) for t in temperatures]
+    seeds = {t: seeds_of(len(prompts), t) for t in temperatures}
+    rows = ([prompts[i] for _, i in order], None, [seeds[t][i] for t, i in order], [t for t, _ in order])
+    if hasattr(sampler, "sample_scored"):
+        drawn, logps = sampler.sample_scored(model, *rows)
+        by_row = dict(zip(order, logps))
+        own = [by_row[t, i] for t in temperatures for i in range(len(prompts))]
+    elif hasattr(sampler, "sample_rows"):
+        drawn = sampler.sample_rows(model, *rows)
     if hasattr(sampler, "sample_rows"):
-        order = [(t, i) for i in range(len(prompts)) for t in temperatures]
-        seeds = {t: seeds_of(len(prompts), t) for t in temperatures}
-        drawn = sampler.sample_rows(model, [prompts[i] for _, i in order], None, [seeds[t][i] for t, i in order],
-                                    [t for t, _ in order])  # fmt: skip
         completions = {t: [None] * len(prompts) for t in temperatures}
         for (t, i), completion in zip(order, drawn):
             completions[t][i] = completion
@@ -60,7 +66,7 @@ def time_sampler(sampler, model, clock, prompts, temperatures) -> tuple[dict, di
         completions = {t: sampler.sample(model, prompts, None, seeds_of(len(prompts), t), t) for t in temperatures}
     seconds = time.perf_counter() - start
     tokens = sum(len(c) for rows in completions.values() for c in rows)
-    return {"seconds": seconds, "prefill": clock.prefill, "decode": clock.decode, "tokens": tokens}, completions
+    return {"seconds": seconds, "prefill": clock.prefill, "decode": clock.decode, "tokens": tokens}, completions, own
 
 
 @torch.no_grad()
@@ -127,16 +133,16 @@ def generate_worker(result_file: str, model_dir: str, judge_dir: str, prompts_fi
     clock = ForwardClock(model)
     sampler.sample(model, prompts[:2], None, [1, 2], 1.0)  # warm-up
     result = {"threads": torch.get_num_threads()}
-    result["sampler"], completions = time_sampler(sampler, model, clock, prompts, temperatures)
+    result["sampler"], completions, own = time_sampler(sampler, model, clock, prompts, temperatures)
     result["processor"] = {
         f"top_p={top_p}": time_processor(model.config.vocab_size, batch, 16, 1.0, top_p) for top_p in (1.0, 0.9)
     }
     if plain:
         result["generate"] = time_generate(model, tokenizer, prompts, batch, max_new_tokens, temperatures[-1:])
     start = time.perf_counter()
-    for _ in range(2):  # the KL's two passes: under the model and under the reference
+    for _ in range(1 if own else 2):  # the KL's passes: under the model (unless summed while drawing), the reference
         logps = time_logps(sampler, model, prompts, completions)
-    result["logps"] = {"seconds": time.perf_counter() - start, "values": logps}
+    result["logps"] = {"seconds": time.perf_counter() - start, "values": logps, "while drawing": own}
     del model
     judge = RewardJudge(ModelReward(Path(judge_dir), topology.device, batch, 512, "judge"))
     texts = [tokenizer.decode(ids) for ids in prompts]

@@ -13,6 +13,7 @@ with no paged-attention kernel."""
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from core.layouts import left_padded_prompts
 
@@ -51,6 +52,59 @@ def own_loop_problem(model: torch.nn.Module, vision, world_size: int) -> str | N
     return None
 
 
+class ReservedLayer(DynamicLayer):
+    """A layer's KV cache in buffers reserved for the prompt and its whole completion: each step writes its keys and
+    values in place, and attention reads a view of the filled part. DynamicLayer's torch.cat copies the whole cache
+    at every step instead: on a CPU, most of a decode step's time at 128 rows (profiled: 56%). It serves decode's
+    operations (update, the length, reorder_cache, batch_select_indices); a step past `capacity` grows the buffers."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.key_buffer = key_states.new_empty(*key_states.shape[:2], self.capacity, key_states.shape[3])
+        self.value_buffer = value_states.new_empty(*value_states.shape[:2], self.capacity, value_states.shape[3])
+        self.keys, self.values = self.key_buffer[:, :, :0], self.value_buffer[:, :, :0]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.keys.shape[-2]
+        end = start + key_states.shape[-2]
+        if end > self.key_buffer.shape[-2]:
+            self.capacity = max(end, 2 * self.capacity)
+            self.key_buffer, self.value_buffer = self.grown(self.key_buffer), self.grown(self.value_buffer)
+        self.key_buffer[:, :, start:end] = key_states
+        self.value_buffer[:, :, start:end] = value_states
+        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def grown(self, buffer: torch.Tensor) -> torch.Tensor:
+        larger = buffer.new_empty(*buffer.shape[:2], self.capacity, buffer.shape[3])
+        larger[:, :, : buffer.shape[2]] = buffer
+        return larger
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            length = self.keys.shape[-2]
+            self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
+            self.keys, self.values = self.key_buffer[:, :, :length], self.value_buffer[:, :, :length]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+
+def reserved_cache(model: torch.nn.Module, capacity: int) -> DynamicCache:
+    """The model's DynamicCache with each plain layer a ReservedLayer of `capacity` positions (sliding-window and
+    other special layers kept as they are)."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [ReservedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
 @torch.no_grad()
 def decode(model, prompts: list[list[int]], draw, max_new_tokens: int, pad_token_id: int, eos_token_id: int,
            device: torch.device) -> list[list[int]]:  # fmt: skip
@@ -60,7 +114,7 @@ def decode(model, prompts: list[list[int]], draw, max_new_tokens: int, pad_token
     which = torch.tensor([distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts])
     ids, mask = left_padded_prompts([{"prompt": list(prompt)} for prompt in distinct], pad_token_id)
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate numbers them
-    cache = DynamicCache(config=model.config)
+    cache = reserved_cache(model, ids.shape[1] + max_new_tokens)
     ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
     output = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                    use_cache=True, logits_to_keep=1)  # fmt: skip

@@ -13,7 +13,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -22,6 +21,7 @@ from core.decoding import decode, own_loop_problem
 from core.layouts import left_padded_prompts, to_device
 from core.prompt_groups import prompt_scorer, scores_by_prompt
 from core.rewards import ModelReward, check_reward, load_reward
+from core.seeded_draw import seeded_draw
 from modeling.model_dirs import resolve_model_dir
 from modeling.placement import root_gathered
 from modeling.vision import unpack_images
@@ -76,38 +76,53 @@ class Sampler:
         prompt, seed and temperature alone: the same in any batch, on any number of ranks), sharded over the ranks
         and gathered. Where core.decoding's own loop serves the model, rows of one prompt share its prefill and
         finished rows leave the batch; else model.generate completes one temperature's rows at a time."""
+        return [completion for completion, _ in self.drawn(model, prompts, images, seeds, temperatures, top_p, False)]
+
+    def sample_scored(self, model, prompts, images, seeds: list[int], temperatures: list[float], top_p=1.0):
+        """sample_rows' completions and each one's log-prob under `model` at its temperature, as `logps` gives it
+        (the sampled KL's first term): summed while drawing where the own loop serves (the logits each token was
+        drawn from are the ones it is scored by), else by `logps` after drawing."""
+        drawn = self.drawn(model, prompts, images, seeds, temperatures, top_p, True)
+        completions, logps = [completion for completion, _ in drawn], [logp for _, logp in drawn]
+        if None in logps:
+            logps = self.logps(model, prompts, completions, images, temperatures)
+        return completions, logps
+
+    def drawn(self, model, prompts, images, seeds, temperatures, top_p, scored: bool) -> list[tuple]:
+        """(completion, log-prob or None) of every row: the log-prob where scored and the own loop serves."""
         images = images or [b""] * len(prompts)
         vision = getattr(self.tokenizer, "vision", None)
         problem = own_loop_problem(model, vision, self.topology.world_size)
 
-        def batch(rows: list[int]) -> list[list[int]]:
+        def batch(rows: list[int]) -> list[tuple]:
             if problem is None:
                 return self.decode_seeded(model, [prompts[i] for i in rows], [seeds[i] for i in rows],
-                                          [temperatures[i] for i in rows], top_p)  # fmt: skip
+                                          [temperatures[i] for i in rows], top_p, scored)  # fmt: skip
             completions: dict[int, list[int]] = {}
             for temperature in dict.fromkeys(temperatures[i] for i in rows):
                 same = [i for i in rows if temperatures[i] == temperature]
                 drawn = self.complete_seeded(model, [prompts[i] for i in same], [seeds[i] for i in same],
                                              [images[i] for i in same], temperature, top_p)  # fmt: skip
                 completions.update(zip(same, drawn))
-            return [completions[i] for i in rows]
+            return [(completions[i], None) for i in rows]
 
         model.eval()
         return self.sharded(prompts, batch, by_prompt=problem is None)
 
-    def sharded(self, prompts: list, batch, by_prompt: bool = False) -> list[list[int]]:
-        """batch(rows) over this rank's share of the rows, gathered in order: in batches of batch_size rows, or
-        (by_prompt) of the rows of batch_size distinct prompts, prompts of similar lengths together."""
+    def sharded(self, prompts: list, batch, by_prompt: bool = False) -> list:
+        """batch(rows) (one result a row) over this rank's share of the rows, gathered in order: in batches of
+        batch_size rows, or (by_prompt) of the rows of batch_size distinct prompts, prompts of similar lengths
+        together."""
         local, n_real = self.topology.shard(list(range(len(prompts))))
         batches = prompt_batches(local, prompts, self.batch_size) if by_prompt else [
             local[start : start + self.batch_size] for start in range(0, len(local), self.batch_size)
         ]  # fmt: skip
-        completions: dict[int, list[int]] = {}
+        results: dict[int, object] = {}
         with self.progress(len(local), "sampling") as bar:
             for rows in batches:
-                completions.update(zip(rows, batch(rows)))
+                results.update(zip(rows, batch(rows)))
                 bar.update(len(rows))
-        return self.topology.gather({"completions": [completions[i] for i in local[:n_real]]})["completions"]
+        return self.topology.gather({"results": [results[i] for i in local[:n_real]]})["results"]
 
     def progress(self, total: int, what: str) -> tqdm.tqdm:
         """A progress bar of this rank's rows, with its ETA (rank 0's alone)."""
@@ -119,20 +134,29 @@ class Sampler:
         generators = (torch.Generator().manual_seed(seed) for seed in seeds)
         return torch.stack([torch.rand(self.max_new_tokens, generator=generator) for generator in generators])
 
-    def decode_seeded(self, model, prompts, seeds: list[int], temperatures: list[float], top_p: float):
-        """One batch's rows by core.decoding's own loop, each drawn as SeededSampling draws it."""
+    def decode_seeded(self, model, prompts, seeds: list[int], temperatures: list[float], top_p: float, scored: bool):
+        """One batch's (completion, log-prob or None) by core.decoding's own loop, each token drawn as SeededSampling
+        draws it; where scored, each completion's float32 log-prob at its temperature, summed as it is drawn."""
         uniforms = self.uniforms(seeds)
         one = len(set(temperatures)) == 1  # a number, as SeededSampling divides by it
         temperature = torch.tensor(temperatures, dtype=torch.float32)[:, None]
+        logps = torch.zeros(len(prompts), dtype=torch.float64)
 
         def draw(logits: torch.Tensor, step: int, live: torch.Tensor) -> torch.Tensor:
             rows = live.cpu()
             row_temperature = temperatures[0] if one else temperature[rows].to(logits.device)
-            return seeded_draw(logits, row_temperature, uniforms[rows, step].to(logits.device), top_p)
+            tokens = seeded_draw(logits, row_temperature, uniforms[rows, step].to(logits.device), top_p)
+            if scored:
+                tempered = logits.float() / row_temperature
+                picked = tempered.gather(-1, tokens[:, None].to(logits.device))[:, 0] - tempered.logsumexp(-1)
+                logps[rows] += picked.double().cpu()
+            return tokens
 
         pad_token_id, eos_token_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         with root_gathered(model):
-            return decode(model, prompts, draw, self.max_new_tokens, pad_token_id, eos_token_id, self.topology.device)
+            completions = decode(model, prompts, draw, self.max_new_tokens, pad_token_id, eos_token_id,
+                                 self.topology.device)  # fmt: skip
+        return list(zip(completions, logps.tolist() if scored else [None] * len(prompts)))
 
     def logps(self, model, prompts: list[list[int]], completions: list[list[int]], images: list[bytes] | None,
               temperatures: float | list[float]) -> list[float]:  # fmt: skip
@@ -229,92 +253,6 @@ def prompt_batches(rows: list[int], prompts: list[list[int]], n_prompts: int) ->
         by_prompt.setdefault(tuple(prompts[row]), []).append(row)
     groups = sorted(by_prompt.values(), key=lambda group: len(prompts[group[0]]))
     return [sum(groups[start : start + n_prompts], []) for start in range(0, len(groups), n_prompts)]
-
-
-def seeded_draw(scores: torch.Tensor, temperature, uniforms: torch.Tensor, top_p: float) -> torch.Tensor:
-    """[B] the token each row draws from its scores [B, V] at `temperature` (a number, or [B, 1] one per row) with
-    its uniform (uniforms [B]). The nucleus's CDF is summed over the probabilities sorted by falling value, equal
-    ones in the order of their token ids (a stable sort); the drawn position is where the row's uniform times the
-    nucleus's mass falls in it. That arithmetic reads the sorted values alone, so sorted values give exactly the
-    stable sort's CDF; the token at the drawn position is the r-th (by id) of the tokens of its probability, r its
-    place among them: the stable order's token, without sorting the token ids. On a CPU (numpy) only the largest
-    PREFIX values are sorted (cdf_prefix_draw), and the whole row only where the draw falls beyond them."""
-    probs = torch.softmax(scores.float() / temperature, dim=-1)
-    if probs.device.type != "cpu":
-        return stable_sorted_draw(probs, uniforms, top_p)
-    p, u, top_p = probs.numpy(), uniforms.cpu().numpy(), np.float32(top_p)
-    k = min(PREFIX, p.shape[1])
-    prefixes = -np.sort(-np.partition(p, p.shape[1] - k, axis=-1)[:, -k:], axis=-1)  # the k largest, falling
-    totals = p.sum(axis=-1, dtype=np.float64)
-    drawn = np.empty(len(p), dtype=np.int64)
-    for row in range(len(p)):
-        index = cdf_prefix_draw(prefixes[row], totals[row], p.shape[1], u[row], top_p)
-        if index is None:
-            drawn[row] = sorted_cdf_draw(p[row], u[row], top_p)
-            continue
-        value = prefixes[row, index]
-        first = k - int(np.searchsorted(prefixes[row, ::-1], value, side="right"))  # values above it: all here
-        drawn[row] = np.flatnonzero(p[row] == value)[index - first]
-    return torch.from_numpy(drawn)
-
-
-# The largest probabilities of a row whose CDF the draw first reads: a draw needs the rest only where the uniform
-# falls in the mass beyond them (rare at 1,024 of a 49,152-token vocabulary; then the whole row is sorted).
-PREFIX = 1024
-
-
-def running_sum(values: np.ndarray) -> np.ndarray:
-    # torch's cumsum on a CPU: a float64 running sum, each element rounded to float32
-    return np.cumsum(values, dtype=np.float64).astype(np.float32)
-
-
-def cdf_prefix_draw(prefix: np.ndarray, total: np.float64, vocab: int, u: np.float32, top_p: np.float32) -> int | None:
-    """The position (in falling order) sorted_cdf_draw would draw, read from the row's `prefix` largest values
-    (falling) alone, or None where the rest of the row is needed. The CDF's first entries are the prefix's running
-    sums, the same numbers. Its last entry, the nucleus's mass at top_p = 1, is the float64 running sum of all
-    values rounded to float32; `total` is their float64 sum in numpy's order, which differs from the running sum by
-    at most 2 (V - 1) 2^-53 of it (Higham, "Accuracy and Stability of Numerical Algorithms", 4.2, for both orders):
-    where every number within that bound rounds to the same float32, that float32 is the running sum's."""
-    cdf = running_sum(prefix)
-    outside = cdf - prefix >= top_p  # the mass before it reached top_p
-    outside[0] = False
-    if outside.any():  # the nucleus ends within the prefix: its CDF is all here
-        cdf = running_sum(np.where(outside, 0, prefix))
-        target = u * cdf[-1]
-        return int(np.searchsorted(cdf, target, side="right")) if target < cdf[-1] else None
-    bound = 2.0 * vocab * 2.0**-53 * total * 1.01
-    low, high = np.float32(total - bound), np.float32(total + bound)
-    if low != high or low >= top_p:  # unsure, or the nucleus may end beyond the prefix (a sum rounded to 1, too)
-        return None
-    target = u * low
-    return int(np.searchsorted(cdf, target, side="right")) if target < cdf[-1] else None
-
-
-def sorted_cdf_draw(p: np.ndarray, u: np.float32, top_p: np.float32) -> int:
-    """The token one row [V] draws: the whole row sorted (see seeded_draw)."""
-    ascending = np.sort(p)
-    descending = ascending[::-1]
-    cdf = running_sum(descending)
-    if cdf[-1] >= top_p:  # else no mass before any token reaches top_p: the nucleus is everything
-        outside = cdf - descending >= top_p
-        outside[0] = False
-        if outside.any():
-            cdf = running_sum(np.where(outside, 0, descending))
-    index = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(cdf) - 1)
-    value = descending[index]
-    first = len(cdf) - int(np.searchsorted(ascending, value, side="right"))
-    return int(np.flatnonzero(p == value)[index - first])
-
-
-def stable_sorted_draw(probs: torch.Tensor, uniforms: torch.Tensor, top_p: float) -> torch.Tensor:
-    """SeededSampling's draw by a stable sort of the whole vocabulary (on devices where sorting is cheap)."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-    outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # the mass before it reached top_p
-    outside[:, 0] = False
-    cdf = sorted_probs.masked_fill(outside, 0).cumsum(dim=-1)
-    target = uniforms[:, None] * cdf[:, -1:]
-    index = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[-1] - 1)
-    return order.gather(-1, index).squeeze(-1)
 
 
 # -------------------------------------------------------------------------------------------------------------

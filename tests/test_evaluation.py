@@ -2,9 +2,12 @@
 
 import pytest
 import torch
+from transformers.cache_utils import DynamicLayer
 
 import train
 from conftest import build_trainer, read_jsonl
+from core import generations
+from core.decoding import ReservedLayer
 from core.generations import SeededSampling
 from core.scoring import Scorer
 
@@ -162,6 +165,26 @@ def test_completions_of_one_prompt_are_scored_together_each_as_it_would_be_alone
     assert uneven == pytest.approx(together[:-1], abs=1e-5)
 
 
+def test_log_probs_summed_while_drawing_equal_the_scored_log_probs(make_config, monkeypatch):
+    # evaluate.py's KL: a candidate's own log-probs are summed from the logits each token was drawn from, at the row's
+    # temperature; they equal those logps scores afterwards, with the own loop and with model.generate (which
+    # records none: logps scores them). Rows finish early, so that the live rows change as they are summed.
+    trainer = build_trainer(make_config("generation.max_new_tokens=8"))
+    policy, sampler = trainer.policy, trainer.evaluator.sampler
+    eos = trainer.tokenizer.eos_token_id
+    likelier_eos = lambda module, args, logits: logits + 4.0 * (torch.arange(logits.shape[-1]) == eos)  # noqa: E731
+    policy.get_output_embeddings().register_forward_hook(likelier_eos)
+    prompts = [trainer.data.train_examples[i]["prompt"] for i in range(3)]
+    rows = [(p, t) for p in range(3) for t in (0.5, 1.0, 2.0)]
+    args = ([prompts[p] for p, _ in rows], None, list(range(len(rows))), [t for _, t in rows])
+    drawn, logps = sampler.sample_scored(policy, *args)
+    assert drawn == sampler.sample_rows(policy, *args)
+    scored = sampler.logps(policy, args[0], drawn, None, args[3])
+    assert logps == pytest.approx(scored, abs=1e-4) and len(set(map(len, drawn))) > 1
+    monkeypatch.setattr(generations, "own_loop_problem", lambda *a: "forced")
+    assert sampler.sample_scored(policy, *args) == (drawn, pytest.approx(scored, abs=1e-6))
+
+
 def test_sampling_batches_hold_the_rows_of_batch_size_prompts_shortest_prompts_first(make_config):
     # batch_size counts prompts: a batch holds every row (temperature, sample) of batch_size distinct prompts, which
     # share one prefill, prompts of similar lengths together; the completions are those of any other batching.
@@ -182,3 +205,19 @@ def test_sampling_batches_hold_the_rows_of_batch_size_prompts_shortest_prompts_f
     widths = [shape for shape in prefills if shape[1] > 1]
     assert [rows for rows, _ in widths] == [2, 2, 1]  # prefills of distinct prompts: 2, 2 and the last one
     assert [width for _, width in widths] == sorted(len(p) for p in prompts)[1::2] + [len(prompts[0])]
+
+
+def test_reserved_cache_layer_holds_what_a_growing_cache_holds():
+    # The own decode loop's KV cache writes each step into buffers reserved up front (and grows them past their
+    # capacity): after prefill, steps, rows leaving and a reorder, its keys and values are DynamicLayer's.
+    generator = torch.Generator().manual_seed(0)
+    reserved, growing = ReservedLayer(capacity=4), DynamicLayer()
+    for width, kept in [(3, None), (1, None), (1, [0, 2, 3]), (2, [2, 0]), (1, None)]:
+        if kept is not None:
+            for layer in (reserved, growing):
+                layer.batch_select_indices(torch.tensor(kept))
+        rows = reserved.keys.shape[0] if reserved.is_initialized else 4
+        keys, values = torch.randn(2, rows, 3, width, 8, generator=generator)
+        got, expected = reserved.update(keys, values[..., :5]), growing.update(keys, values[..., :5])
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert reserved.get_seq_length() == growing.get_seq_length() == 8 and reserved.capacity >= 8
