@@ -295,28 +295,26 @@ def judge_all(config: DictConfig, generations: Generations, tokenizer, device, m
     baseline = config.baseline
     decode = lambda batch: tokenizer.batch_decode(batch, skip_special_tokens=True)  # noqa: E731
     lengths = lambda batch: generations.shaped([text_length(ids, tokenizer.eos_token_id) for ids in batch])  # noqa: E731
-    results, lines = {}, []
-    bar = tqdm.tqdm(total=len(config.candidates) * len(config.temperatures), desc="judging", leave=False)
-    for name in config.candidates:
-        results[name] = {}
-        for temperature in config.temperatures:
-            ours = generations.completions["candidate", name][temperature]
-            theirs = generations.completions["baseline", baseline][temperature]
-            ours_text, theirs_text = decode(ours), decode(theirs)
-            judgement = judge(prompt_texts, ours_text, theirs_text, generations.images)
-            rewards = judgement.rewards and tuple(generations.shaped(r) for r in judgement.rewards)
-            log_ratios = generations.log_ratios(name, temperature)
-            summary = summarize(
-                generations.shaped(judgement.outcomes), lengths(ours), lengths(theirs), config.bootstrap_resamples,
-                config.seed, log_ratios, rewards,
-            )  # fmt: skip
-            results[name][temperature] = summary
-            bar.update()
-            lines += evaluation_report.sample_lines(
-                name, temperature, config.samples_per_prompt, prompt_texts, ours_text, theirs_text, judgement,
-                lengths(ours), lengths(theirs), log_ratios,
-            )  # fmt: skip
-    bar.close()
+    pairs = [(name, t) for name in config.candidates for t in config.temperatures]
+    texts = {(side, name): {t: decode(batch) for t, batch in by_t.items()}
+             for (side, name), by_t in generations.completions.items()}  # fmt: skip
+    sides = [(texts["candidate", name][t], texts["baseline", baseline][t]) for name, t in pairs]
+    with tqdm.tqdm(total=len(prompt_texts) * len(pairs), desc="judging", unit="pair", leave=False) as bar:
+        judgements = judge.judge_all(prompt_texts, sides, generations.images, bar)
+    results, lines = {name: {} for name in config.candidates}, []
+    for (name, temperature), (ours_text, theirs_text), judgement in zip(pairs, sides, judgements):
+        ours = generations.completions["candidate", name][temperature]
+        theirs = generations.completions["baseline", baseline][temperature]
+        rewards = judgement.rewards and tuple(generations.shaped(r) for r in judgement.rewards)
+        log_ratios = generations.log_ratios(name, temperature)
+        results[name][temperature] = summarize(
+            generations.shaped(judgement.outcomes), lengths(ours), lengths(theirs), config.bootstrap_resamples,
+            config.seed, log_ratios, rewards,
+        )  # fmt: skip
+        lines += evaluation_report.sample_lines(
+            name, temperature, config.samples_per_prompt, prompt_texts, ours_text, theirs_text, judgement,
+            lengths(ours), lengths(theirs), log_ratios,
+        )  # fmt: skip
     return results, lines
 
 

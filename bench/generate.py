@@ -72,7 +72,8 @@ def report(label: str, result: dict, bound: float) -> dict:
     s = result["sampler"]
     rate = s["tokens"] / s["seconds"]
     parts = {"prefill": s["prefill"], "decode": s["decode"], "sampling rest": s["seconds"] - s["prefill"] - s["decode"]}
-    parts |= {"KL log-probs": result["logps"]["seconds"], "judging": result["judge"]["seconds"]}
+    parts |= {"baseline's sampling": result["baseline"]["seconds"], "KL log-probs": result["logps"]["seconds"]}
+    parts["judging"] = result["judge"]["seconds"]
     whole = sum(parts.values())
     split = "  ".join(f"{name} {seconds:.1f} s ({seconds / whole:.0%})" for name, seconds in parts.items())
     processor = " ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result["processor"].items())
@@ -116,7 +117,7 @@ def bench_generate(smoke: bool, ref: str | None, rounds: int) -> None:
             for label, root in versions:
                 result_file = str(Path(tmp) / "result.json")
                 result = run_worker(root, result_file, plain=label == "this tree", **settings)
-                completions[label] = result["completions"]
+                completions[label] = {side: result[side + "_completions"] for side in ("candidate", "baseline")}
                 values[label] = {part: result[part]["values"] for part in ("logps", "judge")}
                 own.append(result["logps"].get("while drawing"))
                 for key, value in report(label, result, bound).items():
@@ -126,11 +127,24 @@ def bench_generate(smoke: bool, ref: str | None, rounds: int) -> None:
             sampler = sum(mine["sampler"]) / sum(theirs["sampler"])
             whole = sum(theirs["evaluation"]) / sum(mine["evaluation"])
             print(f"this tree / {ref}: sampler {sampler:.2f}x tokens/s, whole evaluation {whole:.2f}x faster")
-            pairs = [(a, b) for t in completions[ref] for a, b in zip(completions[ref][t], completions["this tree"][t])]
-            print(f"completions identical to {ref}'s: {sum(a == b for a, b in pairs)} of {len(pairs)}")
-            same = torch.tensor([a == b for a, b in pairs])  # in the order of the values: temperature, prompt
+            identical = {
+                side: [[a == b for a, b in zip(completions[ref][side][t], completions["this tree"][side][t])]
+                       for t in completions[ref][side]]
+                for side in ("candidate", "baseline")
+            }  # fmt: skip
+            counts = {side: (sum(map(sum, rows)), sum(map(len, rows))) for side, rows in identical.items()}
+            print(
+                f"completions identical to {ref}'s: "
+                + ", ".join(f"{side}'s {k} of {n}" for side, (k, n) in counts.items())
+            )
+            same = {  # in the order of the values: temperature, prompt (the judge's: the candidate's, the baseline's)
+                "logps": torch.tensor(sum(identical["candidate"], [])),
+                "judge": torch.tensor(
+                    [x for c, b in zip(identical["candidate"], identical["baseline"]) for x in c + b]
+                ),
+            }
             for part, what in (("logps", "KL log-probs"), ("judge", "judge's rewards")):
-                mine, theirs = (torch.tensor(values[label][part])[same] for label in ("this tree", ref))
+                mine, theirs = (torch.tensor(values[label][part])[same[part]] for label in ("this tree", ref))
                 print(f"{what} of the identical completions: largest difference from {ref}'s "
                       f"{(mine - theirs).abs().max():.2e} (largest value {theirs.abs().max():.1f})")  # fmt: skip
         if own[-1] is not None:  # this tree's log-probs summed while drawing, against the same model's scored ones

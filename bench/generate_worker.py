@@ -38,21 +38,22 @@ class ForwardClock:
         self.prefill = self.decode = 0.0
 
 
-def seeds_of(n: int, temperature: float) -> list[int]:
-    return [int(temperature * 1e6) * 10_000 + i for i in range(n)]
+def seeds_of(n: int, temperature: float, side: int = 0) -> list[int]:
+    return [int(temperature * 1e6) * 10_000 + i + side * 10**13 for i in range(n)]
 
 
-def time_sampler(sampler, model, clock, prompts, temperatures) -> tuple[dict, dict, list | None]:
-    """evaluate.py's sampling of one model: every temperature's rows drawn together, prompt-major, with their
-    log-probs summed while drawing (the KL's first term) where the Sampler can (sample_scored), or drawn together
-    alone (sample_rows), else one temperature at a time (sample); seconds (whole, prefill, decode forward passes),
-    tokens; the completions by temperature; and their log-probs (temperature-major), or None."""
+def time_sampler(sampler, model, clock, prompts, temperatures, side: int = 0) -> tuple[dict, dict, list | None]:
+    """evaluate.py's sampling of one model as one side (0: the candidate, 1: the baseline): every temperature's rows
+    drawn together, prompt-major, the candidate's with their log-probs summed while drawing (the KL's first term)
+    where the Sampler can (sample_scored), or drawn together alone (sample_rows), else one temperature at a time
+    (sample); seconds (whole, prefill, decode forward passes), tokens; the completions by temperature; and their
+    log-probs (temperature-major), or None."""
     clock.reset()
     start, own = time.perf_counter(), None
     order = [(t, i) for i in range(len(prompts)) for t in temperatures]
-    seeds = {t: seeds_of(len(prompts), t) for t in temperatures}
+    seeds = {t: seeds_of(len(prompts), t, side) for t in temperatures}
     rows = ([prompts[i] for _, i in order], None, [seeds[t][i] for t, i in order], [t for t, _ in order])
-    if hasattr(sampler, "sample_scored"):
+    if hasattr(sampler, "sample_scored") and side == 0:
         drawn, logps = sampler.sample_scored(model, *rows)
         by_row = dict(zip(order, logps))
         own = [by_row[t, i] for t in temperatures for i in range(len(prompts))]
@@ -63,7 +64,7 @@ def time_sampler(sampler, model, clock, prompts, temperatures) -> tuple[dict, di
         for (t, i), completion in zip(order, drawn):
             completions[t][i] = completion
     else:
-        completions = {t: sampler.sample(model, prompts, None, seeds_of(len(prompts), t), t) for t in temperatures}
+        completions = {t: sampler.sample(model, prompts, None, seeds[t], t) for t in temperatures}
     seconds = time.perf_counter() - start
     tokens = sum(len(c) for rows in completions.values() for c in rows)
     return {"seconds": seconds, "prefill": clock.prefill, "decode": clock.decode, "tokens": tokens}, completions, own
@@ -134,6 +135,7 @@ def generate_worker(result_file: str, model_dir: str, judge_dir: str, prompts_fi
     sampler.sample(model, prompts[:2], None, [1, 2], 1.0)  # warm-up
     result = {"threads": torch.get_num_threads()}
     result["sampler"], completions, own = time_sampler(sampler, model, clock, prompts, temperatures)
+    result["baseline"], baseline, _ = time_sampler(sampler, model, clock, prompts, temperatures, side=1)
     result["processor"] = {
         f"top_p={top_p}": time_processor(model.config.vocab_size, batch, 16, 1.0, top_p) for top_p in (1.0, 0.9)
     }
@@ -147,9 +149,15 @@ def generate_worker(result_file: str, model_dir: str, judge_dir: str, prompts_fi
     judge = RewardJudge(ModelReward(Path(judge_dir), topology.device, batch, 512, "judge"))
     texts = [tokenizer.decode(ids) for ids in prompts]
     start, rewards = time.perf_counter(), []
-    for rows in completions.values():  # each pair's two sides: here the same model's completions twice
-        decoded = tokenizer.batch_decode(rows, skip_special_tokens=True)
-        rewards += judge(texts, decoded, decoded, None).rewards[0]
+    decode = lambda rows: tokenizer.batch_decode(rows, skip_special_tokens=True)  # noqa: E731
+    pairs = [(decode(completions[t]), decode(baseline[t])) for t in temperatures]  # the candidate's, the baseline's
+    if hasattr(judge, "judge_all"):
+        judgements = judge.judge_all(texts, pairs)
+    else:
+        judgements = [judge(texts, ours, theirs, None) for ours, theirs in pairs]
+    for judgement in judgements:
+        rewards += judgement.rewards[0] + judgement.rewards[1]
     result["judge"] = {"seconds": time.perf_counter() - start, "values": rewards}
-    result["completions"] = {str(t): rows for t, rows in completions.items()}
+    result["candidate_completions"] = {str(t): rows for t, rows in completions.items()}
+    result["baseline_completions"] = {str(t): rows for t, rows in baseline.items()}
     Path(result_file).write_text(json.dumps(result))

@@ -292,11 +292,38 @@ class RewardJudge:
         self.reward = reward
 
     def __call__(self, prompts: list[str], first: list[str], second: list[str], images=None) -> Judgement:
-        # in one call: a reward model reads each prompt once for both completions (core.prompt_groups)
-        rewards = self.reward(prompts + prompts, first + second, images and images + images)
-        first_rewards, second_rewards = rewards[: len(prompts)], rewards[len(prompts) :]
-        verdicts = [sign(a - b) for a, b in zip(first_rewards, second_rewards)]
-        return Judgement(verdicts, list(verdicts), (first_rewards, second_rewards))
+        return self.judge_all(prompts, [(first, second)], images)[0]
+
+    def judge_all(self, prompts: list[str], pairs: list[tuple[list[str], list[str]]], images=None,
+                  progress: tqdm.tqdm | None = None) -> list[Judgement]:  # fmt: skip
+        """The Judgement of each pair (first, second) of lists of completions of the prompts. Each distinct
+        completion of a prompt is rewarded once, and all of a prompt's together: a reward model reads each prompt
+        once for all of them (core.prompt_groups), and a baseline judged against several candidates or at several
+        temperatures is read once. progress: a bar of judged pairs of completions, advanced as their prompts are
+        rewarded."""
+        distinct = [list(dict.fromkeys(side[j] for pair in pairs for side in pair)) for j in range(len(prompts))]
+        rewards: list[dict[str, float]] = [{} for _ in prompts]
+        for start in range(0, len(prompts), PROMPTS_PER_CALL):
+            chunk = range(start, min(start + PROMPTS_PER_CALL, len(prompts)))
+            rows = [(j, text) for j in chunk for text in distinct[j]]
+            values = self.reward([prompts[j] for j, _ in rows], [text for _, text in rows],
+                                 images and [images[j] for j, _ in rows])  # fmt: skip
+            for (j, text), value in zip(rows, values):
+                rewards[j][text] = value
+            if progress is not None:
+                progress.update(len(chunk) * len(pairs))
+        judgements = []
+        for first, second in pairs:
+            first_rewards = [rewards[j][text] for j, text in enumerate(first)]
+            second_rewards = [rewards[j][text] for j, text in enumerate(second)]
+            verdicts = [sign(a - b) for a, b in zip(first_rewards, second_rewards)]
+            judgements.append(Judgement(verdicts, list(verdicts), (first_rewards, second_rewards)))
+        return judgements
+
+
+# Prompts whose completions a reward judge rewards in one call: enough for a reward model's batches, few enough for
+# the progress bar to move.
+PROMPTS_PER_CALL = 32
 
 
 class PairwiseJudge:
@@ -335,6 +362,17 @@ class PairwiseJudge:
         swapped = [1.0 - p for p in self.p_a(prompts, second, first)]  # the first shown as B
         verdicts = [[sign(p - 0.5) for p in ps] for ps in (in_order, swapped)]
         return Judgement(*verdicts, p_first=(in_order, swapped))
+
+    def judge_all(self, prompts: list[str], pairs: list[tuple[list[str], list[str]]], images=None,
+                  progress: tqdm.tqdm | None = None) -> list[Judgement]:  # fmt: skip
+        """The Judgement of each pair (first, second) of lists of completions of the prompts, one pair at a time
+        (a pairwise judge reads both completions together). progress: a bar of judged pairs of completions."""
+        judgements = []
+        for first, second in pairs:
+            judgements.append(self(prompts, first, second, images))
+            if progress is not None:
+                progress.update(len(prompts))
+        return judgements
 
     def render(self, prompt: str, response_a: str, response_b: str) -> list[int]:
         text = self.template

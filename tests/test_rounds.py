@@ -8,6 +8,7 @@ import torch
 
 import train
 from conftest import TINY_DIR, assert_same_metrics, policy_state, read_jsonl, write_jsonl
+from core import generations
 from core.generations import RewardJudge
 from core.rewards import load_reward
 from rounds import Rounds, round_lines
@@ -228,6 +229,30 @@ def test_a_judging_reward_model_reads_each_prompt_once_for_both_completions(rewa
     once = sum(length(p + a + b) for p, a, b in zip(prompts, first, second))
     twice = sum(length(p + a) + length(p + b) for p, a, b in zip(prompts, first, second))
     assert once <= sum(read) < twice  # the prompt once (packed rows' tails padded)
+
+
+def test_a_reward_judge_rewards_each_distinct_completion_of_a_prompt_once_across_pairs(monkeypatch):
+    # evaluate.py judges every candidate at every temperature against the baseline in one judge_all: a baseline
+    # completion judged against two candidates, or the same text at two temperatures, is rewarded once; each pair's
+    # judgement is the one it gets judged alone.
+    calls = []
+
+    def reward(prompts, completions, images=None):
+        calls.extend(zip(prompts, completions))
+        return [len(c) - 0.1 * len(p) for p, c in zip(prompts, completions)]
+
+    judge = RewardJudge(reward)
+    monkeypatch.setattr(generations, "PROMPTS_PER_CALL", 2)
+    prompts = ["Q: a", "Q: bb", "Q: ccc"]
+    baseline = [" one", " two two", " three"]
+    candidates = [[" 1", " two two", " 333"], [" 11", " 2", " three"], [" 1", " 22", " 3"]]
+    pairs = [(candidate, baseline) for candidate in candidates]
+    judgements = judge.judge_all(prompts, pairs)
+    assert len(calls) == len(set(calls)) == 9  # 12 completions, 3 of them a text already read for their prompt
+    for (first, second), judgement in zip(pairs, judgements):
+        assert judgement == judge(prompts, first, second)
+        expected = [math.copysign(1, len(a) - len(b)) if len(a) != len(b) else 0 for a, b in zip(first, second)]
+        assert judgement.outcomes == expected
 
 
 def test_a_reward_model_keeps_a_prompt_that_fits_whole(reward_model_dir):
