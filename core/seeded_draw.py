@@ -47,10 +47,11 @@ def running_sum(values: np.ndarray) -> np.ndarray:
 def cdf_prefix_draw(prefix: np.ndarray, total: np.float64, vocab: int, u: np.float32, top_p: np.float32) -> int | None:
     """The position (in falling order) sorted_cdf_draw would draw, read from the row's `prefix` largest values
     (falling) alone, or None where the rest of the row is needed. The CDF's first entries are the prefix's running
-    sums, the same numbers. Its last entry, the nucleus's mass at top_p = 1, is the float64 running sum of all
-    values rounded to float32; `total` is their float64 sum in numpy's order, which differs from the running sum by
-    at most 2 (V - 1) 2^-53 of it (Higham, "Accuracy and Stability of Numerical Algorithms", 4.2, for both orders):
-    where every number within that bound rounds to the same float32, that float32 is the running sum's."""
+    sums, the same numbers. Its last entry, the nucleus's mass m, is a float64 running sum rounded to float32, and
+    `total` is the float64 sum of all values in numpy's order, which differs from any float64 running sum of them by
+    at most 2 (V - 1) 2^-53 of it (Higham, "Accuracy and Stability of Numerical Algorithms", 4.2, for both orders).
+    m lies in an interval found below; the draw is the position where u m falls, and where every m of it gives the
+    same position within the prefix, that position is the draw."""
     cdf = running_sum(prefix)
     outside = cdf - prefix >= top_p  # the mass before it reached top_p
     outside[0] = False
@@ -59,11 +60,17 @@ def cdf_prefix_draw(prefix: np.ndarray, total: np.float64, vocab: int, u: np.flo
         target = u * cdf[-1]
         return int(np.searchsorted(cdf, target, side="right")) if target < cdf[-1] else None
     bound = 2.0 * vocab * 2.0**-53 * total * 1.01
-    low, high = np.float32(total - bound), np.float32(total + bound)
-    if low != high or low >= top_p:  # unsure, or the nucleus may end beyond the prefix (a sum rounded to 1, too)
-        return None
-    target = u * low
-    return int(np.searchsorted(cdf, target, side="right")) if target < cdf[-1] else None
+    low, high = total - bound, total + bound
+    if np.float32(high) >= top_p:
+        if top_p < 1:  # the nucleus may end beyond the prefix
+            return None
+        # At top_p = 1 a mass that rounds to 1 cuts the far tail: the first token cut, j, has fl(fl(S_j) - p_j) >= 1
+        # (S_j: the running sum up to it), so S_j - p_j >= 1 - 2^-25 - 2^-24 (fl(S_j) within 2^-24 of S_j, near 1),
+        # and everything before j is kept: m lies between that and the total.
+        low = min(low, 1 - 3 * 2.0**-25 - bound)
+    # every mass in [low, high] rounds to a float32 between these two, and u m and its position in the CDF rise with m
+    first, last = (int(np.searchsorted(cdf, u * np.float32(mass), side="right")) for mass in (low, high))
+    return first if first == last < len(cdf) else None
 
 
 def sorted_cdf_draw(p: np.ndarray, u: np.float32, top_p: np.float32) -> int:

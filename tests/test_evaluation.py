@@ -112,6 +112,26 @@ def test_seeded_sampling_draws_the_token_the_stable_full_sort_drew(vocab):
                 assert torch.equal(new, old), (seed, temperature, top_p, (new != old).nonzero()[:4])
 
 
+def test_seeded_draw_at_top_p_1_where_the_mass_rounds_to_1_and_the_rule_cuts_the_tail():
+    # At T = 1 the float32 probabilities of a 49,152-token softmax sum past 1, and the rule's float32 running sum
+    # reaches 1.0 before the sorted tail ends: the rule cuts the tail, so its mass m is below the total. A uniform
+    # just below a CDF step over m (and above it over the total), or on it, must draw the rule's token.
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 49152, generator=generator) * 3
+    logits[:, :50] += torch.randn(8, 50, generator=generator) * 6  # a head of likely tokens, as a model's
+    sorted_probs = torch.softmax(logits, -1).sort(-1, descending=True).values
+    outside = sorted_probs.cumsum(-1) - sorted_probs >= 1
+    outside[:, 0] = False
+    cdf = sorted_probs.masked_fill(outside, 0).cumsum(-1)
+    total = torch.softmax(logits, -1).sum(-1, dtype=torch.float64)
+    assert outside.any(-1).all() and (total.float() > cdf[:, -1]).all()  # the case at hand, in every row
+    for step in (1, 10, 100):
+        on = cdf[:, step - 1 : step] / cdf[:, -1:]
+        for uniforms in (on * (1 - 2**-22), on, torch.nextafter(on, torch.ones_like(on))):
+            new = SeededSampling(uniforms, 0, 1.0, 1.0).draw(logits, 0)
+            assert torch.equal(new, sorted_draw(logits, uniforms, 1.0, 1.0)), step
+
+
 def test_the_own_decode_loop_draws_what_generate_drew_sharing_prefills_and_dropping_finished_rows(make_config):
     # Rows of prompts x temperatures x samples through core.decoding's loop: each completion equal (float32) to the
     # one model.generate with SeededSampling draws from the same seed and temperature, one row at a time; each
