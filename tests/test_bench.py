@@ -262,6 +262,7 @@ def test_generate_smoke_times_the_sampler_plain_generate_and_every_part_of_an_ev
     assert float(sampler.split()[3]) > 0 and "tokens/s" in sampler and "of bound" in sampler, sampler
     split = next(line.strip() for line in lines if line.strip().startswith("evaluation "))
     shares = [int(share) for share in re.findall(r"\((\d+)%\)", split)]
-    assert len(shares) == 5 and abs(sum(shares) - 100) <= 3, split  # prefill, decode, the rest, log-probs, judging
+    # prefill, decode, the rest, the baseline's sampling, log-probs, judging
+    assert len(shares) == 6 and abs(sum(shares) - 100) <= 3, split
     plain = next(line for line in lines if "plain generate(do_sample=True)" in line)
     assert float(plain.split()[2]) > 0, plain
