@@ -20,7 +20,12 @@ def seeded_draw(scores: torch.Tensor, temperature, uniforms: torch.Tensor, top_p
     stable sort's CDF; the token at the drawn position is the r-th (by id) of the tokens of its probability, r its
     place among them: the stable order's token, without sorting the token ids. On a CPU (numpy) only the largest
     PREFIX values are sorted (cdf_prefix_draw), and the whole row only where the draw falls beyond them."""
-    probs = torch.softmax(scores.float() / temperature, dim=-1)
+    return probs_draw(torch.softmax(scores.float() / temperature, dim=-1), uniforms, top_p)
+
+
+def probs_draw(probs: torch.Tensor, uniforms: torch.Tensor, top_p: float) -> torch.Tensor:
+    """seeded_draw's token of each row of tempered float32 probabilities [B, V] (a caller that reads them too, as
+    the sampled KL's log-probs do, computes them once)."""
     if probs.device.type != "cpu":
         return stable_sorted_draw(probs, uniforms, top_p)
     p, u, top_p = probs.numpy(), uniforms.cpu().numpy(), np.float32(top_p)
