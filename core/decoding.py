@@ -11,6 +11,8 @@ and on the order they were scheduled in, and the seeded draw could only replace 
 paged decode fast path (block tables) needs Flash Attention on CUDA or XPU: on a CPU it runs its general path,
 with no paged-attention kernel."""
 
+import contextlib
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -77,9 +79,10 @@ class ReservedLayer(DynamicLayer):
         if end > self.key_buffer.shape[-2]:
             self.capacity = max(end, 2 * self.capacity)
             self.key_buffer, self.value_buffer = self.grown(self.key_buffer), self.grown(self.value_buffer)
-        self.key_buffer[:, :, start:end] = key_states
-        self.value_buffer[:, :, start:end] = value_states
-        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        rows = key_states.shape[0]  # the buffers' first rows (see batch_select_indices)
+        self.key_buffer[:rows, :, start:end] = key_states
+        self.value_buffer[:rows, :, start:end] = value_states
+        self.keys, self.values = self.key_buffer[:rows, :, :end], self.value_buffer[:rows, :, :end]
         return self.keys, self.values
 
     def grown(self, buffer: torch.Tensor) -> torch.Tensor:
@@ -88,10 +91,33 @@ class ReservedLayer(DynamicLayer):
         return larger
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            length = self.keys.shape[-2]
+        """Row i becomes row indices[i]. Where rows leave (no more indices than rows), only the rows whose place
+        changes are copied, within the buffers (decode moves the last live rows into the places of finished ones), and
+        the cache is a view of the buffers' first rows; else (each prompt's cache copied to its rows) the buffers are
+        gathered anew."""
+        if not self.is_initialized:
+            return
+        length = self.keys.shape[-2]
+        if len(indices) > self.key_buffer.shape[0]:
             self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
-            self.keys, self.values = self.key_buffer[:, :, :length], self.value_buffer[:, :, :length]
+        else:
+            moved = (indices != torch.arange(len(indices), device=indices.device)).nonzero().flatten()
+            for buffer in (self.key_buffer, self.value_buffer):
+                buffer[moved] = buffer[indices[moved]]  # gathered first: a row moved may be another's source
+        rows = len(indices)
+        self.keys, self.values = self.key_buffer[:rows, :, :length], self.value_buffer[:rows, :, :length]
+
+    def write_prompts(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: int, width: int):
+        """The keys and values [len(rows), heads, L, D] of some of a batch's prompts, prefilled apart, written into
+        their rows left-padded to the batch's `width`: positions before a prompt hold zeros (its mask hides them, and a
+        zero, unlike a reserved buffer's garbage, times a weight of 0 is 0)."""
+        if not self.is_initialized:
+            self.device, self.is_initialized = keys.device, True
+            self.key_buffer = keys.new_zeros(batch, keys.shape[1], max(self.capacity, width), keys.shape[3])
+            self.value_buffer = values.new_zeros(batch, values.shape[1], max(self.capacity, width), values.shape[3])
+        self.key_buffer[rows, :, width - keys.shape[-2] : width] = keys
+        self.value_buffer[rows, :, width - values.shape[-2] : width] = values
+        self.keys, self.values = self.key_buffer[:, :, :width], self.value_buffer[:, :, :width]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -105,39 +131,132 @@ def reserved_cache(model: torch.nn.Module, capacity: int) -> DynamicCache:
     return cache
 
 
+# What a forward pass costs beside its tokens, in padded tokens: prompts of unequal lengths are prefilled in groups
+# of neighbouring lengths where a group saves more padding than this. On a CPU a forward's GEMMs of few rows run well
+# below the rate of many rows' (32 HH prompts of 16 to 123 tokens, one padded batch: 41% padding); on a GPU a
+# forward's kernel launches cost more than a small model's padded tokens.
+GROUP_COST = {"cpu": 256}
+GROUP_COST_ELSEWHERE = 4096
+
+# On a CPU, the LM head's GEMM of a decode step's rows by the whole vocabulary runs in column blocks of this many
+# tokens: MKL multiplies 128 rows by SmolLM2's [49,152, 576] head at 65 GFLOP/s in one GEMM and 100 in blocks of
+# 2,048 (a 2-core AVX2 EPYC), each logit the same dot product.
+VOCAB_BLOCK = 2048
+
+
+def length_groups(lengths: list[int], cost: int) -> list[list[int]]:
+    """The prompts (indices into lengths) in groups of neighbouring lengths with the fewest padded tokens plus `cost`
+    a group: the best split of the lengths in order, by dynamic programming over its n (n + 1) / 2 candidate groups."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    best, cut = [0] + [float("inf")] * len(order), [0] * (len(order) + 1)
+    for end in range(1, len(order) + 1):
+        for start in range(end):
+            total = best[start] + (end - start) * lengths[order[end - 1]] + cost
+            if total < best[end]:
+                best[end], cut[end] = total, start
+    groups, end = [], len(order)
+    while end:
+        groups.append(order[cut[end] : end])
+        end = cut[end]
+    return groups[::-1]
+
+
+def prefill(model, prompts: list[tuple], pad_token_id: int, capacity: int, device: torch.device):
+    """(cache, logits [P, V] of each prompt's last position, mask [P, W], positions [P, W]) of distinct prompts
+    left-padded to one width W, the cache reserved for W + capacity positions. Prompts of unequal lengths are
+    prefilled in length groups (length_groups), each group's keys and values written into the batch's layout; a
+    model with special cache layers (a sliding window, a recurrent state) is prefilled in one batch."""
+    ids, mask = left_padded_prompts([{"prompt": list(prompt)} for prompt in prompts], pad_token_id)
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate numbers them
+    cache = reserved_cache(model, ids.shape[1] + capacity)
+    groups = [list(range(len(prompts)))]
+    if all(type(layer) is ReservedLayer for layer in cache.layers):
+        groups = length_groups([len(prompt) for prompt in prompts], GROUP_COST.get(device.type, GROUP_COST_ELSEWHERE))
+    if len(groups) == 1:
+        output = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                       cache=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+        return cache, output.logits[:, -1], mask.to(device), positions.to(device)
+    logits = None
+    for group in groups:
+        group_ids, group_mask = left_padded_prompts([{"prompt": list(prompts[i])} for i in group], pad_token_id)
+        part = DynamicCache(config=model.config)
+        output = model(input_ids=group_ids.to(device), attention_mask=group_mask.to(device), cache=part,
+                       position_ids=positions[group, -group_ids.shape[1] :].to(device), use_cache=True,
+                       logits_to_keep=1)  # fmt: skip
+        rows = torch.tensor(group, device=device)
+        for layer, written in zip(cache.layers, part.layers):
+            layer.write_prompts(rows, written.keys, written.values, len(prompts), ids.shape[1])
+        if logits is None:
+            logits = output.logits.new_empty(len(prompts), output.logits.shape[-1])
+        logits[rows] = output.logits[:, -1]
+    return cache, logits, mask.to(device), positions.to(device)
+
+
+@contextlib.contextmanager
+def blocked_head(model: torch.nn.Module):
+    """The model's LM head computed in VOCAB_BLOCK column blocks, within the context, where it is a float32
+    torch.nn.Linear on a CPU (else as it is)."""
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if type(head) is not torch.nn.Linear or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        yield
+        return
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        logits = rows.new_empty(len(rows), head.out_features)
+        for start in range(0, head.out_features, VOCAB_BLOCK):
+            block = slice(start, start + VOCAB_BLOCK)
+            if head.bias is None:
+                torch.mm(rows, weight[block].t(), out=logits[:, block])
+            else:
+                torch.addmm(head.bias[block], rows, weight[block].t(), out=logits[:, block])
+        return logits.view(*hidden.shape[:-1], head.out_features)
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def hole_filling_order(keep: torch.Tensor) -> torch.Tensor:
+    """The rows kept (keep [R] bool) as indices of a new order: the kept rows in place, and into the place of each
+    row that left among the first keep.sum(), one of the kept rows past them. The KV cache then copies as many rows as
+    left (ReservedLayer.batch_select_indices), not every row after the first that left."""
+    kept = int(keep.sum())
+    order = torch.arange(kept, device=keep.device)
+    order[(~keep[:kept]).nonzero().flatten()] = keep[kept:].nonzero().flatten() + kept
+    return order
+
+
 @torch.no_grad()
 def decode(model, prompts: list[list[int]], draw, max_new_tokens: int, pad_token_id: int, eos_token_id: int,
            device: torch.device) -> list[list[int]]:  # fmt: skip
     """The completions of rows of prompts (each ending with the EOS where it stopped): draw(logits [R, V], step,
     rows [R]) -> [R] tokens, rows being the indices of the live rows. Equal prompts are prefilled once."""
     distinct: dict[tuple, int] = {}
-    which = torch.tensor([distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts])
-    ids, mask = left_padded_prompts([{"prompt": list(prompt)} for prompt in distinct], pad_token_id)
-    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate numbers them
-    cache = reserved_cache(model, ids.shape[1] + max_new_tokens)
-    ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
-    output = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                   use_cache=True, logits_to_keep=1)  # fmt: skip
-    which = which.to(device)
-    if len(distinct) < len(prompts) or not torch.equal(which, torch.arange(len(prompts), device=device)):
-        cache.reorder_cache(which)  # each row its prompt's cache
-    logits, mask = output.logits[which, -1], mask[which]
-    next_position = positions[which, -1] + 1
-    live = torch.arange(len(prompts), device=device)
-    completions: list[list[int]] = [[] for _ in prompts]
-    for step in range(max_new_tokens):
-        tokens = draw(logits, step, live).to(device)
-        for row, token in zip(live.tolist(), tokens.tolist()):
-            completions[row].append(token)
-        keep = tokens != eos_token_id
-        if step == max_new_tokens - 1 or not keep.any():
-            break
-        if not keep.all():  # finished rows leave the batch
-            kept = keep.nonzero().flatten()
-            cache.batch_select_indices(kept)
-            live, tokens, mask, next_position = live[kept], tokens[kept], mask[kept], next_position[kept]
-        mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
-        output = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                       cache=cache, use_cache=True)  # fmt: skip
-        logits, next_position = output.logits[:, -1], next_position + 1
+    which = torch.tensor([distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts], device=device)
+    with blocked_head(model):
+        cache, logits, mask, positions = prefill(model, list(distinct), pad_token_id, max_new_tokens, device)
+        if len(distinct) < len(prompts) or not torch.equal(which, torch.arange(len(prompts), device=device)):
+            cache.reorder_cache(which)  # each row its prompt's cache
+        logits, mask, next_position = logits[which], mask[which], positions[which, -1] + 1
+        live = torch.arange(len(prompts), device=device)
+        completions: list[list[int]] = [[] for _ in prompts]
+        for step in range(max_new_tokens):
+            tokens = draw(logits, step, live).to(device)
+            for row, token in zip(live.tolist(), tokens.tolist()):
+                completions[row].append(token)
+            keep = tokens != eos_token_id
+            if step == max_new_tokens - 1 or not keep.any():
+                break
+            if not keep.all():  # finished rows leave the batch
+                kept = hole_filling_order(keep)
+                cache.batch_select_indices(kept)
+                live, tokens, mask, next_position = live[kept], tokens[kept], mask[kept], next_position[kept]
+            mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
+            output = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position[:, None],
+                           cache=cache, use_cache=True)  # fmt: skip
+            logits, next_position = output.logits[:, -1], next_position + 1
     return completions

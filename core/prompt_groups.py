@@ -81,17 +81,22 @@ def scores_by_prompt(
     per_example = len(rows[0])
     size = max(1, completions_per_batch // per_example)
     local, n_real = topology.shard(list(range(len(examples))))
-    values: list[list[float]] = []  # each local example's, in its responses' order
+    values: list[list[float]] = [[] for _ in local]  # each local example's, in its responses' order
+    # batched by length: a batch's rows are padded to its longest, so examples of similar lengths go together
+    tokens = [len(examples[i]["prompt"]) + sum(map(len, examples[i]["responses"])) for i in local]
+    by_length = sorted(range(len(local)), key=tokens.__getitem__)
     with (progress or no_bar)(len(local) * per_example) as bar:
         for start in range(0, len(local), size):
-            chunk = local[start : start + size]
+            places = by_length[start : start + size]
+            chunk = [local[place] for place in places]
             batch = scorer.batch([examples[i] for i in chunk])
             # sequences are numbered response-major: all first responses, then all second ones, ...
             temperature = 1.0
             if temperatures is not None:
                 temperature = torch.tensor([temperatures[rows[i][r]] for r in range(per_example) for i in chunk])
             scores = scorer(model, batch, None, temperature=temperature).view(per_example, len(chunk))
-            values += scores.t().cpu().tolist()
+            for place, example_values in zip(places, scores.t().cpu().tolist()):
+                values[place] = example_values
             bar.update(len(chunk) * per_example)
     gathered = topology.gather({"values": values[:n_real]})["values"]
     result = [0.0] * len(completions)
