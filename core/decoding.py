@@ -108,9 +108,9 @@ class ReservedLayer(DynamicLayer):
         self.keys, self.values = self.key_buffer[:rows, :, :length], self.value_buffer[:rows, :, :length]
 
     def write_prompts(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: int, width: int):
-        """The keys and values [len(rows), heads, L, D] of some of a batch's prompts, prefilled apart, written into
-        their rows left-padded to the batch's `width`: positions before a prompt hold zeros (its mask hides them, and a
-        zero, unlike a reserved buffer's garbage, times a weight of 0 is 0)."""
+        """The keys and values [len(rows), heads, L, D] of some of a batch's prompts, prefilled apart (left-padded to
+        their longest, L), written into their rows left-padded to the batch's `width`: positions before the last L
+        hold zeros (the masks hide them, and a zero, unlike a reserved buffer's garbage, times a weight of 0 is 0)."""
         if not self.is_initialized:
             self.device, self.is_initialized = keys.device, True
             self.key_buffer = keys.new_zeros(batch, keys.shape[1], max(self.capacity, width), keys.shape[3])

@@ -1,15 +1,18 @@
 """Evaluation and sampling (evaluation.py)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
 
 import train
 from conftest import build_trainer, read_jsonl
-from core import generations
-from core.decoding import ReservedLayer
+from core import decoding, generations
+from core.decoding import ReservedLayer, hole_filling_order, length_groups
 from core.generations import SeededSampling
 from core.scoring import Scorer
+from core.seeded_draw import drawn_log_probs, probs_draw
 
 
 def test_sampling_during_eval_strips_prompt(make_config):
@@ -241,3 +244,136 @@ def test_reserved_cache_layer_holds_what_a_growing_cache_holds():
         got, expected = reserved.update(keys, values[..., :5]), growing.update(keys, values[..., :5])
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert reserved.get_seq_length() == growing.get_seq_length() == 8 and reserved.capacity >= 8
+
+
+def test_length_groups_are_the_split_with_fewest_padded_tokens_and_forwards():
+    # Prompts of unequal lengths are prefilled in groups of neighbouring lengths: of every split of the sorted lengths
+    # into runs, the one whose padded tokens (a group's size times its longest) plus `cost` a group are fewest.
+    lengths = [100, 10, 12, 101, 11, 40, 38]
+
+    def total(groups, cost):
+        return sum(len(group) * max(lengths[i] for i in group) + cost for group in groups)
+
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    for cost in (0, 5, 20, 60, 1000):
+        splits = []
+        for cuts in range(2 ** (len(order) - 1)):  # each bit: a new group starts after that place
+            groups, start = [], 0
+            for place in range(1, len(order)):
+                if cuts >> (place - 1) & 1:
+                    groups.append(order[start:place])
+                    start = place
+            splits.append(groups + [order[start:]])
+        best = min(total(groups, cost) for groups in splits)
+        got = length_groups(lengths, cost)
+        assert sorted(i for group in got for i in group) == list(range(len(lengths))) and total(got, cost) == best
+    assert length_groups(lengths, 20) == [[1, 4, 2], [6, 5], [0, 3]]
+    assert length_groups(lengths, 1000) == [order] and len(length_groups(lengths, 0)) == len(lengths)
+
+
+def test_prompts_prefilled_in_length_groups_hold_what_one_padded_batch_holds(make_config, monkeypatch):
+    # Each group of lengths is prefilled apart and its keys and values written into the one left-padded layout the
+    # decode steps extend: the same last logits, the same cache wherever a mask reads it (zeros elsewhere), as one
+    # padded batch's; and the completions drawn from them, the LM head in blocks of a few tokens, are the same.
+    trainer = build_trainer(make_config("generation.max_new_tokens=6"))
+    policy, sampler, pad = trainer.policy, trainer.evaluator.sampler, trainer.tokenizer.pad_token_id
+    first = trainer.data.train_examples[0]["prompt"]
+    prompts = [tuple(first[:k]) for k in (len(first), 3, 9, 4)]
+    shapes, results = [], {}
+    hook = policy.register_forward_pre_hook(lambda m, a, kw: shapes.append(kw["input_ids"].shape), with_kwargs=True)
+    for cost in (10**6, 0):
+        monkeypatch.setitem(decoding.GROUP_COST, "cpu", cost)
+        with torch.no_grad():
+            results[cost] = decoding.prefill(policy, prompts, pad, 6, torch.device("cpu"))
+    hook.remove()
+    assert shapes == [(4, len(first)), (1, 3), (1, 4), (1, 9), (1, len(first))]  # one batch; each length apart
+    (whole, whole_logits, whole_mask, whole_positions), (grouped, logits, mask, positions) = results[10**6], results[0]
+    assert torch.equal(mask, whole_mask) and torch.equal(positions, whole_positions)
+    torch.testing.assert_close(logits, whole_logits, atol=1e-5, rtol=1e-5)
+    read = mask.bool()[:, None, :, None]
+    for layer, whole_layer in zip(grouped.layers, whole.layers):
+        for got, expected in ((layer.keys, whole_layer.keys), (layer.values, whole_layer.values)):
+            torch.testing.assert_close(got * read, expected * read, atol=1e-5, rtol=1e-5)
+            assert not got.masked_select(~read).any()
+    rows = [(p, t) for p in range(4) for t in (0.5, 1.0)]
+    args = ([list(prompts[p]) for p, _ in rows], None, [11 * p + int(4 * t) for p, t in rows], [t for _, t in rows])
+    sampler.batch_size = 4
+    drawn = sampler.sample_rows(policy, *args)
+    monkeypatch.setitem(decoding.GROUP_COST, "cpu", 10**6)
+    monkeypatch.setattr(decoding, "VOCAB_BLOCK", 10**9)
+    assert sampler.sample_rows(policy, *args) == drawn
+
+
+def test_the_blocked_head_gives_the_heads_logits_and_is_the_heads_own_again_after(monkeypatch):
+    # On a CPU the decode steps' LM head multiplies by the vocabulary in column blocks (faster with few rows): the
+    # same logits as the head's, with and without a bias, the last block shorter; a head in another dtype is left
+    # as it is.
+    monkeypatch.setattr(decoding, "VOCAB_BLOCK", 7)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 2, 16, generator=generator)
+    for bias in (True, False):
+        head = torch.nn.Linear(16, 50, bias=bias)
+        model = SimpleNamespace(get_output_embeddings=lambda head=head: head)
+        with decoding.blocked_head(model), torch.no_grad():  # as decode runs it
+            assert "forward" in vars(head)
+            logits = head(hidden)
+        assert "forward" not in vars(head)
+        torch.testing.assert_close(logits, torch.nn.functional.linear(hidden, head.weight, head.bias).detach())
+    head.to(torch.bfloat16)
+    with decoding.blocked_head(model):
+        assert "forward" not in vars(head)
+
+
+def test_rows_that_leave_give_their_places_to_the_last_live_rows():
+    # When rows finish, the last live rows move into their places: the KV cache copies as many rows as left.
+    keep = torch.tensor([False, True, True, False, True, True, False, True])
+    assert hole_filling_order(keep).tolist() == [5, 1, 2, 7, 4]
+    assert hole_filling_order(torch.tensor([True, True, False, False])).tolist() == [0, 1]
+    layer, growing = ReservedLayer(capacity=6), DynamicLayer()
+    keys, values = torch.randn(2, 8, 2, 3, 4)
+    for each in (layer, growing):
+        each.update(keys, values)
+        each.batch_select_indices(hole_filling_order(keep))
+    assert torch.equal(layer.keys, growing.keys) and torch.equal(layer.values, growing.values)
+    assert torch.equal(layer.key_buffer[1:3, :, :3], keys[1:3]) and layer.key_buffer.shape[0] == 8  # in place
+
+
+def test_scored_examples_are_batched_by_length_and_each_score_returns_to_its_row(make_config, monkeypatch):
+    # The KL's log-probs and a reward model's rewards: examples (a prompt and its completions) are batched by their
+    # tokens, shortest first, so that a batch pads little; each score is the one the completion gets in any batching.
+    trainer = build_trainer(make_config("generation.max_new_tokens=8"))
+    policy, sampler = trainer.policy, trainer.evaluator.sampler
+    first = trainer.data.train_examples[0]["prompt"]
+    prompts = [first[:k] for k in (len(first), 4, 11)]  # longest first
+    rows = [(p, t) for p in range(3) for t in (0.5, 1.0, 2.0)]
+    row_prompts, temperatures = [prompts[p] for p, _ in rows], [t for _, t in rows]
+    sampler.batch_size = 9
+    completions = sampler.sample_rows(policy, row_prompts, None, list(range(len(rows))), temperatures)
+    together = sampler.logps(policy, row_prompts, completions, None, temperatures)
+    sizes, batch = [], Scorer.batch
+
+    def recorded(self, examples):
+        sizes.append([len(e["prompt"]) + sum(map(len, e["responses"])) for e in examples])
+        return batch(self, examples)
+
+    monkeypatch.setattr(Scorer, "batch", recorded)
+    sampler.batch_size = 3  # one example (3 completions) a batch
+    apart = sampler.logps(policy, row_prompts, completions, None, temperatures)
+    tokens = [len(p) + sum(len(c) for c, (q, _) in zip(completions, rows) if q == i) for i, p in enumerate(prompts)]
+    assert sizes == [[n] for n in sorted(tokens)] and sorted(tokens) != tokens
+    assert apart == pytest.approx(together, abs=1e-5)
+
+
+def test_the_log_probs_read_while_drawing_divide_out_the_float32_softmaxs_rounding():
+    # The sampled KL's log-probs summed while drawing read each token's probability from the float32 softmax the draw
+    # computed; its rows sum to 1 only within its rounding, which over a 49,152-token vocabulary puts the log of a
+    # probability high by ~1e-5 on average (1e-3 over a completion). Divided by the row's float64 sum that
+    # probs_draw returns (drawn_log_probs), it is the float64 log-softmax's within 1e-6.
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 49152, generator=generator) * 3
+    logits[:, :50] += 8  # a head of likely tokens, as a model's
+    probs = torch.softmax(logits, -1)
+    tokens, sums = probs_draw(probs, torch.rand(64, generator=generator), 1.0)
+    exact = torch.log_softmax(logits.double(), -1).gather(1, tokens[:, None])[:, 0]
+    assert (probs.gather(1, tokens[:, None])[:, 0].double().log() - exact).mean() > 5e-6  # the softmax's rounding
+    assert (drawn_log_probs(probs, tokens, sums) - exact).abs().max() < 1e-6
