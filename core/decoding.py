@@ -171,21 +171,19 @@ def prefill(model, prompts: list[tuple], pad_token_id: int, capacity: int, devic
     cache = reserved_cache(model, ids.shape[1] + capacity)
     groups = [list(range(len(prompts)))]
     if all(type(layer) is ReservedLayer for layer in cache.layers):
-        groups = length_groups([len(prompt) for prompt in prompts], GROUP_COST.get(device.type, GROUP_COST_ELSEWHERE))
-    if len(groups) == 1:
-        output = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-                       cache=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
-        return cache, output.logits[:, -1], mask.to(device), positions.to(device)
+        cost = GROUP_COST.get(device.type, GROUP_COST_ELSEWHERE)
+        groups = [sorted(group) for group in length_groups([len(prompt) for prompt in prompts], cost)]
     logits = None
     for group in groups:
         group_ids, group_mask = left_padded_prompts([{"prompt": list(prompts[i])} for i in group], pad_token_id)
-        part = DynamicCache(config=model.config)
+        part = cache if len(groups) == 1 else DynamicCache(config=model.config)  # one group (in order): in place
         output = model(input_ids=group_ids.to(device), attention_mask=group_mask.to(device), cache=part,
                        position_ids=positions[group, -group_ids.shape[1] :].to(device), use_cache=True,
                        logits_to_keep=1)  # fmt: skip
         rows = torch.tensor(group, device=device)
-        for layer, written in zip(cache.layers, part.layers):
-            layer.write_prompts(rows, written.keys, written.values, len(prompts), ids.shape[1])
+        if part is not cache:
+            for layer, written in zip(cache.layers, part.layers):
+                layer.write_prompts(rows, written.keys, written.values, len(prompts), ids.shape[1])
         if logits is None:
             logits = output.logits.new_empty(len(prompts), output.logits.shape[-1])
         logits[rows] = output.logits[:, -1]

@@ -21,7 +21,7 @@ from core.decoding import decode, own_loop_problem
 from core.layouts import left_padded_prompts, to_device
 from core.prompt_groups import prompt_scorer, scores_by_prompt
 from core.rewards import ModelReward, check_reward, load_reward
-from core.seeded_draw import drawn_log_probs, probs_draw, seeded_draw
+from core.seeded_draw import drawn_log_probs, probs_draw, seeded_draw, tempered_probs
 from modeling.model_dirs import resolve_model_dir
 from modeling.placement import root_gathered
 from modeling.vision import unpack_images
@@ -145,7 +145,7 @@ class Sampler:
         def draw(logits: torch.Tensor, step: int, live: torch.Tensor) -> torch.Tensor:
             rows = live.cpu()
             row_temperature = temperatures[0] if one else temperature[rows].to(logits.device)
-            probs = torch.softmax(logits.float() / row_temperature, dim=-1)  # as seeded_draw computes them
+            probs = tempered_probs(logits, row_temperature)
             tokens, sums = probs_draw(probs, uniforms[rows, step].to(logits.device), top_p)
             if scored:
                 logps[rows] += drawn_log_probs(probs, tokens, sums).cpu()

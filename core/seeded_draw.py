@@ -20,7 +20,12 @@ def seeded_draw(scores: torch.Tensor, temperature, uniforms: torch.Tensor, top_p
     stable sort's CDF; the token at the drawn position is the r-th (by id) of the tokens of its probability, r its
     place among them: the stable order's token, without sorting the token ids. On a CPU (numpy) only the largest
     PREFIX values are sorted (cdf_prefix_draw), and the whole row only where the draw falls beyond them."""
-    return probs_draw(torch.softmax(scores.float() / temperature, dim=-1), uniforms, top_p)[0]
+    return probs_draw(tempered_probs(scores, temperature), uniforms, top_p)[0]
+
+
+def tempered_probs(scores: torch.Tensor, temperature) -> torch.Tensor:
+    """[B, V] float32 probabilities of scores [B, V] at `temperature` (a number, or [B, 1]): what the draw reads."""
+    return torch.softmax(scores.float() / temperature, dim=-1)
 
 
 def probs_draw(probs: torch.Tensor, uniforms: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
