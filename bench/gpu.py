@@ -10,7 +10,10 @@ one folder (campaign.json, campaign.md, campaign.log, profile-trace.json.gz):
    the most time and the device's gaps between them (profile.py's device_timeline), the host's operations;
 4. the table: a random ~1.1B Llama at 1024 tokens x 8 and x 64 pairs a step and 4096 x 16 (activation
    checkpointing), ours in the packed block-mask layout (the default), padded and packed with the dense mask, and
-   TRL's DPOTrainer (trl.py) without and with use_liger_kernel: pairs/s, real and computed tokens/s, MFU, peak memory.
+   TRL's DPOTrainer (trl.py) without and with use_liger_kernel: pairs/s, real and computed tokens/s, MFU, peak memory;
+   between the 1024-token workloads and the 4096-token one, sampling (sampling.py): evaluate.py's Sampler against
+   plain model.generate(do_sample=True) on the same model, 16 prompts x 4 temperatures (64 rows) x 64 new tokens in
+   bfloat16, tokens/s.
 
 --gpu --smoke runs it at tiny sizes on any device, as the test suite does (without CUDA: no cuda tests, background
 saves, block mask or Liger, each stage saying so)."""
@@ -30,6 +33,7 @@ from bench.async_save import MODES, async_save_overrides, async_save_worker, sum
 from bench.campaign import Campaign, outcomes_of_tests
 from bench.common import hh_like_rows
 from bench.profile import step_profile_worker
+from bench.sampling import render_sampling, sampling_worker
 from bench.scale import scale_model_dir
 from bench.step import lever_worker
 from bench.trl import trl_worker
@@ -70,7 +74,9 @@ OURS = {
 CONFIGURATIONS = ("packed, block mask (default)", "TRL", "TRL + Liger", "padded", "packed, dense mask")
 TABLE_ORDER = ("padded", "packed, dense mask", "packed, block mask (default)", "TRL", "TRL + Liger")
 # (limit in seconds on a GPU, in --smoke) of the cuda tests, each background-save run and the profile
-LIMITS = {"cuda tests": (200, 60), "background saves": (60, 60), "profile": (120, 60)}
+LIMITS = {"cuda tests": (200, 60), "background saves": (60, 60), "profile": (120, 60), "sampling": (60, 60)}
+# The sampling stage's (prompts, temperatures, new tokens, the pairs' max_length its prompts are drawn for)
+SAMPLING = {"gpu": (16, [0.25, 0.5, 0.75, 1.0], 64, 1024), "smoke": (2, [0.5, 1.0], 4, 64)}
 # The campaign's default budget: a 15-minute lease less the machine's start, the wheels' install and the transfers
 BUDGET = 540
 
@@ -124,7 +130,11 @@ def bench_gpu(smoke: bool, out: Path, budget: float) -> None:
         run_cuda_tests(campaign, smoke)
         run_background_saves(campaign, Path(tmp), smoke)
         run_profile(campaign, Path(tmp), model_dir, CAMPAIGN_WORKLOADS[size][0], smoke)
-        for workload in CAMPAIGN_WORKLOADS[size]:
+        workloads = CAMPAIGN_WORKLOADS[size]
+        for workload in workloads[:2]:
+            run_workload(campaign, Path(tmp), model_dir, workload)
+        run_sampling(campaign, Path(tmp), model_dir, smoke)  # one stage, before the long rows' five
+        for workload in workloads[2:]:
             run_workload(campaign, Path(tmp), model_dir, workload)
     print(f"\n{render_campaign(campaign.report)}", flush=True)
 
@@ -195,6 +205,15 @@ def run_profile(campaign: Campaign, tmp: Path, model_dir: Path, workload: tuple,
                     data_file=str(data), trace_file=str(campaign.out / "profile-trace.json.gz"))  # fmt: skip
 
 
+def run_sampling(campaign: Campaign, tmp: Path, model_dir: Path, smoke: bool) -> None:
+    """evaluate.py's sampling against plain generate (sampling.py's worker)."""
+    n_prompts, temperatures, max_new_tokens, max_length = SAMPLING["smoke" if smoke else "gpu"]
+    name = f"sampling: {n_prompts * len(temperatures)} rows x {max_new_tokens} new tokens"
+    campaign.worker(name, sampling_worker, tmp / "sampling.json", LIMITS["sampling"][smoke], model_dir=str(model_dir),
+                    n_prompts=n_prompts, temperatures=temperatures, max_new_tokens=max_new_tokens,
+                    max_length=max_length)  # fmt: skip
+
+
 def configuration_skip(name: str) -> str | None:
     """Why a configuration cannot run here, or None."""
     cuda = torch.cuda.is_available()
@@ -255,6 +274,8 @@ def render_campaign(report: dict) -> str:
             lines += render_tests(stage)
         elif stage["name"].startswith("profile") and stage.get("result"):
             lines += render_profile(stage)
+        elif stage["name"].startswith("sampling") and stage.get("result"):
+            lines += render_sampling(stage)
     lines += render_saves([s for s in stages if s["name"].startswith("background saves")])
     workloads = dict.fromkeys(s["name"].split(": ")[0] for s in stages if " x " in s["name"].split(": ")[0])
     for workload in workloads:

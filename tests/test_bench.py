@@ -31,7 +31,7 @@ def run_bench(*flags: str, timeout: int, **env: str) -> subprocess.CompletedProc
     )
 
 
-@pytest.mark.slow  # four fresh processes (the profile, two layouts and TRL) and their imports: ~35 s
+@pytest.mark.slow  # five fresh processes (the profile, two layouts, TRL, sampling) and their imports: ~75 s
 def test_gpu_campaign_smoke_writes_every_stage_and_the_profile_to_its_folder(tmp_path):
     result = run_bench("--gpu", "--smoke", "--out", str(tmp_path / "out"), timeout=600, OMP_NUM_THREADS="2")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -39,11 +39,13 @@ def test_gpu_campaign_smoke_writes_every_stage_and_the_profile_to_its_folder(tmp
     stages = {stage["name"]: stage for stage in report["stages"]}
     table = [f"64 x 4: {name}" for name in gpu.CONFIGURATIONS]
     profile = "profile: 64 x 4, the default configuration"
-    assert list(stages) == ["cuda tests", "background saves: sync", "background saves: async", profile, *table]
+    sampling = "sampling: 4 rows x 4 new tokens"
+    saves = ["background saves: sync", "background saves: async"]
+    assert list(stages) == ["cuda tests", *saves, profile, *table, sampling]
     for name in ("cuda tests", "background saves: sync", "background saves: async", "64 x 4: TRL + Liger"):
         assert stages[name]["status"].startswith("skipped: no CUDA"), stages[name]
     assert stages["64 x 4: packed, block mask (default)"]["status"].startswith("skipped: FlexAttention")
-    for name in (profile, "64 x 4: padded", "64 x 4: packed, dense mask", "64 x 4: TRL"):
+    for name in (profile, "64 x 4: padded", "64 x 4: packed, dense mask", "64 x 4: TRL", sampling):
         assert stages[name]["status"] == "ok" and stages[name]["result"], stages[name]
     for name in table[3:] + table[1:2]:
         r = stages[name]["result"]
@@ -56,10 +58,15 @@ def test_gpu_campaign_smoke_writes_every_stage_and_the_profile_to_its_folder(tmp
     top = stages[profile]["result"]["top_host_ops"]
     assert len(top) == 15 and "aten::mm" in [name for name, *_ in top[:5]] and sum(s for _, _, s, _ in top) <= 1
     assert "top_kernels" not in stages[profile]["result"] and (tmp_path / "out" / "profile-trace.json.gz").exists()
+    # sampling: the Sampler's and generate's rows each drew tokens, up to each row's EOS, at most max_new_tokens a row
+    r = stages[sampling]["result"]
+    assert r["rows"] == 4 and r["dtype"] == "float32" and r["speedup"] > 0
+    assert all(0 < r[side]["tokens"] <= 16 and r[side]["tokens_per_second"] > 0 for side in ("ours", "generate"))
     markdown = (tmp_path / "out" / "campaign.md").read_text()
     for name, stage in stages.items():
         assert f"| {name} | {stage['status']} | " in markdown
     assert "| `aten::mm` | " in markdown and "| padded | " in markdown and "## 64 x 4 pairs a step" in markdown
+    assert f"## {sampling}" in markdown and "| ours (evaluate.py's Sampler) | " in markdown
     assert "===== 64 x 4: TRL: ok" in (tmp_path / "out" / "campaign.log").read_text()
 
 

@@ -161,6 +161,35 @@ def test_the_own_decode_loop_draws_what_generate_drew_sharing_prefills_and_dropp
     assert sum(len(c) < 12 for c in drawn) >= 2 and widths[-1][0] < len(rows)
 
 
+@pytest.mark.cuda
+def test_the_own_decode_loop_on_cuda_draws_what_generate_draws_and_sums_the_scored_log_probs(make_config):
+    # evaluate.py's sampling on the GPU, float32 without TF32: each distinct prompt prefilled once, every token drawn
+    # by the stable sort (the GPU's draw), rows that drew their EOS leaving the batch; each completion the one
+    # model.generate with SeededSampling draws from its seed alone, and the log-probs summed while drawing the ones
+    # scored afterwards.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        trainer = build_trainer(make_config("generation.max_new_tokens=12"))
+        policy, sampler = trainer.policy, trainer.evaluator.sampler
+        assert next(policy.parameters()).device.type == "cuda"
+        eos = trainer.tokenizer.eos_token_id
+
+        def likelier_eos(module, args, logits):  # rows finish early
+            return logits + 3.0 * (torch.arange(logits.shape[-1], device=logits.device) == eos)
+
+        policy.get_output_embeddings().register_forward_hook(likelier_eos)
+        prompts = [trainer.data.train_examples[i]["prompt"] for i in range(3)]
+        rows = [(p, t) for p in range(3) for t in (0.5, 1.0, 2.0)]
+        seeds = [10 * p + int(4 * t) for p, t in rows]
+        args = ([prompts[p] for p, _ in rows], None, seeds, [t for _, t in rows])
+        drawn, logps = sampler.sample_scored(policy, *args)
+        alone = [sampler.complete_seeded(policy, [prompts[p]], [seed], None, t)[0] for (p, t), seed in zip(rows, seeds)]
+        assert drawn == alone and len(set(map(len, drawn))) > 1
+        assert logps == pytest.approx(sampler.logps(policy, args[0], drawn, None, args[3]), abs=1e-4)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+
 def test_completions_of_one_prompt_are_scored_together_each_as_it_would_be_alone(make_config, monkeypatch):
     # The sampled KL's log-probs: the completions of each prompt, at several temperatures, scored in one packed
     # segment (the prompt computed once) equal each completion's own forward, its logits divided by its temperature;
