@@ -12,12 +12,19 @@ paged decode fast path (block tables) needs Flash Attention on CUDA or XPU: on a
 with no paged-attention kernel."""
 
 import contextlib
+import inspect
 
 import torch
+import transformers
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from core.layouts import left_padded_prompts
+
+# transformers 5.24 renamed the models' KV-cache argument past_key_values to cache (the old name warns until 5.40): the
+# name a model whose forward names neither (a wrapper's **kwargs) is given
+TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+DEFAULT_CACHE_ARGUMENT = "cache" if TRANSFORMERS_VERSION >= (5, 24) else "past_key_values"
 
 # generation_config fields that add a logits processor to model.generate (greedy included): where a model's config
 # sets one, the old path (which applies them) is kept
@@ -52,6 +59,15 @@ def own_loop_problem(model: torch.nn.Module, vision, world_size: int) -> str | N
     if getattr(model.config, "is_encoder_decoder", False):
         return "an encoder-decoder model"
     return None
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name the model's forward reads its KV cache by: `cache` (transformers' models from 5.24) or
+    `past_key_values` (before 5.24, and remote code written for it). A cache passed by a name a forward does not read
+    falls into its **kwargs unread, and each decode step would attend to its own token alone."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model passes it on
+    parameters = inspect.signature(base.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in parameters), DEFAULT_CACHE_ARGUMENT)
 
 
 class ReservedLayer(DynamicLayer):
@@ -168,7 +184,7 @@ def prefill(model, prompts: list[tuple], pad_token_id: int, capacity: int, devic
     model with special cache layers (a sliding window, a recurrent state) is prefilled in one batch."""
     ids, mask = left_padded_prompts([{"prompt": list(prompt)} for prompt in prompts], pad_token_id)
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate numbers them
-    cache = reserved_cache(model, ids.shape[1] + capacity)
+    cache, argument = reserved_cache(model, ids.shape[1] + capacity), cache_argument(model)
     groups = [list(range(len(prompts)))]
     if all(type(layer) is ReservedLayer for layer in cache.layers):
         cost = GROUP_COST.get(device.type, GROUP_COST_ELSEWHERE)
@@ -177,7 +193,7 @@ def prefill(model, prompts: list[tuple], pad_token_id: int, capacity: int, devic
     for group in groups:
         group_ids, group_mask = left_padded_prompts([{"prompt": list(prompts[i])} for i in group], pad_token_id)
         part = cache if len(groups) == 1 else DynamicCache(config=model.config)  # one group (in order): in place
-        output = model(input_ids=group_ids.to(device), attention_mask=group_mask.to(device), cache=part,
+        output = model(input_ids=group_ids.to(device), attention_mask=group_mask.to(device), **{argument: part},
                        position_ids=positions[group, -group_ids.shape[1] :].to(device), use_cache=True,
                        logits_to_keep=1)  # fmt: skip
         rows = torch.tensor(group, device=device)
@@ -235,6 +251,7 @@ def decode(model, prompts: list[list[int]], draw, max_new_tokens: int, pad_token
     rows [R]) -> [R] tokens, rows being the indices of the live rows. Equal prompts are prefilled once."""
     distinct: dict[tuple, int] = {}
     which = torch.tensor([distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts], device=device)
+    argument = cache_argument(model)
     with blocked_head(model):
         cache, logits, mask, positions = prefill(model, list(distinct), pad_token_id, max_new_tokens, device)
         if len(distinct) < len(prompts) or not torch.equal(which, torch.arange(len(prompts), device=device)):
@@ -255,6 +272,6 @@ def decode(model, prompts: list[list[int]], draw, max_new_tokens: int, pad_token
                 live, tokens, mask, next_position = live[kept], tokens[kept], mask[kept], next_position[kept]
             mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
             output = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                           cache=cache, use_cache=True)  # fmt: skip
+                           use_cache=True, **{argument: cache})  # fmt: skip
             logits, next_position = output.logits[:, -1], next_position + 1
     return completions

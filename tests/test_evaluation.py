@@ -161,6 +161,34 @@ def test_the_own_decode_loop_draws_what_generate_drew_sharing_prefills_and_dropp
     assert sum(len(c) < 12 for c in drawn) >= 2 and widths[-1][0] < len(rows)
 
 
+def test_the_decode_loop_passes_its_cache_by_the_name_the_models_forward_reads(make_config):
+    # transformers 5.24 renamed the models' past_key_values to cache. A model whose forward reads past_key_values alone
+    # (transformers' models before 5.24, remote code written for them) gets the loop's cache by that name: its greedy
+    # completions are those of the model it wraps. By the other name the cache would be refused, or fall unread into
+    # a forward's **kwargs (as cache= did under transformers 5.20 to 5.23: every step attended to its own token).
+    trainer = build_trainer(make_config())
+    policy, tokenizer = trainer.policy, trainer.tokenizer
+    name = decoding.cache_argument(policy)
+
+    class ReadsPastKeyValues(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.config = policy, policy.config
+
+        def get_output_embeddings(self):
+            return policy.get_output_embeddings()
+
+        def forward(self, input_ids, attention_mask, position_ids, past_key_values, use_cache, logits_to_keep=0):
+            return policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=use_cache, logits_to_keep=logits_to_keep, **{name: past_key_values})  # fmt: skip
+
+    prompts = [trainer.data.train_examples[i]["prompt"] for i in range(3)]
+    greedy = lambda logits, step, live: logits.argmax(-1)  # noqa: E731
+    args = (prompts, greedy, 8, tokenizer.pad_token_id, tokenizer.eos_token_id, torch.device("cpu"))
+    assert decoding.cache_argument(ReadsPastKeyValues()) == "past_key_values"
+    assert decoding.decode(ReadsPastKeyValues(), *args) == decoding.decode(policy, *args)
+
+
 @pytest.mark.cuda
 def test_the_own_decode_loop_on_cuda_draws_what_generate_draws_and_sums_the_scored_log_probs(make_config):
     # evaluate.py's sampling on the GPU, float32 without TF32: each distinct prompt prefilled once, every token drawn
