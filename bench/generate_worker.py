@@ -73,7 +73,7 @@ def time_sampler(sampler, model, clock, prompts, temperatures, side: int = 0) ->
 @torch.no_grad()
 def time_generate(model, tokenizer, prompts, batch: int, max_new_tokens: int, temperatures) -> dict:
     """Plain model.generate(do_sample=True) on the same left-padded batches (no top-k: the full tempered
-    distribution, as the Sampler draws from), tokens counted up to each row's EOS."""
+    distribution, as the Sampler draws from) on the model's device, tokens counted up to each row's EOS."""
     from core.layouts import left_padded_prompts
 
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -82,11 +82,14 @@ def time_generate(model, tokenizer, prompts, batch: int, max_new_tokens: int, te
     for temperature in temperatures:
         for start in range(0, len(prompts), batch):
             ids, mask = left_padded_prompts([{"prompt": p} for p in prompts[start : start + batch]], pad)
+            ids, mask = ids.to(model.device), mask.to(model.device)
             began = time.perf_counter()
             output = model.generate(
                 ids, attention_mask=mask, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
                 max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos,
             )  # fmt: skip
+            if output.is_cuda:  # its last kernels finished
+                torch.cuda.synchronize(output.device)
             seconds += time.perf_counter() - began
             for row in output[:, ids.shape[1] :].tolist():
                 tokens += row.index(eos) + 1 if eos in row else len(row)
