@@ -43,7 +43,7 @@ from modeling.distributed import (
 from pairs.chat_templates import template_kwargs_problem
 from persistence.tokenized import Tokenization, first_of_each_group, load_examples
 from reporting import evaluation_report, sweep_report
-from trained import kind, load_trained, run_config, trained_tokenizer
+from trained import kind, load_trained, run_config, run_reference, trained_tokenizer
 from utils import (
     POSITIVE,
     Range,
@@ -319,52 +319,94 @@ def judge_all(config: DictConfig, generations: Generations, tokenizer, device, m
 
 
 def sweep_jobs(config: DictConfig) -> dict[str, dict]:
-    """The candidates with each sweep directory, or glob, replaced by the final checkpoints (LATEST) of its
-    finished runs (in config.candidates); the keys that set those runs apart, by candidate ({} without a sweep).
-    Their runs must share one reference (REFERENCE_KEYS), and the KL needs a reference model."""
+    """The candidates with each sweep directory, run directory or glob replaced by the final checkpoints (LATEST)
+    of its finished runs (in config.candidates); the keys that set a sweep's or a glob's runs apart, by candidate ({}
+    without either), for the frontier, whose runs must share one reference (REFERENCE_KEYS). What a glob matches
+    that holds no run or model (a sweep's multirun.yaml, its summary) is left out, with a line."""
     candidates, runs = [], {}
-    for spec in config.candidates:
+    for i, spec in enumerate(config.candidates):
         matched = sorted(glob.glob(spec)) if glob.has_magic(spec) else [spec]
         if not matched:
             raise UserError(f"candidates: {spec} matches no directory")
         for path in map(Path, matched):
             found = sweep_report.jobs(path) if sweep_report.is_sweep(path) else []
-            if glob.has_magic(spec) and (path / "LATEST").is_dir() and (path / "config.yaml").exists():
-                found = [sweep_report.Job(path, len(runs), [], "run")]  # a run the glob matched; LATEST says if done
+            if (path / "LATEST").is_dir() and (path / "config.yaml").exists():
+                found = [sweep_report.Job(path, len(runs), [], "run")]  # a run's directory; LATEST says if done
+            problem = None if found else not_a_model(path)
+            if problem and glob.has_magic(spec):
+                print(f"candidates: {path} left out ({problem})")
+                continue
+            if problem:
+                raise UserError(f"candidates[{i}]={spec} {problem}")
             for job in found:
                 if job.finished() and (job.directory / "LATEST").is_dir():
-                    runs[str(job.directory / "LATEST")] = job.settings()
+                    settings = job.settings()
+                    runs[str(job.directory / "LATEST")] = settings if glob.has_magic(spec) or job.overrides else None
                 else:
                     print(f"candidates: {job.directory} left out ({job.status}: no final checkpoint)")
             candidates += [str(job.directory / "LATEST") for job in found if str(job.directory / "LATEST") in runs]
             candidates += [] if found else [str(path)]
+    if not candidates:
+        raise UserError(f"candidates={as_override(list(config.candidates))}: no finished run among them to evaluate")
     config.candidates = candidates
-    if runs:
-        check_same_reference(runs)
-        if config.reference is None and config.baseline == CHOSEN:
-            raise UserError(
-                "a sweep's frontier is reward against the KL to the runs' reference: give reference=MODEL, e.g. "
-                f"reference={shared_reference(next(iter(runs.values())))}"
-            )
-    return sweep_report.labels(runs) if runs else {}
+    swept = {name: settings for name, settings in runs.items() if settings is not None}  # a sweep's or a glob's
+    if swept:
+        check_same_reference(swept)
+    return sweep_report.labels(swept) if swept else {}
+
+
+def not_a_model(path: Path) -> str | None:
+    """Why a local path is no candidate (a file; a directory holding no model, checkpoint or adapter), or None (a
+    model's directory, or no local path: a Hub name)."""
+    if not path.exists():
+        return None
+    if not path.is_dir():
+        return "is a file, not a run, sweep or model directory"
+    if (path / "config.json").exists() or kind(str(path)) != "model":
+        return None
+    return "is not a run, sweep or model directory: it holds no LATEST/ with config.yaml, no job.json, no config.json"
 
 
 def check_same_reference(runs: dict[str, dict]) -> None:
     """The runs were trained against one reference, or their KLs are to different models."""
     first, settings = next(iter(runs.items()))
     for name, other in runs.items():
-        keys = [*REFERENCE_KEYS, *(("seed",) if settings.get("model.random_init") else ())]
-        differ = [key for key in keys if other.get(key) != settings.get(key)]
+        differ = reference_differs(settings, other)
         if differ:
             raise UserError(
-                f"candidates: {name} was trained against another reference than {first} ({differ[0]}="
-                f"{other.get(differ[0])}, not {settings.get(differ[0])}); a frontier needs one: evaluate them apart"
+                f"candidates: {name} was trained against another reference than {first} ({differ}="
+                f"{other.get(differ)}, not {settings.get(differ)}); a frontier needs one: evaluate them apart"
             )
 
 
-def shared_reference(settings: dict) -> str:
-    """The model a run's reference was loaded from: its SFT archive where it has one."""
-    return settings.get("model.archive") or settings["model.name_or_path"]
+def reference_differs(settings: dict, other: dict) -> str | None:
+    """The first setting (flat key) that makes two runs' references differ, or None: they share one."""
+    keys = [*REFERENCE_KEYS, *(("seed",) if settings.get("model.random_init") else ())]
+    return next((key for key in keys if other.get(key) != settings.get(key)), None)
+
+
+def runs_reference(config: DictConfig) -> DictConfig | None:
+    """With reference=null, the config of the first candidate's run where every candidate is a checkpoint of a run
+    (its config.yaml beside it) and all those runs were trained against one reference: the KL's reference is then
+    theirs. None otherwise."""
+    paths = [Path(spec) for spec in config.candidates]
+    if config.reference is not None or not all((path.parent / "config.yaml").exists() for path in paths):
+        return None
+    runs = [run_config(path) for path in paths]
+    flat = [sweep_report.flat(OmegaConf.to_container(run, resolve=True)) for run in runs]
+    return runs[0] if all(reference_differs(flat[0], other) is None for other in flat) else None
+
+
+def reference_line(config: DictConfig, run: DictConfig | None) -> str:
+    """The one line that says which model the KL is measured against, and why that one."""
+    if run is not None:
+        how = f": a random initialisation of {run.model.name_or_path} from seed {run.seed}, rebuilt"
+        return f"reference: {config.reference} (the runs' own{how if run.model.random_init else ''})"
+    if config.reference is not None:
+        return f"reference: {config.reference}"
+    if config.baseline != CHOSEN:
+        return f"reference: {config.baseline} (the baseline; reference=null)"
+    return "reference: none (baseline=chosen, and the candidates share no run's reference): no KL; give reference=MODEL"
 
 
 def evaluate(config: DictConfig, topology: Topology, labels: dict[str, dict] | None = None) -> Path | None:
@@ -372,15 +414,20 @@ def evaluate(config: DictConfig, topology: Topology, labels: dict[str, dict] | N
     that set a sweep's jobs apart (sweep_jobs), for its frontier."""
     cache_dir = get_local_dir(config.local_dirs)
     with topology.main_first():
+        run = runs_reference(config)
+        if run is not None:  # the runs' own, trained with the candidates' tokenizer: no vocabulary to compare
+            config.reference = run_reference(run, cache_dir)
         with named_key(config, config.candidates[0]):
             tokenizer = trained_tokenizer(config.candidates[0], cache_dir)
-        for spec in [*config.candidates[1:], config.baseline, config.reference]:
+        for spec in [*config.candidates[1:], config.baseline, None if run else config.reference]:
             if spec not in (None, CHOSEN):
                 with named_key(config, spec):
                     other = trained_tokenizer(spec, cache_dir)
                 check_same_vocabulary(tokenizer, other, config.candidates[0], spec)
         data = data_settings(config)
         prompts = held_out_prompts(config, data, tokenizer, cache_dir)
+    if topology.is_main:
+        print(reference_line(config, run))
     generations = Generations(config, topology, tokenizer, prompts)
     generations.run()
     rate = generations.tokens / max(generations.seconds, 1e-9)

@@ -16,6 +16,7 @@ Every job's config is composed and checked before the first job starts (an error
 their newest checkpoints. Each job returns `sweep_objective` (default loss/eval: its last logged value) to the
 sweeper, which is what Optuna's minimizes or maximizes. The jobs' wandb runs share one group, the sweep's name."""
 
+import copy
 import functools
 import importlib.util
 import os
@@ -30,22 +31,26 @@ from hydra._internal.hydra import Hydra
 from hydra._internal.utils import create_config_search_path
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ValueType
 from hydra.core.plugins import Plugins
 from hydra.errors import HydraException
 from hydra.types import HydraContext, RunMode
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 import config as configuration
+import storage
+from configuration.checks import check_writable_dir
 from configuration.composition import CONFIG_DIR, explain, hydra_quoted, normalized, selected_options
 from modeling.distributed import process_rank
 from persistence import checkpoint
-from reporting.sweep_report import JOB_STATE, SUMMARY_MD, Job, jobs, write_summary
+from reporting.sweep_report import JOB_STATE, SUMMARY_MD, Job, jobs, override_text, write_summary
 from utils import UserError, first_line, get_local_run_dir
 
 MULTIRUN = ("-m", "--multirun")
 OBJECTIVE = "sweep_objective"
 DEFAULT_OBJECTIVE = "loss/eval"
+SCALED = "sweep_scaled_objective"  # =true: optimize an objective whose scale the swept keys change, all the same
 NOT_SWEPT = ("local_run_dir", "local_dirs", "resume_from")  # one sweep directory, continued as a whole
 # Hydra's official plugins: (group, option) -> (the module that brings the option, the package to pip install)
 PLUGINS = {
@@ -60,6 +65,10 @@ PLUGINS = {
 }
 # metrics a sweep should maximize; any other logged metric (a loss) is minimized
 HIGHER_IS_BETTER = ("winrate/", "rewards_eval/accuracies", "rewards_eval/margins", "rewards_train/accuracies")
+# metrics on the scale of a job's own loss settings: the loss, and the implicit rewards beta x log-ratio (DPO's beta
+# scales both); their accuracies, the win rate and the policy's log-probs are comparable between any two jobs
+SCALED_BY_LOSS = ("loss/", "rewards_")
+COMPARABLE = "winrate/eval (with eval_winrate_prompts and a judge), rewards_eval/accuracies"
 
 Start = Callable[[DictConfig, int, Callable[[DictConfig], None]], None]  # train.start: a checked config's run
 
@@ -79,13 +88,20 @@ class Plan:
     objective: str
     resume: bool
     swept: list[str]  # the keys whose values the sweeper chooses, which name each job
+    scale_note: str | None  # the objective's scale moves with the swept keys (scale_note)
+    scaled_allowed: bool  # sweep_scaled_objective=true: an optimizing sweeper may follow it all the same
+    dry_run: bool  # every job plans and computes nothing
 
     @classmethod
     def read(cls, args: list[str]) -> "Plan":
         args = [arg for arg in args if arg not in MULTIRUN]
         objectives = [arg.partition("=")[2] for arg in args if arg.startswith(f"{OBJECTIVE}=")]
+        scaled = [arg.partition("=")[2] for arg in args if arg.startswith(f"{SCALED}=")]
+        if any(value not in ("true", "false") for value in scaled):
+            raise UserError(f"{SCALED}={scaled[-1]} must be true or false")
+        ours = [arg for arg in args if arg.startswith((f"{OBJECTIVE}=", f"{SCALED}="))]
         hydra_args = [arg for arg in args if arg.lstrip("+~").startswith(("hydra.", "hydra/"))]
-        task_args = [arg for arg in args if arg not in hydra_args and not arg.startswith(f"{OBJECTIVE}=")]
+        task_args = [arg for arg in args if arg not in hydra_args and arg not in ours]
         for arg in hydra_args:
             check_hydra_override(arg)
         swept = [arg for arg in task_args if is_sweep(arg)]
@@ -96,6 +112,7 @@ class Plan:
         base = configuration.composed(fixed)  # one line naming the key, as for a single run
         directory = Path(base.local_run_dir or get_local_run_dir(base.exp_name, list(base.local_dirs)))
         check_directory(base, directory)
+        create_directory(directory)
         if base.resume_from == "auto" and any(arg.startswith("hydra/sweeper=") for arg in hydra_args):
             raise UserError(
                 "resume_from=auto continues a sweep whose jobs are fixed before it starts (the basic sweeper's "
@@ -111,7 +128,22 @@ class Plan:
         task = [as_single_run.get(arg, arg) for arg in task_args]  # in the order given: a later value wins
         objective = objectives[-1] if objectives else DEFAULT_OBJECTIVE
         swept_keys = [arg.lstrip("+").partition("=")[0] for arg in swept]
-        return cls(hydra_args + ours, task, directory, objective, base.resume_from == "auto", swept_keys)
+        resume, allowed = base.resume_from == "auto", scaled[-1:] == ["true"]
+        note = scale_note(objective, swept_keys)
+        return cls(hydra_args + ours, task, directory, objective, resume, swept_keys, note, allowed, base.dry_run)
+
+
+def scale_note(objective: str, swept: list[str]) -> str | None:
+    """One line where the objective is on the scale of each job's own loss settings and the swept keys change them
+    (the loss, or a loss.* key): its values then measure each job by a yardstick of its own and do not rank the
+    jobs (a larger beta alone lowers DPO's loss), so the line names objectives that do."""
+    moved = [key for key in swept if key == "loss" or key.startswith("loss.")]
+    if not moved or not objective.startswith(SCALED_BY_LOSS) or objective.endswith("/accuracies"):
+        return None
+    return (
+        f"sweep_objective={objective} is on the scale of each job's loss settings, and the sweep changes "
+        f"{' and '.join(moved)}: its values do not rank the jobs; comparable between them: {COMPARABLE}"
+    )
 
 
 def is_sweep(arg: str) -> bool:
@@ -134,6 +166,14 @@ def check_hydra_override(arg: str) -> None:
             f"{arg}: a sweep's directory is local_run_dir=DIR (null: <local_dir>/<user>/<exp_name>_<timestamp>), "
             "its jobs in DIR/0, DIR/1, ..."
         )
+
+
+def is_interval(arg: str) -> bool:
+    """Whether `arg` sweeps a continuous range (interval(), tagged or not): a sampling sweeper's syntax."""
+    try:
+        return OverridesParser.create().parse_override(arg).value_type == ValueType.INTERVAL_SWEEP
+    except HydraException:
+        return False
 
 
 def installed(module: str) -> bool:
@@ -164,6 +204,14 @@ def check_directory(base: DictConfig, directory: Path) -> None:
         )
 
 
+def create_directory(directory: Path) -> None:
+    """The sweep directory, created now: where it cannot be (a file in its path, a read-only filesystem), one line
+    says so, as a single run's would, before Hydra's sweeper tries to write its multirun.yaml there."""
+    check_writable_dir("local_run_dir", str(directory))
+    with storage.writing(directory, advice="choose a writable local_run_dir"):
+        directory.mkdir(parents=True, exist_ok=True)
+
+
 def main(args: list[str], start: Start, run: Callable[[DictConfig], None]) -> None:
     """The sweep, then its summary (after a failed job or a stop too); an error is one line, with exit code 2."""
     try:
@@ -178,7 +226,8 @@ def main(args: list[str], start: Start, run: Callable[[DictConfig], None]) -> No
         error = raised
     finally:  # a stop on a signal passes through, after the summary
         if process_rank() == 0 and jobs(plan.directory):
-            print(f"{write_summary(plan.directory)}\nsweep summary: {plan.directory / SUMMARY_MD}")
+            notes = [plan.scale_note] if plan.scale_note else []
+            print(f"{write_summary(plan.directory, notes)}\nsweep summary: {plan.directory / SUMMARY_MD}")
     failed = [job for job in jobs(plan.directory) if job.status == "failed"]
     if failed:
         first = failed[0]
@@ -211,6 +260,7 @@ def sweep(plan: Plan, start: Start, run: Callable[[DictConfig], None]) -> None:
     except (HydraException, OmegaConfBaseException) as error:
         raise UserError(explain(error, overrides, selected_options([]))) from None
     basic = config.hydra.sweeper._target_.endswith("BasicSweeper")
+    check_sweeper(plan, basic)
     check_direction(config, plan.objective, basic)
     callbacks = Callbacks(config)
     context = HydraContext(config_loader=app.config_loader, callbacks=callbacks)
@@ -222,6 +272,29 @@ def sweep(plan: Plan, start: Start, run: Callable[[DictConfig], None]) -> None:
     callbacks.on_multirun_start(config=config, config_name="config")
     sweeper.sweep(arguments=OmegaConf.to_container(config.hydra.overrides.task))
     callbacks.on_multirun_end(config=config, config_name="config")
+
+
+def check_sweeper(plan: Plan, basic: bool) -> None:
+    """What the sweeper takes: interval() only where it samples; an objective that ranks the jobs where it
+    optimizes (unless sweep_scaled_objective=true), else a note before the first job."""
+    interval = next((arg for arg in plan.task_overrides if is_interval(arg)), None)
+    if basic and interval:
+        raise UserError(
+            f"{interval}: interval() is a continuous range, which a sampling sweeper draws from (hydra/sweeper=optuna"
+            "); Hydra's basic sweeper takes a list (a,b,c), range(start,stop,step) or choice(a,b)"
+        )
+    if plan.dry_run and not basic:
+        raise UserError(
+            "dry_run=true with an optimizing sweeper: it chooses each trial from the objectives of the trials before, "
+            "which a dry run does not compute; dry-run one trial's keys as a single run (or the basic sweeper's grid)"
+        )
+    if plan.scale_note and not basic and not plan.scaled_allowed:
+        raise UserError(
+            f"{plan.scale_note}. An optimizing sweeper would follow the scale: choose one of them, or add "
+            f"{SCALED}=true to optimize {plan.objective} all the same"
+        )
+    if plan.scale_note:
+        print(f"note: {plan.scale_note}")
 
 
 def check_direction(config: DictConfig, objective: str, basic: bool) -> None:
@@ -283,8 +356,9 @@ class CheckedLauncher:
 
 
 def named(overrides: list[str], swept: list[str]) -> str:
-    """A job by the values of the swept keys, as its overrides give them: loss.beta=0.1 lr=0.001."""
-    return " ".join(arg for arg in overrides if arg.lstrip("+").partition("=")[0] in swept)
+    """A job by the values of the swept keys, each as a user writes it: loss.beta=0.15 lr=0.001 (range() adds in
+    binary: its 0.15000000000000002 is the 0.15 the user meant)."""
+    return " ".join(override_text(arg) for arg in overrides if arg.lstrip("+").partition("=")[0] in swept)
 
 
 def normalized_job(overrides: list[str]) -> list[str]:
@@ -293,8 +367,12 @@ def normalized_job(overrides: list[str]) -> list[str]:
 
 
 def job_config(config: DictConfig, job_dir: Path) -> DictConfig:
-    """The run config of a job: Hydra's node taken out, its run directory the job's."""
-    task = OmegaConf.masked_copy(config, [key for key in config if key != "hydra"])
+    """The run config of a job: Hydra's node taken out, its run directory the job's. A copy that keeps the typed
+    `Config` (OmegaConf.masked_copy would make a plain mapping of it), so that configuration.check runs every check
+    of Config.__post_init__, the cross-key ones among them, as Hydra's run_job also keeps it."""
+    task = copy.deepcopy(config)
+    with read_write(task), open_dict(task):
+        del task["hydra"]
     task.local_run_dir = str(job_dir)
     return task
 

@@ -17,8 +17,8 @@ from modeling import weights
 from modeling.adapters import apply_lora
 from modeling.distributed import Topology
 from modeling.model_dirs import resolve_model_dir
-from modeling.models import load_model, prepare_model
-from modeling.precision import parse_dtype
+from modeling.models import load_model, prepare_model, random_init_dir, transformers_config
+from modeling.precision import decide_precision, parse_dtype
 from modeling.tokenizers import load_tokenizer
 from persistence import checkpoint
 from persistence.checkpoint_loading import is_legacy
@@ -132,6 +132,20 @@ def load_trained(spec: str, topology: Topology, dtype: torch.dtype, cache_dir: P
             model, initial = prepare_model(settings, dtype, cache_dir, seed=0)
         model = place(model, placing(settings), topology, None, initial)
     return model.eval()
+
+
+def run_reference(run: DictConfig, cache_dir: Path) -> str:
+    """Where the reference model of a run (its resolved config) loads from: its SFT archive, else its model; a random
+    initialisation (model.random_init), which no directory holds, rebuilt as the run built it, from its model config,
+    weights dtype and seed, and written once to cache_dir's models/ (call it under Topology.main_first)."""
+    model = run.model
+    if model.archive is not None:
+        return str(model.archive)
+    if not model.random_init:
+        return str(model.name_or_path)
+    dtype = decide_precision(model, autocast=False, auto_compute=lambda: None).reference_weights
+    config = transformers_config(model, cache_dir)
+    return str(random_init_dir(config, dtype, run.seed, cache_dir, model.trust_remote_code))
 
 
 def trained_tokenizer(spec: str, cache_dir: Path):

@@ -37,7 +37,7 @@ def register(name: str, schema: type) -> None:
 
 
 for name, component in LOSSES.items():
-    store.store(group="loss", name=f"{name}_schema", node=component.schema)
+    store.store(group="loss_schema", name=name, node=component.schema)
 
 
 # -------------------------------------------------------------------------------------------------------------

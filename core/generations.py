@@ -58,6 +58,35 @@ class Sampler:
     def __init__(self, tokenizer, topology, max_new_tokens: int, batch_size: int):
         self.tokenizer, self.topology = tokenizer, topology
         self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
+        self.cut_said = False  # the line on prompts cut to the model's positions, said once
+
+    def fitted(self, model, prompts: list[list[int]], completions: list[list[int]] | None = None) -> list[list[int]]:
+        """The prompts cut to the room the model's positions leave before max_new_tokens (or a longer completion
+        being scored), each keeping its last tokens, as training keeps a prompt's end (nearest the response); one
+        line says so, once. Uncut, a model with learned positions would index past its table (an IndexError in the
+        prefill), a rotary one would read positions it never trained on."""
+        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        after = [max(self.max_new_tokens, len(c)) for c in completions] if completions else [self.max_new_tokens]
+        if limit is None or max(map(len, prompts), default=0) + max(after) <= limit:
+            return prompts
+        if max(after) >= limit:
+            what = f"max_new_tokens={self.max_new_tokens}" if max(after) == self.max_new_tokens else "a completion"
+            raise UserError(f"{what} leaves no room for a prompt in the model's {limit} positions")
+        rooms = [limit - tokens for tokens in (after if completions else after * len(prompts))]
+        cut = len({tuple(prompt) for prompt, room in zip(prompts, rooms) if len(prompt) > room})  # distinct ones
+        if cut and getattr(self.tokenizer, "vision", None) is not None:
+            raise UserError(
+                f"{cut} prompts with images do not fit the model's {limit} positions with max_new_tokens="
+                f"{self.max_new_tokens}, and cutting one would cut its images' tokens: lower max_new_tokens"
+            )
+        if cut and not self.cut_said and self.topology.is_main:
+            print(
+                f"sampling: {cut} of {len(set(map(tuple, prompts)))} prompts do not fit the model's {limit} positions "
+                f"with max_new_tokens={self.max_new_tokens}: each keeps its last {min(rooms)} tokens, as training "
+                "keeps a prompt's end"
+            )
+        self.cut_said = self.cut_said or bool(cut)
+        return [prompt[max(len(prompt) - room, 0) :] for prompt, room in zip(prompts, rooms)]
 
     def sample(self, model, prompts, images, seeds: list[int] | None, temperature=1.0, top_p=1.0) -> list[list[int]]:
         """Completions of every prompt (token ids; images: each prompt's, or None), sampled at `temperature` from the
@@ -91,6 +120,7 @@ class Sampler:
     def drawn(self, model, prompts, images, seeds, temperatures, top_p, scored: bool) -> list[tuple]:
         """(completion, log-prob or None) of every row: the log-prob where scored and the own loop serves."""
         images = images or [b""] * len(prompts)
+        prompts = self.fitted(model, prompts)
         vision = getattr(self.tokenizer, "vision", None)
         problem = own_loop_problem(model, vision, self.topology.world_size)
 
@@ -165,6 +195,7 @@ class Sampler:
         sharded over the ranks and gathered."""
         model.eval()
         n = len(prompts)
+        prompts = self.fitted(model, prompts, completions)
         temperatures = [float(t) for t in temperatures] if isinstance(temperatures, list) else [temperatures] * n
         images = images or [b""] * n
         vision = getattr(self.tokenizer, "vision", None)
@@ -181,6 +212,7 @@ class Sampler:
         model.generate's (do_sample, temperature, top_p, logits_processor). Every rank calls it with as many prompts
         (synced_gpus: ranks done early join the sharded forward passes of the others)."""
         pad_token_id, eos_token_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        prompts = self.fitted(model, prompts)
         prompt_ids, attention_mask = left_padded_prompts([{"prompt": p} for p in prompts], pad_token_id)
         vision = getattr(self.tokenizer, "vision", None)
         if vision is not None:  # the prompts' images, and their tokens marked where the model reads marks

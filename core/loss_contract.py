@@ -102,14 +102,15 @@ class LossKeys:
     def __post_init__(self):
         check_ranges(self, "loss.")  # the keys of its subclasses too
 
+    def needs_reference(self) -> bool:
+        """Whether it reads a reference model's log-probs (sft and reward never do; a pair loss says)."""
+        return False
+
 
 @dataclass
 class PairLossNeeds(LossKeys):
     """What a pair loss asks of the scorer and of the batch beyond its pairs' summed log-probs; the defaults: nothing.
     Each loss config overrides what it needs (objective.PreferenceObjective reads them once)."""
-
-    def needs_reference(self) -> bool:
-        return False
 
     def statistics(self, stats: PairStats) -> PairStats:
         """What the loss function sees."""

@@ -294,6 +294,12 @@ def whole_model(
     path = resolve_model_dir(model_config.name_or_path, cache_dir)
     common = {"cache_dir": str(cache_dir), "trust_remote_code": model_config.trust_remote_code}
     device = {"device_map": {"": torch.cuda.current_device()}} if quantization is not None else {}
+    if os.path.isdir(path) and not any(Path(path).glob("*.safetensors")) and not any(Path(path).glob("*.bin")):
+        raise UserError(
+            f"model.name_or_path={model_config.name_or_path} holds no weights (no *.safetensors or *.bin file); a "
+            "config alone is what a random initialisation starts from: model.random_init=true builds its weights "
+            "from the run's seed (evaluate.py's reference=null rebuilds its runs' own)"
+        )
     model, loading = weights.model_class(reward, config).from_pretrained(
         path, config=config, dtype=dtype, quantization_config=quantization, output_loading_info=True, **device, **common
     )

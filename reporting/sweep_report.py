@@ -93,10 +93,23 @@ def jobs(sweep_dir: Path) -> list[Job]:
 
 
 def written(value) -> str:
-    """A setting's value as the command line writes it: 0.05, true, null, [a,b]."""
+    """A setting's value as the command line writes it: 0.05, true, null, [a,b]; a float at 12 significant digits,
+    as a user writes it (0.15 for range()'s 0.05 + 0.1 = 0.15000000000000002)."""
     if isinstance(value, str):
         return value
+    if isinstance(value, float) and math.isfinite(value):
+        value = float(f"{value:.12g}")
     return json.dumps(value, separators=(",", ":")).replace('"', "")
+
+
+def override_text(arg: str) -> str:
+    """An override as a user writes it: its value, where it is a float, as `written` writes one."""
+    key, equals, value = arg.partition("=")
+    try:
+        number = float(value) if any(mark in value.lower() for mark in ".e") else None
+    except ValueError:
+        number = None
+    return f"{key}={written(number)}" if equals and number is not None and math.isfinite(number) else arg
 
 
 def differing_keys(settings: list[dict]) -> list[str]:
@@ -126,18 +139,22 @@ def status_text(job: Job) -> str:
     return job.status
 
 
-def summary(sweep_dir: Path) -> dict:
-    """What sweep_summary.json holds: each job's differing keys, status, final held-out metrics and objective."""
+def summary(sweep_dir: Path, notes: list[str] = ()) -> dict:
+    """What sweep_summary.json holds: each job's differing keys, status, final held-out metrics and objective; the
+    sweep's notes (an objective that does not rank its jobs)."""
     found = jobs(sweep_dir)
     keys = labels({str(job.number): job.settings() for job in found})
+    shared = set.intersection(*(set(job.overrides) for job in found)) if found else set()
     return {
         "sweep": str(sweep_dir),
+        "notes": list(notes),
         "jobs": [
             {
                 "job": job.number,
                 "directory": str(job.directory),
                 "keys": keys[str(job.number)] if job.settings() else {},
                 "overrides": job.overrides,
+                "swept": [override_text(arg) for arg in job.overrides if arg not in shared],  # a job not yet run's
                 "status": job.status,
                 "status_text": status_text(job),
                 "final_metrics": job.final_metrics(),
@@ -157,7 +174,7 @@ def table_rows(report: dict) -> list[list[str]]:
     for job in report["jobs"]:
         shown = [number(job["final_metrics"].get(metric)) for metric in metrics]
         value = [number(job["objective"]["value"] if job["objective"] else None)] if objective else []
-        keys = label(job["keys"]) or " ".join(job["overrides"]) or "-"
+        keys = label(job["keys"]) or " ".join(job["swept"]) or "-"
         rows.append([str(job["job"]), keys, job["status_text"], *shown, *value])
     return rows
 
@@ -166,13 +183,15 @@ def number(value) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.4f}"
 
 
-def write_summary(sweep_dir: Path) -> str:
-    """sweep_summary.json and .md in the sweep directory; the table as text, to print."""
-    report = summary(sweep_dir)
+def write_summary(sweep_dir: Path, notes: list[str] = ()) -> str:
+    """sweep_summary.json and .md in the sweep directory; the table as text, to print, each note a line below it."""
+    report = summary(sweep_dir, notes)
     rows = table_rows(report)
     storage.write_text(sweep_dir / SUMMARY_JSON, json.dumps(report, indent=1) + "\n")
     markdown = ["| " + " | ".join(rows[0]) + " |", "|" + " --- |" * len(rows[0])]
     markdown += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows[1:]]
-    storage.write_text(sweep_dir / SUMMARY_MD, f"# Sweep {sweep_dir}\n\n" + "\n".join(markdown) + "\n")
+    written_notes = "".join(f"\nNote: {note}\n" for note in notes)
+    storage.write_text(sweep_dir / SUMMARY_MD, f"# Sweep {sweep_dir}\n\n" + "\n".join(markdown) + "\n" + written_notes)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+    table = [("  ".join(cell.ljust(width) for cell, width in zip(row, widths))).rstrip() for row in rows]
+    return "\n".join(table + [f"note: {note}" for note in notes])

@@ -76,10 +76,25 @@ def test_a_grid_of_two_keys_is_four_jobs(tmp_path, pairs_file, run_main):
             ["resume_from=auto", "local_run_dir=null", "loss.beta=0.1,0.3"],
             "error: resume_from=auto continues the sweep",
         ),
+        (
+            ["batch_size=4,6", "eval_every=8", "eval_batch_size=12"],  # a cross-key check: the typed Config's
+            "error: job 1 (batch_size=6): eval_every=8 must be a positive multiple of batch_size=6",
+        ),
+        (
+            ["loss.beta=interval(0.05,0.5)"],
+            "error: loss.beta=interval(0.05,0.5): interval() is a continuous range, which a sampling sweeper draws "
+            "from (hydra/sweeper=optuna); Hydra's basic sweeper takes a list (a,b,c), range(start,stop,step) or",
+        ),
+        (
+            ["local_run_dir={tmp}/pairs.jsonl", "loss.beta=0.1,0.3"],
+            "error: local_run_dir={tmp}/pairs.jsonl must be a directory, but {tmp}/pairs.jsonl is a file",
+        ),
     ],
 )
 def test_a_bad_sweep_is_one_line_before_any_job_starts(tmp_path, pairs_file, run_main, overrides, message):
     sweep = tmp_path / "sweep"
+    overrides = [override.format(tmp=tmp_path) for override in overrides]
+    message = message.format(tmp=tmp_path)
     result = run_main(*sweep_args(tmp_path, pairs_file, sweep, *overrides))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(message), result.stderr[-2000:]
@@ -136,7 +151,8 @@ def test_optuna_tunes_beta_on_the_objective_each_job_returns(tmp_path, pairs_fil
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install hydra-optuna-sweeper (.ci/run does)")
     sweep = tmp_path / "sweep"
     optuna = ("hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1")
-    trials = sweep_args(tmp_path, pairs_file, sweep, *optuna, "hydra.sweeper.sampler.seed=0", "n_examples=8")
+    trials = sweep_args(tmp_path, pairs_file, sweep, *optuna, "hydra.sweeper.sampler.seed=0", "n_examples=8",
+                        "sweep_scaled_objective=true")  # fmt: skip  # beta scales the margins: maximized all the same
     result = run_main(*trials, "loss.beta=interval(0.05,0.5)", "sweep_objective=rewards_eval/margins")
     assert result.returncode == 2 and "add hydra.sweeper.direction=maximize" in result.stderr  # not minimized
 
@@ -188,3 +204,133 @@ def test_evaluate_draws_one_point_per_job_and_temperature_and_refuses_two_refere
     assert result.stderr.strip().endswith(f"trained against another reference than {sweep / '0' / 'LATEST'} "
                                           f"(model.name_or_path={tmp_path}, not {base}); a frontier needs one: "
                                           "evaluate them apart")  # fmt: skip
+
+
+# One case for each check of a single run's config across keys (Config.__post_init__, its check_plan and
+# check_batches, configuration/checks.py's check_* functions): (the check, the keys that fail it). A sweep's jobs are
+# checked as single runs are, so each job fails with the single run's own line.
+CROSS_KEY_CASES = [
+    ("n_epochs or n_examples", ["n_epochs=null", "n_examples=null"]),
+    ("max_prompt_length below max_length", ["max_prompt_length=600"]),
+    ("check_writable_dir", ["local_dirs=[{tmp}/pairs.jsonl]"]),
+    ("save_async without debug", ["save_async=true", "debug=true"]),
+    ("check_layout", ["layout=padded", "pack_row_tokens=512"]),
+    ("fsdp_reduce_dtype with FSDP", ["model.fsdp_reduce_dtype=bfloat16"]),
+    ("check_offload", ["fsdp_cpu_offload=true"]),
+    ("check_optimizer", ["+optimizer_kwargs.betas=[0.9,1.5]"]),
+    ("check_speed_levers", ["liger_kernel=true"]),
+    ("check_weight_copies", ["compute_weight_copies=true"]),
+    ("reference_dtype with LoRA", ["lora.enabled=true", "model.reference_dtype=float32"]),
+    ("check_loss", ["loss=reward", "sample_during_eval=true"]),
+    ("check_winrate", ["loss=sft", "eval_winrate_prompts=2", "judge=tests.round_rewards:lowercase_letters"]),
+    ("check_reference_sync", ["reference_sync_steps=8", "loss=sft"]),
+    ("check_plan", ["plan.gpus_per_node=8", "plan.gpu_memory_gib=80"]),
+    ("check_batches: accumulation", ["gradient_accumulation_steps=3"]),
+    ("check_batches: eval_every", ["eval_every=12"]),
+    ("check_batches: save_every", ["save_every=12"]),
+    ("check_rounds", ["rounds.n=2", "reference_cache=false"]),
+]
+
+
+@pytest.mark.parametrize("keys", [keys for _, keys in CROSS_KEY_CASES], ids=[name for name, _ in CROSS_KEY_CASES])
+def test_each_job_fails_every_check_across_keys_a_single_run_fails(tmp_path, pairs_file, run_main, keys):
+    import config as configuration
+    from utils import UserError
+
+    keys = [key.format(tmp=tmp_path) for key in keys]
+    single = [arg for arg in sweep_args(tmp_path, pairs_file, tmp_path / "single", *keys)[1:]]
+    with pytest.raises(UserError) as refused:
+        configuration.load(single)
+    result = run_main(*sweep_args(tmp_path, pairs_file, tmp_path / "sweep", "seed=0,1", *keys))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == f"error: job 0 (seed=0): {refused.value}"
+    assert not list(tmp_path.glob("**/metrics.jsonl"))
+
+
+def test_every_check_across_keys_has_its_case():
+    from configuration import checks
+
+    functions = {
+        name
+        for name, value in vars(checks).items()
+        if name.startswith("check_") and value.__module__ == checks.__name__
+    }
+    named = {name.partition(":")[0] for name, _ in CROSS_KEY_CASES}
+    assert functions <= named, functions - named
+
+
+def test_glob_over_a_group_sees_only_the_options_a_user_can_choose(tmp_path, pairs_file, run_main):
+    from configuration.composition import CONFIG_DIR
+
+    result = run_main(*sweep_args(tmp_path, pairs_file, tmp_path / "sweep", "loss=glob(dpo*)", "dry_run=true"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    chosen = [arg for job in jobs(tmp_path / "sweep") for arg in job.overrides if arg.startswith("loss=")]
+    assert chosen == [f"loss={path.stem}" for path in sorted((CONFIG_DIR / "loss").glob("dpo*.yaml"))]
+    assert chosen == ["loss=dpo", "loss=dpo_norm", "loss=dpop"]  # no loss schema (dpo_norm_schema) among them
+
+
+def test_a_sweep_of_the_loss_says_its_loss_does_not_rank_the_jobs(tmp_path, pairs_file, run_main):
+    keys = ("loss.beta=range(0.05,0.35,0.1)", "dry_run=true")
+    result = run_main(*sweep_args(tmp_path, pairs_file, tmp_path / "beta", *keys))
+    assert result.returncode == 0, result.stderr[-2000:]
+    note = (
+        "sweep_objective=loss/eval is on the scale of each job's loss settings, and the sweep changes loss.beta: its "
+        "values do not rank the jobs; comparable between them: winrate/eval (with eval_winrate_prompts and a judge), "
+        "rewards_eval/accuracies"
+    )
+    assert result.stdout.index(f"note: {note}") < result.stdout.index("job 0 (loss.beta=0.05)")  # before the first
+    assert "job 1 (loss.beta=0.15):" in result.stdout  # as the user writes it, not 0.15000000000000002
+    assert json.loads((tmp_path / "beta" / SUMMARY_JSON).read_text())["notes"] == [note]
+    assert f"Note: {note}" in (tmp_path / "beta" / "sweep_summary.md").read_text()
+    assert "1    loss.beta=0.15  dry run" in result.stdout
+
+    result = run_main(*sweep_args(tmp_path, pairs_file, tmp_path / "lr", "lr=1e-3,1e-4", "dry_run=true"))
+    assert result.returncode == 0 and "note:" not in result.stdout  # the learning rate leaves the loss's scale
+    result = run_main(*sweep_args(tmp_path, pairs_file, tmp_path / "accuracy", "loss=dpo,ipo", "dry_run=true",
+                                  "sweep_objective=rewards_eval/accuracies"))  # fmt: skip
+    assert result.returncode == 0 and "note:" not in result.stdout
+
+
+def test_an_optimizing_sweeper_refuses_an_objective_the_swept_keys_scale(tmp_path, pairs_file, run_main):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install hydra-optuna-sweeper (.ci/run does)")
+    optuna = ("hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=1", "loss=dpo,ipo")
+    result = run_main(*sweep_args(tmp_path, pairs_file, tmp_path / "sweep", *optuna, "dry_run=true"))
+    assert result.stderr.strip().endswith("dry-run one trial's keys as a single run (or the basic sweeper's grid)")
+    result = run_main(*sweep_args(tmp_path, pairs_file, tmp_path / "sweep", *optuna))
+    assert result.returncode == 2 and result.stderr.count("error: ") == 1
+    assert result.stderr.strip().endswith(
+        "An optimizing sweeper would follow the scale: choose one of them, or add sweep_scaled_objective=true to "
+        "optimize loss/eval all the same"
+    )
+    assert "the sweep changes loss:" in result.stderr and not jobs(tmp_path / "sweep")
+    result = run_main(*sweep_args(tmp_path, pairs_file, tmp_path / "sweep", *optuna, "sweep_scaled_objective=true"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "note: sweep_objective=loss/eval is on the scale" in result.stdout and len(jobs(tmp_path / "sweep")) == 2
+
+
+def test_a_sweep_directory_on_a_read_only_filesystem_is_one_line(tmp_path, pairs_file, run_main):
+    import subprocess
+
+    mount = tmp_path / "read-only"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"a read-only tmpfs cannot be mounted here ({made.stderr.decode().strip()})")
+    try:
+        result = run_main(*sweep_args(tmp_path, pairs_file, mount / "sweep", "loss.beta=0.1,0.3"))
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: could not write {mount / 'sweep'} (Read-only file system); choose a writable local_run_dir"
+    )
+
+
+def test_a_swept_value_is_named_as_a_user_writes_it():
+    from reporting.sweep_report import override_text, written
+
+    assert written(0.05 + 0.1) == "0.15" and written(1e-6) == "1e-06" and written(0.1) == "0.1"
+    assert override_text("loss.beta=0.15000000000000002") == "loss.beta=0.15"
+    assert override_text("lr=1e-3") == "lr=0.001"
+    assert override_text("local_run_dir=/runs/a.b") == "local_run_dir=/runs/a.b"
+    assert override_text("loss=dpo") == "loss=dpo" and override_text("seed=3") == "seed=3"
