@@ -6,7 +6,7 @@ schemas, so a wrong type or an unknown key fails during composition; `load` turn
 naming the key, with "did you mean" and the valid keys (configuration/composition.py). Each dataclass then checks its
 own values in `__post_init__`, run once by `check` (OmegaConf.to_object builds the dataclasses): train.py's schema
 `Config` here, its sections in configuration/sections.py, the checks across keys in configuration/checks.py. Each
-loss brings its own schema (losses.LOSSES), registered as `loss/<name>_schema` and named in its YAML's defaults list.
+loss brings its own schema (losses.LOSSES), registered as `loss_schema/<name>` and named in its YAML's defaults list.
 `reproducing_command` writes the command line that composes a run's config again (for its model card)."""
 
 import shlex

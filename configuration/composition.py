@@ -1,5 +1,5 @@
 """What Hydra's composition of config/*.yaml takes and gives back: each config file's schema registered by name
-(`register`: train.py's config.Config, evaluate.py's EvaluateConfig, each loss's as loss/<name>_schema), the config
+(`register`: train.py's config.Config, evaluate.py's EvaluateConfig, each loss's as loss_schema/<name>), the config
 groups and the option this command line selects of each, the command line written as Hydra reads it (a value with
 spaces, a list given without brackets, a boolean held to true or false), and a composition error as one line naming
 the key, with "did you mean" and the valid keys (`explain`). config.composed composes with them."""
@@ -36,6 +36,8 @@ def register(name: str, schema: type) -> None:
     SCHEMAS[name] = schema
 
 
+# each loss's schema in a group of its own, which a loss's YAML names (/loss_schema/<name>@_here_): in the `loss` group
+# itself, a sweep's loss=glob(dpo*) would make a job of dpo_norm's schema, which no user chooses
 for name, component in LOSSES.items():
     store.store(group="loss_schema", name=name, node=component.schema)
 

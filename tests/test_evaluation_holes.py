@@ -168,7 +168,7 @@ def short_model(tmp_path_factory):
 
 
 def test_prompts_longer_than_the_models_positions_keep_their_end_and_are_said_once(tmp_path, short_model, capsys):
-    rows = [{"prompt": "Q: " + "word " * (40 + i) + f"{i}?\nA:", "chosen": " yes", "rejected": " no"} for i in range(16)]
+    rows = [{"prompt": f"Q: {'word ' * (40 + i)}{i}?\nA:", "chosen": " yes", "rejected": " no"} for i in range(16)]
     data = write_jsonl(tmp_path / "long.jsonl", rows)
     args = evaluation(tmp_path, short_model, data, f"baseline={short_model}", "max_new_tokens=8", "n_prompts=4")
     summary, lines = run(args)
