@@ -14,7 +14,7 @@ from build import place
 from core.generations import is_reward_model
 from core.losses import LOSSES
 from modeling import weights
-from modeling.adapters import apply_lora
+from modeling.adapters import apply_lora, require_peft
 from modeling.distributed import Topology
 from modeling.model_dirs import resolve_model_dir
 from modeling.models import load_model, prepare_model, random_init_dir, transformers_config
@@ -116,6 +116,7 @@ def load_trained(spec: str, topology: Topology, dtype: torch.dtype, cache_dir: P
     if saved_as == "checkpoint":
         model = checkpoint_policy(Path(spec), topology, dtype)
     elif saved_as == "adapter":  # the base whole on each process, the adapter merged in, then placed
+        require_peft(f"{spec} is a peft adapter, loaded")
         from peft import PeftModel  # on use: peft costs ~5 s to import, and only adapters need it
 
         settings = model_settings(adapter_base(Path(spec)), dtype)

@@ -6,6 +6,7 @@ adapter dropout cannot make them differ: the DPO loss starts at ln 2. Checkpoint
 (adapter) weights; the final export holds the adapter in peft's format and the merged model."""
 
 import copy
+import importlib.util
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,12 +35,20 @@ class LoraSettings:
 
     def __post_init__(self):
         check_ranges(self, "lora.")
+        if self.enabled:
+            require_peft("lora.enabled=true trains LoRA adapters")
         if self.quantize is not None and self.quantize not in QUANTIZATIONS:
             raise UserError(f"lora.quantize={self.quantize} is not a quantization; expected null or 4bit")
         if self.quantize and not self.enabled:
             raise UserError(f"lora.quantize={self.quantize} quantizes the base of LoRA adapters: set lora.enabled=true")
         if self.quantize and not torch.cuda.is_available():
             raise UserError(f"lora.quantize={self.quantize} (QLoRA) needs a CUDA GPU and bitsandbytes")
+
+
+def require_peft(what: str) -> None:
+    """One line where peft, an optional dependency (docs/configuration.md#optional-packages), is not installed."""
+    if importlib.util.find_spec("peft") is None:
+        raise UserError(f"{what} through peft, which is not installed: pip install 'peft>=0.17'")
 
 
 def quantization_config(settings: LoraSettings):

@@ -130,6 +130,15 @@ def test_qlora_without_cuda_is_one_line(make_config):
         make_config(*LORA, "lora.quantize=4bit")
 
 
+def test_lora_without_peft_is_one_line_with_its_install(make_config, monkeypatch):
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "peft" else found(name, *rest))
+    line = "lora.enabled=true trains LoRA adapters through peft, which is not installed: pip install 'peft>=0.17'"
+    with pytest.raises(UserError) as refused:
+        make_config(*LORA)
+    assert str(refused.value) == line
+
+
 @pytest.mark.cuda
 def test_qlora_trains_a_4bit_base_on_cuda(tmp_path):
     # SmolLM2 (pretrained: a random-init model cannot be quantized) with a 4-bit NF4 base.

