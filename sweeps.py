@@ -25,21 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from hydra._internal.callbacks import Callbacks
-from hydra._internal.config_loader_impl import ConfigLoaderImpl
-from hydra._internal.hydra import Hydra
-from hydra._internal.utils import create_config_search_path
+from hydra.core.config_loader import ConfigLoader
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ValueType
-from hydra.core.plugins import Plugins
 from hydra.errors import HydraException
-from hydra.types import HydraContext, RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 import config as configuration
 import storage
+from configuration import hydra_internals
 from configuration.checks import check_writable_dir
 from configuration.composition import CONFIG_DIR, explain, hydra_quoted, normalized, selected_options
 from modeling.distributed import process_rank
@@ -244,34 +240,22 @@ def exit_with(error: UserError) -> None:
     sys.exit(2)
 
 
-def hydra_app() -> Hydra:
-    """Hydra over config/, as @hydra.main would create it, without holding Hydra's global state: a job composes
-    configs of its own (its model card's reproducing command), which that state would refuse."""
-    search_path = create_config_search_path(str(CONFIG_DIR))
-    return Hydra(task_name="train", config_loader=ConfigLoaderImpl(config_search_path=search_path))
-
-
 def sweep(plan: Plan, start: Start, run: Callable[[DictConfig], None]) -> None:
-    """Hydra's multirun (Hydra.multirun's steps), each batch of jobs checked before its launcher starts any."""
-    app = hydra_app()
+    """Hydra's multirun (configuration/hydra_internals.py), each batch of jobs checked before its launcher starts
+    any (CheckedLauncher)."""
+    app = hydra_internals.app(str(CONFIG_DIR))
     overrides = plan.hydra_overrides + plan.task_overrides
     try:
-        config = app.compose_config("config", overrides, run_mode=RunMode.MULTIRUN, with_log_configuration=True)
+        config = hydra_internals.compose(app, overrides)
     except (HydraException, OmegaConfBaseException) as error:
         raise UserError(explain(error, overrides, selected_options([]))) from None
     basic = config.hydra.sweeper._target_.endswith("BasicSweeper")
     check_sweeper(plan, basic)
     check_direction(config, plan.objective, basic)
-    callbacks = Callbacks(config)
-    context = HydraContext(config_loader=app.config_loader, callbacks=callbacks)
     task = functools.partial(job, start, run, plan.objective, not basic, plan.swept)
-    sweeper = Plugins.instance().instantiate_sweeper(config=config, hydra_context=context, task_function=task)
-    launching = getattr(sweeper, "sweeper", sweeper)  # a plugin's sweeper keeps its launcher in its implementation
-    launching.launcher = CheckedLauncher(launching.launcher, app.config_loader, config, plan)
-    launching.validate_batch_is_legal = lambda batch: None  # CheckedLauncher checks each job, naming it
-    callbacks.on_multirun_start(config=config, config_name="config")
-    sweeper.sweep(arguments=OmegaConf.to_container(config.hydra.overrides.task))
-    callbacks.on_multirun_end(config=config, config_name="config")
+    hydra_internals.multirun(
+        app, config, task, lambda launcher: CheckedLauncher(launcher, app.config_loader, config, plan)
+    )
 
 
 def check_sweeper(plan: Plan, basic: bool) -> None:
@@ -320,7 +304,7 @@ class CheckedLauncher:
     single run passes (configuration.check, the processes it takes), each job's keys read as a single run reads
     them; an error is one line naming the job."""
 
-    def __init__(self, launcher, loader: ConfigLoaderImpl, config: DictConfig, plan: Plan):
+    def __init__(self, launcher, loader: ConfigLoader, config: DictConfig, plan: Plan):
         self.launcher, self.loader, self.config = launcher, loader, config
         self.objective, self.swept = plan.objective, plan.swept
 

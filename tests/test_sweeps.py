@@ -334,3 +334,26 @@ def test_a_swept_value_is_named_as_a_user_writes_it():
     assert override_text("lr=1e-3") == "lr=0.001"
     assert override_text("local_run_dir=/runs/a.b") == "local_run_dir=/runs/a.b"
     assert override_text("loss=dpo") == "loss=dpo" and override_text("seed=3") == "seed=3"
+
+
+def test_the_private_names_of_hydra_a_sweep_drives_are_where_it_finds_them():
+    import hydra
+
+    from configuration import hydra_internals
+
+    assert hydra_internals.problem() is None, f"hydra-core {hydra.__version__}: {hydra_internals.problem()}"
+
+
+def test_a_hydra_that_moved_them_stops_a_sweep_in_one_line(tmp_path, pairs_file, run_main, monkeypatch):
+    import hydra
+
+    from configuration import hydra_internals
+
+    monkeypatch.setattr(hydra_internals, "MOVED", "No module named 'hydra._internal.hydra'")
+    result = run_main(*sweep_args(tmp_path, pairs_file, tmp_path / "sweep", "loss.beta=0.1,0.3"))
+    assert result.returncode == 2 and result.stderr.count("error: ") == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: train.py -m drives Hydra's multirun through its internals, which hydra-core {hydra.__version__} "
+        "moved (No module named 'hydra._internal.hydra'): pip install 'hydra-core>=1.3,<1.4' (single runs need none "
+        "of it)"
+    )
