@@ -14,7 +14,6 @@ torch.backends.cudnn.allow_tf32 = True
 
 import math
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,23 +92,8 @@ class Trainer:
         # Randomness in a step (LoRA's adapter dropout) is drawn from the step's own seed: a resumed run draws what
         # the uninterrupted one did, and tensor-parallel ranks draw alike.
         torch.manual_seed(self.config.seed + self.batch_counter)
-        accumulation = self.config.gradient_accumulation_steps
-        columns = defaultdict(list)
-        micro_batches, _ = self.topology.micro_batches(examples, self.config.batch_size, accumulation)
-        coupled = self.batch_loss.couple(examples, self.config.batch_size, accumulation)  # what it reads of the batch
-        for index, micro_batch in enumerate(micro_batches):
-            batch = self.scorer.batch(micro_batch)
-            loss, batch_metrics = self.batch_loss(micro_batch, "train", batch, coupled and coupled.part(index))
-            # Each rank's loss is the mean over its share; averaging gradients over ranks gives the batch mean.
-            (loss / accumulation).backward()
-            for name, values in batch_metrics.items():
-                columns[name].append(values.detach().float())
-            # the positions this micro-batch computed, shared out over its examples so that they add up over ranks
-            columns["perf/computed_tokens"].append(
-                torch.full_like(columns[name][-1], batch.n_tokens / len(micro_batch))
-            )
-        names = sorted(columns)
-        gathered = self.topology.gather_columns(torch.stack([torch.cat(columns[n]) for n in names]), len(examples))
+        sizes = (self.config.batch_size, self.config.gradient_accumulation_steps)
+        names, gathered = self.batch_loss.over_micro_batches(examples, "train", *sizes, backward=True)
         with torch.profiler.record_function("clip gradients"):  # named for python -m bench --profile
             grad_norm = clip_grad_norm(self.policy.parameters(), self.config.max_grad_norm)  # the same on every rank
         host = torch.cat([gathered.flatten(), grad_norm.reshape(1).to(gathered)]).cpu().tolist()

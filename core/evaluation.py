@@ -1,8 +1,6 @@
 """Evaluation on the held-out examples, and samples from policy and reference on their prompts (generations.py
 samples them)."""
 
-from collections import defaultdict
-
 import numpy as np
 import torch
 import tqdm
@@ -32,20 +30,11 @@ class Evaluator:
         batches = tqdm.tqdm(
             self.eval_batches, desc="eval", leave=False, dynamic_ncols=True, disable=not self.topology.is_main
         )
+        # The training micro-batch budget: a rank's share goes through in gradient_accumulation_steps parts.
+        sizes = (self.config.eval_batch_size, self.config.gradient_accumulation_steps)
         for batch in batches:
-            # The training micro-batch budget: a rank's share goes through in gradient_accumulation_steps parts.
-            sizes = (self.config.eval_batch_size, self.config.gradient_accumulation_steps)
-            micro_batches, _ = self.topology.micro_batches(batch, *sizes)
-            coupled = self.batch_metrics.couple(batch, *sizes)  # what the loss reads of the whole batch
-            columns = defaultdict(list)
-            for index, micro_batch in enumerate(micro_batches):
-                for name, metric in self.batch_metrics(micro_batch, "eval", None, coupled and coupled.part(index))[
-                    1
-                ].items():
-                    columns[name].append(metric.detach().float())
-            names = sorted(columns)
-            local = torch.stack([torch.cat(columns[name]) for name in names])
-            gathered.append(self.topology.gather_columns(local, len(batch)))  # without the padding copies
+            names, values = self.batch_metrics.over_micro_batches(batch, "eval", *sizes)
+            gathered.append(values)  # without the padding copies
         values = torch.cat(gathered, dim=1).cpu().tolist()
         return {name: metric_mean(name, row) for name, row in zip(names, values)}
 

@@ -6,6 +6,7 @@ once per micro-batch and once per batch; build.py makes them."""
 
 import contextlib
 import functools
+from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -123,6 +124,31 @@ class BatchLoss:
         """Router counts summed over the data-parallel ranks."""
         summed = self.topology.sum_over_dp(torch.cat([counts.choices, counts.tokens.reshape(1)]))
         return RouterCounts(summed[:-1], summed[-1])
+
+    def over_micro_batches(
+        self, examples: list[dict], split: str, batch_size: int, accumulation: int, backward: bool = False
+    ) -> tuple[list[str], torch.Tensor]:
+        """The loop of a training step and of a held-out batch alike: this rank's share of the batch `examples` in
+        `accumulation` equal micro-batches (Topology.micro_batches), what the loss reads of the whole batch coupled
+        first, each micro-batch laid out once and its loss computed (backward: its share of the batch's mean loss
+        backpropagated, and the positions it computed counted as perf/computed_tokens). Returns the metrics' names
+        and their values [metrics, len(examples)] gathered over the ranks, still on the device."""
+        columns = defaultdict(list)
+        micro_batches, _ = self.topology.micro_batches(examples, batch_size, accumulation)
+        coupled = self.couple(examples, batch_size, accumulation)
+        for index, micro_batch in enumerate(micro_batches):
+            batch = self.scorer.batch(micro_batch)
+            loss, metrics = self(micro_batch, split, batch, coupled and coupled.part(index))
+            if backward:
+                # Each rank's loss is the mean over its share; averaging gradients over ranks gives the batch mean.
+                (loss / accumulation).backward()
+                # the positions this micro-batch computed, shared out over its examples: they add up over ranks
+                n = len(micro_batch)
+                metrics["perf/computed_tokens"] = torch.full((n,), batch.n_tokens / n, device=loss.device)
+            for name, values in metrics.items():
+                columns[name].append(values.detach().float())
+        names = sorted(columns)
+        return names, self.topology.gather_columns(torch.stack([torch.cat(columns[n]) for n in names]), len(examples))
 
     def couple(self, examples: list[dict], batch_size: int, accumulation: int) -> CoupledBatch | None:
         """What the loss reads from the whole batch `examples` (cut into micro-batches as Topology.micro_batches

@@ -1,3 +1,4 @@
+import copy
 import json
 import os
 import random
@@ -788,3 +789,16 @@ def read_only(tmp_path):
     yield view
     for path in mounted:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def wrapped_batch_loss(batch_loss, wrap):
+    """A copy of a run's BatchLoss (core/step.py) whose every micro-batch's (loss, metrics) is what
+    wrap(examples, loss, metrics) makes of it: the step's loop (BatchLoss.over_micro_batches) calls it as its own."""
+
+    class Wrapped(type(batch_loss)):
+        def __call__(self, examples, split, batch=None, coupled=None):
+            return wrap(examples, *super().__call__(examples, split, batch, coupled))
+
+    copied = copy.copy(batch_loss)
+    copied.__class__ = Wrapped
+    return copied

@@ -25,6 +25,7 @@ from conftest import (
     run_cli,
     save_tiny_lm,
     tiny_run_overrides,
+    wrapped_batch_loss,
     write_jsonl,
 )
 from modeling.distributed import (
@@ -334,14 +335,8 @@ def record_micro_batches(trainer) -> list[tuple[int, bool]]:
         sharded = all(isinstance(g, DTensor) and g.to_local().numel() < g.numel() for g in grads if g is not None)
         seen.append((pairs, all(g is not None for g in grads) and sharded))
 
-    batch_loss = trainer.batch_loss
-
-    def recording(examples, split, batch=None, coupled=None):
-        record(len(examples))
-        return batch_loss(examples, split, batch, coupled)
-
-    recording.couple = batch_loss.couple
-    trainer.batch_loss = recording
+    recording = lambda examples, *result: (record(len(examples)), result)[1]  # noqa: E731
+    trainer.batch_loss = wrapped_batch_loss(trainer.batch_loss, recording)
     step = trainer.optimizer.step
     trainer.optimizer.step = lambda: (record(0), step())[1]
     metrics = trainer.train_step([trainer.data.train_examples[i] for i in trainer.data.schedule[0]])

@@ -22,6 +22,7 @@ from conftest import (
     planned_training_peaks,
     read_jsonl,
     records,
+    wrapped_batch_loss,
 )
 from core.step import Data
 from persistence import checkpoint
@@ -328,13 +329,7 @@ def poison_training_from(step: int):
         if self.batch_counter + 1 < step:
             return train_step(self, examples)
         batch_loss = self.batch_loss
-
-        def nan_loss(examples, split, batch=None, coupled=None):
-            loss, metrics = batch_loss(examples, split, batch, coupled)
-            return loss * float("nan"), metrics
-
-        nan_loss.couple = batch_loss.couple
-        self.batch_loss = nan_loss
+        self.batch_loss = wrapped_batch_loss(batch_loss, lambda examples, loss, metrics: (loss * float("nan"), metrics))
         try:
             return train_step(self, examples)
         finally:
