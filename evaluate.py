@@ -31,7 +31,8 @@ from configuration.checks import check_writable_dir
 from configuration.composition import register
 from configuration.messages import as_override, expect
 from configuration.sections import WandbConfig
-from core.generations import Sampler, check_judge, load_judge, sample_seed
+from core.judges import check_judge, load_judge
+from core.sampling import Sampler, sample_seed
 from core.winrates import summarize
 from modeling.distributed import (
     Topology,
@@ -171,10 +172,10 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-class Generations:
+class CompletionStore:
     """Every side's completions of the prompts, [P * S] per temperature (prompt-major), and the candidates' log-probs
     under themselves and under the reference (the sampled KL's two terms), computed one model at a time so that
-    one model is held at once; with the seconds and tokens spent generating."""
+    one model is held at once; with the seconds and tokens spent sampling."""
 
     def __init__(self, config: DictConfig, topology: Topology, tokenizer, prompts: list[dict]):
         self.config, self.topology, self.prompts = config, topology, prompts
@@ -200,7 +201,7 @@ class Generations:
         with named_key(self.config, spec):
             return load_trained(spec, self.topology, self.dtype, self.cache_dir)
 
-    def generate(self, model, name: str, side: str, kl: bool) -> None:
+    def sample(self, model, name: str, side: str, kl: bool) -> None:
         """The model's completions as `side` (candidate or baseline) at every temperature, drawn together (rows of
         one prompt share its prefill) and, with kl, their log-probs under it, summed as they are drawn."""
         temperatures, n = list(self.config.temperatures), len(self.prompt_ids)
@@ -215,7 +216,7 @@ class Generations:
             for (t, i), logp in zip(order, logps):
                 self.own_logps[name][t][i] = logp
         else:
-            drawn = self.sampler.sample_rows(model, *rows)
+            drawn = self.sampler.sample(model, *rows)
         self.seconds += time.time() - start
         self.tokens += sum(map(len, drawn))
         self.completions[side, name] = {t: [None] * n for t in temperatures}
@@ -226,7 +227,7 @@ class Generations:
         """Each completion's log-prob under `model` at its temperature: every temperature's together, so that a
         prompt is computed once for all its completions."""
         temperatures, n = list(completions), len(self.prompt_ids)
-        logps = self.sampler.logps(
+        logps = self.sampler.score(
             model, self.prompt_ids * len(temperatures), [c for t in temperatures for c in completions[t]],
             self.images * len(temperatures), [t for t in temperatures for _ in range(n)],
         )  # fmt: skip
@@ -238,7 +239,7 @@ class Generations:
         reference = c.reference or (c.baseline if c.baseline != CHOSEN else None)
         for name in c.candidates:
             model = self.load(name)
-            self.generate(model, name, "candidate", kl=reference is not None)
+            self.sample(model, name, "candidate", kl=reference is not None)
             del model
             release_free_memory()
         if c.baseline == CHOSEN:
@@ -246,7 +247,7 @@ class Generations:
             self.completions["baseline", CHOSEN] = dict.fromkeys(c.temperatures, chosen)
         else:
             model = self.load(c.baseline)
-            self.generate(model, c.baseline, "baseline", kl=False)
+            self.sample(model, c.baseline, "baseline", kl=False)
             if reference == c.baseline:
                 self.score_under_reference(model)
             del model
@@ -286,29 +287,29 @@ def text_length(ids: list[int], eos_token_id: int) -> int:
     return len(ids) - (1 if ids and ids[-1] == eos_token_id else 0)
 
 
-def judge_all(config: DictConfig, generations: Generations, tokenizer, device, max_length: int) -> tuple[dict, list]:
+def judge_all(config: DictConfig, store: CompletionStore, tokenizer, device, max_length: int) -> tuple[dict, list]:
     """(rank 0) Each candidate against the baseline at each temperature, judged (a reward model reads max_length
     tokens): {candidate: {temperature: summary}} and every judged pair as a line of samples.jsonl."""
     cache_dir = get_local_dir(config.local_dirs)
     judge = load_judge(config.judge, config.judge_template, device, config.batch_size, max_length, cache_dir)
-    prompt_texts = [tokenizer.decode(ids) for ids in generations.prompt_ids]  # as the policy read it
+    prompt_texts = [tokenizer.decode(ids) for ids in store.prompt_ids]  # as the policy read it
     baseline = config.baseline
     decode = lambda batch: tokenizer.batch_decode(batch, skip_special_tokens=True)  # noqa: E731
-    lengths = lambda batch: generations.shaped([text_length(ids, tokenizer.eos_token_id) for ids in batch])  # noqa: E731
+    lengths = lambda batch: store.shaped([text_length(ids, tokenizer.eos_token_id) for ids in batch])  # noqa: E731
     pairs = [(name, t) for name in config.candidates for t in config.temperatures]
     texts = {(side, name): {t: decode(batch) for t, batch in by_t.items()}
-             for (side, name), by_t in generations.completions.items()}  # fmt: skip
+             for (side, name), by_t in store.completions.items()}  # fmt: skip
     sides = [(texts["candidate", name][t], texts["baseline", baseline][t]) for name, t in pairs]
     with tqdm.tqdm(total=len(prompt_texts) * len(pairs), desc="judging", unit="pair", leave=False) as bar:
-        judgements = judge.judge_all(prompt_texts, sides, generations.images, bar)
+        judgements = judge.judge_all(prompt_texts, sides, store.images, bar)
     results, lines = {name: {} for name in config.candidates}, []
     for (name, temperature), (ours_text, theirs_text), judgement in zip(pairs, sides, judgements):
-        ours = generations.completions["candidate", name][temperature]
-        theirs = generations.completions["baseline", baseline][temperature]
-        rewards = judgement.rewards and tuple(generations.shaped(r) for r in judgement.rewards)
-        log_ratios = generations.log_ratios(name, temperature)
+        ours = store.completions["candidate", name][temperature]
+        theirs = store.completions["baseline", baseline][temperature]
+        rewards = judgement.rewards and tuple(store.shaped(r) for r in judgement.rewards)
+        log_ratios = store.log_ratios(name, temperature)
         results[name][temperature] = summarize(
-            generations.shaped(judgement.outcomes), lengths(ours), lengths(theirs), config.bootstrap_resamples,
+            store.shaped(judgement.outcomes), lengths(ours), lengths(theirs), config.bootstrap_resamples,
             config.seed, log_ratios, rewards,
         )  # fmt: skip
         lines += evaluation_report.sample_lines(
@@ -428,15 +429,15 @@ def evaluate(config: DictConfig, topology: Topology, labels: dict[str, dict] | N
         prompts = held_out_prompts(config, data, tokenizer, cache_dir)
     if topology.is_main:
         print(reference_line(config, run))
-    generations = Generations(config, topology, tokenizer, prompts)
-    generations.run()
-    rate = generations.tokens / max(generations.seconds, 1e-9)
-    print(f"generation: {int(generations.tokens)} tokens in {generations.seconds:.1f} s, {rate:.1f} tokens/s")
+    store = CompletionStore(config, topology, tokenizer, prompts)
+    store.run()
+    rate = store.tokens / max(store.seconds, 1e-9)
+    print(f"generation: {int(store.tokens)} tokens in {store.seconds:.1f} s, {rate:.1f} tokens/s")
 
     def report() -> Path:
-        results, lines = judge_all(config, generations, tokenizer, topology.device, data.max_length)
+        results, lines = judge_all(config, store, tokenizer, topology.device, data.max_length)
         output = Path(config.output_dir) if config.output_dir else get_local_run_dir(config.exp_name, config.local_dirs)
-        speed = {"tokens": int(generations.tokens), "seconds": generations.seconds, "tokens_per_second": rate,
+        speed = {"tokens": int(store.tokens), "seconds": store.seconds, "tokens_per_second": rate,
                  "prompts": len(prompts)}  # fmt: skip
         evaluation_report.write(output, config, results, lines, speed, labels or {})
         return output

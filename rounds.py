@@ -26,8 +26,8 @@ import numpy as np
 import storage
 from build import fill_reference_cache, reference_computation
 from core.examples import Examples, from_ids
-from core.generations import distinct_prompts, sample_seed
 from core.rewards import load_reward
+from core.sampling import distinct_prompts, sample_seed
 from core.step import Data
 from modeling.vision import pack_images, unpack_images
 from persistence import reference_cache
@@ -82,7 +82,7 @@ class Rounds:
         """Sample, score, pair, and train; a checkpoint at its end."""
         trainer = self.trainer
         heldout = self.heldout_reward()
-        lines = self.sample(round_index)
+        lines = self.sample_round(round_index)
         data = self.round_data(round_index, lines)
         digest = self.use_reference(data)
         trainer.round_state = {"round": round_index, "start": trainer.batch_counter, "reference": digest}
@@ -123,7 +123,7 @@ class Rounds:
         per_round = min(self.settings.prompts or n, n)
         return self.prompts.select((np.arange(per_round) + round_index * per_round) % n)
 
-    def sample(self, round_index: int) -> list[dict]:
+    def sample_round(self, round_index: int) -> list[dict]:
         """The round's lines (see `score`), sampled from the policy, scored, and written to its file."""
         examples, k = self.round_prompts(round_index), self.settings.completions
         prompts = [examples[i]["prompt"] for i in range(len(examples))]
@@ -134,13 +134,13 @@ class Rounds:
             for j in range(k)
         ]
         repeated = [prompt for prompt in prompts for _ in range(k)], [packed for packed in images for _ in range(k)]
-        completions = self.complete(*repeated, seeds)
+        completions = self.sample(*repeated, seeds)
         groups = examples.groups.tolist()
         return self.topology.broadcast(
             self.topology.run_on_main(lambda: self.score(round_index, prompts, images, groups, completions))
         )
 
-    def complete(self, prompts: list[list[int]], images: list[bytes], seeds: list[int] | None) -> list[list[int]]:
+    def sample(self, prompts: list[list[int]], images: list[bytes], seeds: list[int] | None) -> list[list[int]]:
         """Completions of `prompts` by the policy, which sees their `images` (pack_images; b"": none), sampled as
         generation.* says from `seeds` (greedy where None), gathered in order on every rank."""
         g, sampler = self.config.generation, self.trainer.evaluator.sampler
@@ -211,7 +211,7 @@ class Rounds:
 
     def heldout_reward(self) -> float:
         """The mean reward of the policy's greedy completions of the held-out prompts."""
-        completions = self.complete(self.eval_prompts, self.eval_images, None)
+        completions = self.sample(self.eval_prompts, self.eval_images, None)
 
         def mean_reward() -> float:
             prompt_texts, completion_texts = reward_texts(self.trainer.tokenizer, self.eval_prompts, completions)

@@ -11,12 +11,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from build import place
-from core.generations import is_reward_model
 from core.losses import LOSSES
 from modeling import weights
 from modeling.adapters import apply_lora, require_peft
 from modeling.distributed import Topology
-from modeling.model_dirs import resolve_model_dir
+from modeling.model_dirs import is_reward_model_dir, resolve_model_dir
 from modeling.models import load_model, prepare_model, random_init_dir, transformers_config
 from modeling.precision import decide_precision, parse_dtype
 from modeling.tokenizers import load_tokenizer
@@ -103,7 +102,7 @@ def check_generates(spec: str, saved_as: str, cache_dir: Path) -> None:
     elif saved_as == "adapter":
         reward = json.loads((path / ADAPTER_CONFIG).read_text()).get("task_type") == "SEQ_CLS"
     else:
-        reward = is_reward_model(resolve_model_dir(spec, cache_dir))
+        reward = is_reward_model_dir(resolve_model_dir(spec, cache_dir))
     if reward:
         raise UserError(f"{spec} is a reward model, which generates nothing: a judge (judge={spec}), not a candidate")
 

@@ -1,8 +1,10 @@
 """--generate's worker, run in a fresh process from the code of either version (this tree's or --versus's, by file
-path: it imports only core.generations and modeling.distributed, which both have): evaluate.py's sampling (the
+path: it imports only the sampling and judging modules, core/sampling.py and core/judges.py, or before they were
+split core/generations.py, and modeling.distributed): evaluate.py's sampling (the
 Sampler) and its parts, plain model.generate on the same batches, the seeded sampler alone on random logits, the
 KL's log-probs and a reward model's judging, each timed."""
 
+import importlib
 import inspect
 import json
 import time
@@ -38,6 +40,14 @@ class ForwardClock:
         self.prefill = self.decode = 0.0
 
 
+def module(name: str):
+    """core.sampling or core.judges (this tree's), or core.generations, which held both in the versions before."""
+    try:
+        return importlib.import_module(f"core.{name}")
+    except ModuleNotFoundError:
+        return importlib.import_module("core.generations")
+
+
 def seeds_of(n: int, temperature: float, side: int = 0) -> list[int]:
     return [int(temperature * 1e6) * 10_000 + i + side * 10**13 for i in range(n)]
 
@@ -45,9 +55,9 @@ def seeds_of(n: int, temperature: float, side: int = 0) -> list[int]:
 def time_sampler(sampler, model, clock, prompts, temperatures, side: int = 0) -> tuple[dict, dict, list | None]:
     """evaluate.py's sampling of one model as one side (0: the candidate, 1: the baseline): every temperature's rows
     drawn together, prompt-major, the candidate's with their log-probs summed while drawing (the KL's first term)
-    where the Sampler can (sample_scored), or drawn together alone (sample_rows), else one temperature at a time
-    (sample); seconds (whole, prefill, decode forward passes), tokens; the completions by temperature; and their
-    log-probs (temperature-major), or None."""
+    where the Sampler can (sample_scored), or drawn together alone (sample, with one temperature per row; before,
+    sample_rows), else one temperature at a time; seconds (whole, prefill, decode forward passes), tokens; the
+    completions by temperature; and their log-probs (temperature-major), or None."""
     clock.reset()
     start, own = time.perf_counter(), None
     order = [(t, i) for i in range(len(prompts)) for t in temperatures]
@@ -57,9 +67,10 @@ def time_sampler(sampler, model, clock, prompts, temperatures, side: int = 0) ->
         drawn, logps = sampler.sample_scored(model, *rows)
         by_row = dict(zip(order, logps))
         own = [by_row[t, i] for t in temperatures for i in range(len(prompts))]
-    elif hasattr(sampler, "sample_rows"):
-        drawn = sampler.sample_rows(model, *rows)
-    if hasattr(sampler, "sample_rows"):
+    rows_at_once = hasattr(sampler, "sample_rows") or hasattr(sampler, "score")  # versions before: sample_rows
+    if own is None and rows_at_once:
+        drawn = getattr(sampler, "sample_rows", sampler.sample)(model, *rows)
+    if rows_at_once:
         completions = {t: [None] * len(prompts) for t in temperatures}
         for (t, i), completion in zip(order, drawn):
             completions[t][i] = completion
@@ -97,8 +108,8 @@ def time_generate(model, tokenizer, prompts, batch: int, max_new_tokens: int, te
 
 
 def time_processor(vocab: int, batch: int, steps: int, temperature: float, top_p: float) -> float:
-    """Seconds per call of the seeded sampler (core.generations.SeededSampling) on [batch, vocab] random logits."""
-    from core.generations import SeededSampling
+    """Seconds per call of the seeded sampler (SeededSampling) on [batch, vocab] random logits."""
+    SeededSampling = module("sampling").SeededSampling
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(steps, batch, vocab, generator=generator) * 3
@@ -114,17 +125,18 @@ def time_logps(sampler, model, prompts: list[list[int]], completions: dict[float
     """The KL's log-probs of every completion, as evaluate.py asks for them: every temperature's in one call where
     the Sampler takes one temperature per completion, else one temperature at a time."""
     temperatures = list(completions)
-    if "temperatures" in inspect.signature(sampler.logps).parameters:
+    score = getattr(sampler, "score", None) or sampler.logps  # named logps before
+    if "temperatures" in inspect.signature(score).parameters:
         rows = [row for t in temperatures for row in completions[t]]
         each = [t for t in temperatures for _ in prompts]
-        return sampler.logps(model, prompts * len(temperatures), rows, None, each)
-    return [logp for t in temperatures for logp in sampler.logps(model, prompts, completions[t], None, t)]
+        return score(model, prompts * len(temperatures), rows, None, each)
+    return [logp for t in temperatures for logp in score(model, prompts, completions[t], None, t)]
 
 
 def generate_worker(result_file: str, model_dir: str, judge_dir: str, prompts_file: str, batch: int,
                     max_new_tokens: int, temperatures: list[float], plain: bool) -> None:  # fmt: skip
     """Every timing of one version's code into result_file (JSON)."""
-    from core.generations import RewardJudge, Sampler
+    RewardJudge, Sampler = module("judges").RewardJudge, module("sampling").Sampler
     from core.rewards import ModelReward
     from modeling.distributed import Topology
 

@@ -1,4 +1,4 @@
-"""The GPU campaign's sampling stage (gpu.py): evaluate.py's sampling (core.generations.Sampler, our decode loop, the
+"""The GPU campaign's sampling stage (gpu.py): evaluate.py's sampling (core.sampling.Sampler, our decode loop, the
 candidate's log-probs summed while drawing) against plain model.generate(do_sample=True) on as many rows of the same
 prompts (at T = 1: generate takes one temperature a call), on the campaign's random model in bfloat16 on a GPU
 (float32 on a CPU, as evaluate.py's dtype=auto chooses). Our rows are evaluate.py's: each prompt at every temperature.
@@ -13,7 +13,7 @@ import transformers
 
 from bench.common import hh_like_rows
 from bench.generate_worker import ForwardClock, time_generate, time_sampler
-from core.generations import Sampler
+from core.sampling import Sampler
 from modeling.distributed import Topology
 
 
@@ -35,7 +35,7 @@ def sampling_worker(result_file: str, model_dir: str, n_prompts: int, temperatur
     rows = len(prompts) * len(temperatures)
     sampler = Sampler(tokenizer, topology, max_new_tokens, n_prompts)
     clock = ForwardClock(model)
-    sampler.sample_rows(model, prompts[:2], None, [1, 2], [1.0, 1.0])  # warm-up: the kernels' first launches
+    sampler.sample(model, prompts[:2], None, [1, 2], [1.0, 1.0])  # warm-up: the kernels' first launches
     time_generate(model, tokenizer, prompts[:2], 2, 2, [1.0])
     ours, _, _ = time_sampler(sampler, model, clock, prompts, temperatures)  # prompt-major rows, as evaluate.py's
     plain = time_generate(model, tokenizer, [p for p in prompts for _ in temperatures], rows, max_new_tokens, [1.0])

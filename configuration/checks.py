@@ -9,7 +9,7 @@ import torch
 
 from configuration.messages import as_override, did_you_mean, expect
 from core.attention import ATTENTIONS
-from core.generations import check_judge
+from core.judges import check_judge
 from core.layouts import LAYOUTS
 from core.liger import liger_problem
 from core.losses import LOSSES

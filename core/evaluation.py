@@ -1,11 +1,12 @@
-"""Evaluation on the held-out examples, and samples from policy and reference on their prompts (generations.py
-samples them)."""
+"""Evaluation on the held-out examples, samples from policy and reference on their prompts (core/sampling.py samples
+them), and the policy's win rate against its reference (core/judges.py judges it)."""
 
 import numpy as np
 import torch
 import tqdm
 
-from core.generations import Sampler, distinct_prompts, load_judge, sample_seed
+from core.judges import load_judge
+from core.sampling import Sampler, distinct_prompts, sample_seed
 from core.winrates import score
 from modeling.distributed import Topology
 from utils import get_local_dir, metric_mean
@@ -39,13 +40,13 @@ class Evaluator:
         return {name: metric_mean(name, row) for name, row in zip(names, values)}
 
     @torch.no_grad()
-    def generate(self, model: torch.nn.Module, examples: list[dict]) -> list[str]:
+    def sample_texts(self, model: torch.nn.Module, examples: list[dict]) -> list[str]:
         """Sampled continuations of the examples' prompts (as generation.* says), without the prompt text; a
         vision-language model sees each prompt's images."""
         g = self.config.generation
         settings = dict(do_sample=g.do_sample, temperature=g.temperature, top_p=g.top_p)
         prompts, images = [ex["prompt"] for ex in examples], [ex.get("images", b"") for ex in examples]
-        completions = self.sampler.complete(model, prompts, images, **settings)
+        completions = self.sampler.decode_generate(model, prompts, images, **settings)
         return self.tokenizer.batch_decode(completions, skip_special_tokens=True)
 
     def sample(self, policy: torch.nn.Module, reference: torch.nn.Module | None, step: int) -> list[dict]:
@@ -54,8 +55,8 @@ class Evaluator:
         local, n_real = self.topology.shard(examples)
         # The same seed on every rank: tensor-parallel ranks must draw the same tokens.
         torch.manual_seed(self.config.seed + step)
-        policy_texts = self.generate(policy, local)
-        reference_texts = self.generate(reference, local) if reference is not None else [None] * len(local)
+        policy_texts = self.sample_texts(policy, local)
+        reference_texts = self.sample_texts(reference, local) if reference is not None else [None] * len(local)
         samples = [
             {"step": step, "prompt": self.tokenizer.decode(ex["prompt"]), "policy": p, "reference": r}
             for ex, p, r in zip(local, policy_texts, reference_texts)
@@ -67,7 +68,7 @@ class HeldOutWinRate:
     """The policy's win rate (ties half) against the reference on the first `eval_winrate_prompts` distinct held-out
     prompts, at each eval: both complete each prompt as generation.* says, from the same seed of (seed, prompt), the
     same at every eval (common random numbers: a policy still equal to its reference draws the same completions, a
-    rate of exactly 0.5, and the rate follows the policy rather than the draw); the judge (generations.load_judge:
+    rate of exactly 0.5, and the rate follows the policy rather than the draw); the judge (judges.load_judge:
     judge=, judge_template=) compares them on rank 0, in both orders."""
 
     def __init__(self, config, topology: Topology, tokenizer, sampler: Sampler, eval_batches: list[list[dict]]):
@@ -91,6 +92,6 @@ class HeldOutWinRate:
         def judged() -> float:
             prompts = [self.tokenizer.decode(ids) for ids in self.prompts]  # as the policy read them
             texts = [self.tokenizer.batch_decode(side, skip_special_tokens=True) for side in completions]
-            return score(np.array(self.judge(prompts, *texts, self.images).outcomes))
+            return score(np.array(self.judge.judge(prompts, *texts, self.images).outcomes))
 
         return self.topology.broadcast(self.topology.run_on_main(judged))

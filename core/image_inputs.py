@@ -1,7 +1,7 @@
 """A vision-language model's image inputs on a batch: what its processor gives each prompt's images, in the order
 the rows hold them, and for packed rows what the model's own forward would derive from each sequence alone: the
 blocks of tokens that see each other both ways (an image's, or a prompt's) and the 3-D rotary positions of Qwen-VL
-models. The scorer's batches, the probes', and those of sampling and of a round's reward (generations, rewards) take
+models. The scorer's batches, the probes', and those of sampling and of a round's reward (sampling, rewards) take
 them here.
 """
 

@@ -1,5 +1,5 @@
 """Scores of many completions of few prompts, each prompt computed once for all of its completions: the sampled KL's
-log-probs at each completion's temperature (core.generations.Sampler.logps), and a reward model's rewards
+log-probs at each completion's temperature (core.sampling.Sampler.score), and a reward model's rewards
 (core.rewards.ModelReward, a judge's or a round's).
 
 An evaluation samples each prompt at 4 temperatures x S samples, and a judge reads each prompt with two completions;

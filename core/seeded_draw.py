@@ -1,6 +1,6 @@
 """The seeded draw: the token each row of logits draws at a temperature from the nucleus (Holtzman et al. 2020) with a
 uniform of its own, by the inverse CDF over the probabilities sorted by falling value (equal ones in token-id order).
-core.generations' SeededSampling and core.decoding's loop draw every sampled token with it, so a completion is a
+core.sampling's SeededSampling and core.decoding's loop draw every sampled token with it, so a completion is a
 function of its seed, temperature and prompt alone. On a CPU it reads the largest PREFIX probabilities of a row and
 sorts the whole row only where the draw may fall past them; on other devices it sorts stably."""
 

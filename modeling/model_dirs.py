@@ -149,3 +149,10 @@ def weights_dir(name_or_path: str, cache_dir: Path, download: bool) -> Path:
     except OSError as error:  # the Hub's HTTP errors and a file missing offline are OSErrors
         what = "weights" if download else "config and index"
         raise UserError(f"could not download the {what} of '{name_or_path}' ({first_line(error)})") from None
+
+
+def is_reward_model_dir(source: str) -> bool:
+    """Whether a saved model (a directory, or a Hub name) is a sequence classifier (a reward model, which scores text
+    and generates none), not a causal LM: its config's architectures say."""
+    architectures = transformers.AutoConfig.from_pretrained(source).architectures or []
+    return any(name.endswith("ForSequenceClassification") for name in architectures)

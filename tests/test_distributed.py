@@ -357,9 +357,9 @@ def test_fsdp_samples_uneven_lengths_and_reduces_every_micro_batch_into_sharded_
     single = build_trainer(make_config(*sampling), run_dir=tmp_path / "run")
     examples = [ex for batch in single.data.eval_batches for ex in batch][:4]
     single.config.generation.max_new_tokens = 8
-    long = single.evaluator.generate(single.policy, examples)
+    long = single.evaluator.sample_texts(single.policy, examples)
     single.config.generation.max_new_tokens = 1
-    short = single.evaluator.generate(single.policy, examples)
+    short = single.evaluator.sample_texts(single.policy, examples)
     # Greedy decoding from the same weights: rank 0 had pairs 0-1, rank 1 pairs 2-3.
     assert [s["policy"] for s in seen["samples"]] == long[:2] + short[2:]
     assert [s["reference"] for s in seen["samples"]] == long[:2] + short[2:]

@@ -1,4 +1,4 @@
-"""evaluate.py and its parts (core/generations.py's sampling and judges): a model against itself wins half within
+"""evaluate.py and its parts (core/sampling.py and core/judges.py): a model against itself wins half within
 its interval, a judge that prefers the candidate by construction gives it every win, a judge that always answers
 "A" gives only ties once the order is swapped, the sampled KL estimates the exact KL of a tiny model, batching and
 two ranks give the same samples and verdicts as one process, images reach the candidate and a vision-language
@@ -35,16 +35,9 @@ from conftest import (
     tiny_run_overrides,
     write_jsonl,
 )
-from core.generations import (
-    Judgement,
-    PairwiseJudge,
-    Sampler,
-    check_judge,
-    letter_tokens,
-    load_judge,
-    sample_seed,
-)
+from core.judges import Judgement, PairwiseJudge, check_judge, letter_tokens, load_judge
 from core.rewards import ModelReward
+from core.sampling import Sampler, sample_seed
 from modeling.distributed import Topology
 from modeling.tokenizers import load_tokenizer
 from modeling.vision import pack_images, vision_tower
@@ -133,7 +126,7 @@ class AlwaysA(PairwiseJudge):
 
 
 def test_swapping_the_order_turns_a_judge_that_always_answers_a_into_ties():
-    judgement = AlwaysA()(["p"] * 3, ["x", "y", "z"], ["u", "v", "w"])
+    judgement = AlwaysA().judge(["p"] * 3, ["x", "y", "z"], ["u", "v", "w"])
     assert judgement.first_shown_first == [1, 1, 1] and judgement.second_shown_first == [-1, -1, -1]
     assert judgement.outcomes == [0, 0, 0]
     assert judgement.p_first == ([0.9] * 3, pytest.approx([0.1] * 3))
@@ -149,7 +142,7 @@ def test_the_pairwise_judge_reads_its_next_token_probabilities_of_a_and_b(models
         [" 3.", " 4.", "x"],
         [" 5", " 9", " 4."],
     )
-    judgement = judge(prompts, first, second)
+    judgement = judge.judge(prompts, first, second)
     tokenizer = transformers.AutoTokenizer.from_pretrained(two_layers)
     model = transformers.AutoModelForCausalLM.from_pretrained(two_layers).eval()
     letters = [letter_tokens(tokenizer, letter) for letter in "AB"]
@@ -174,7 +167,7 @@ def test_a_hub_judge_loads_from_the_copy_an_earlier_run_downloaded(models, tmp_p
     (repo / "refs" / "main").write_text("a" * 40)
     check_judge("org/judge", None)  # a Hub name passes the config's check: it is resolved when loaded
     judge = load_judge("org/judge", None, torch.device("cpu"), 2, 64, tmp_path)
-    assert isinstance(judge, PairwiseJudge) and judge([" p"], ["a"], ["b"]).p_first is not None
+    assert isinstance(judge, PairwiseJudge) and judge.judge([" p"], ["a"], ["b"]).p_first is not None
     with pytest.raises(UserError, match="could not load model 'org/absent'"):
         load_judge("org/absent", None, torch.device("cpu"), 2, 64, tmp_path)
 
@@ -216,8 +209,8 @@ def test_the_sampled_kl_estimates_the_exact_kl_of_a_tiny_model(models):
     prompt, n, temperature = tokenizer("Q: 1 + 2?\nA:")["input_ids"], 4000, 0.7
     seeds = [sample_seed(b"prompt", 0, i) for i in range(n)]
     completions = sampler.sample(p_model, [prompt] * n, None, seeds, temperature)
-    own = np.array(sampler.logps(p_model, [prompt] * n, completions, None, temperature))
-    reference = np.array(sampler.logps(q_model, [prompt] * n, completions, None, temperature))
+    own = np.array(sampler.score(p_model, [prompt] * n, completions, None, temperature))
+    reference = np.array(sampler.score(q_model, [prompt] * n, completions, None, temperature))
     for completion, logp in list(zip(completions, own))[:20]:
         with torch.no_grad():
             logits = p_model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].double()
@@ -309,8 +302,8 @@ def test_policy_and_reference_draw_the_same_completions_from_the_same_seeds(make
     )
     trainer = build_trainer(config)
     winrate, judged = trainer.evals.winrate, []
-    judge = winrate.judge
-    winrate.judge = lambda *args: judged.append(judge(*args)) or judged[-1]
+    judge = winrate.judge.judge
+    winrate.judge.judge = lambda *args: judged.append(judge(*args)) or judged[-1]
     assert winrate(trainer.policy, trainer.reference_model) == 0.5
     assert len(winrate.prompts) == 5 and judged[0].outcomes == [0] * 5  # the 8 held-out pairs ask 5 prompts
 

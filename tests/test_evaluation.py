@@ -8,9 +8,9 @@ from transformers.cache_utils import DynamicLayer
 
 import train
 from conftest import build_trainer, read_jsonl
-from core import decoding, generations
+from core import decoding, sampling
 from core.decoding import ReservedLayer, hole_filling_order, length_groups
-from core.generations import SeededSampling
+from core.sampling import SeededSampling
 from core.scoring import Scorer
 from core.seeded_draw import drawn_log_probs, probs_draw
 
@@ -52,7 +52,7 @@ def test_a_seeded_completion_is_the_same_whatever_is_batched_with_it(make_config
     trainer = build_trainer(make_config("generation.max_new_tokens=10", "generation.temperature=1.0"))
     prompts = [trainer.data.train_examples[i]["prompt"] for i in range(5)]
     seeds = [11, 12, 13, 14, 15]
-    complete = trainer.evaluator.sampler.complete_seeded
+    complete = trainer.evaluator.sampler.decode_generate_seeded
     batched = complete(trainer.policy, prompts, seeds)
     alone = [complete(trainer.policy, [p], [s])[0] for p, s in zip(prompts, seeds)]
     reversed_order = complete(trainer.policy, prompts[::-1], seeds[::-1])[::-1]
@@ -151,9 +151,11 @@ def test_the_own_decode_loop_draws_what_generate_drew_sharing_prefills_and_dropp
     record = lambda module, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape))  # noqa: E731
     hook = policy.register_forward_pre_hook(record, with_kwargs=True)
     sampler.batch_size = len(rows)
-    drawn = sampler.sample_rows(policy, [prompts[p] for p, _, _ in rows], None, seeds, [t for _, t, _ in rows])
+    drawn = sampler.sample(policy, [prompts[p] for p, _, _ in rows], None, seeds, [t for _, t, _ in rows])
     hook.remove()
-    old = [sampler.complete_seeded(policy, [prompts[p]], [seed], None, t)[0] for (p, t, _), seed in zip(rows, seeds)]
+    old = [
+        sampler.decode_generate_seeded(policy, [prompts[p]], [seed], None, t)[0] for (p, t, _), seed in zip(rows, seeds)
+    ]
     assert drawn == old
     assert widths[0][0] == 3 and {w[1] for w in widths[1:]} == {1}  # three prefills, then one token a row
     # a row is computed for each token it draws after its first, and for no step after its EOS
@@ -211,9 +213,12 @@ def test_the_own_decode_loop_on_cuda_draws_what_generate_draws_and_sums_the_scor
         seeds = [10 * p + int(4 * t) for p, t in rows]
         args = ([prompts[p] for p, _ in rows], None, seeds, [t for _, t in rows])
         drawn, logps = sampler.sample_scored(policy, *args)
-        alone = [sampler.complete_seeded(policy, [prompts[p]], [seed], None, t)[0] for (p, t), seed in zip(rows, seeds)]
+        alone = [
+            sampler.decode_generate_seeded(policy, [prompts[p]], [seed], None, t)[0]
+            for (p, t), seed in zip(rows, seeds)
+        ]
         assert drawn == alone and len(set(map(len, drawn))) > 1
-        assert logps == pytest.approx(sampler.logps(policy, args[0], drawn, None, args[3]), abs=1e-4)
+        assert logps == pytest.approx(sampler.score(policy, args[0], drawn, None, args[3]), abs=1e-4)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = True
 
@@ -227,10 +232,10 @@ def test_completions_of_one_prompt_are_scored_together_each_as_it_would_be_alone
     prompts = [trainer.data.train_examples[i]["prompt"] for i in range(3)]
     rows = [(p, t) for p in range(3) for t in (0.5, 1.0, 2.0)]
     row_prompts, temperatures = [prompts[p] for p, _ in rows], [t for _, t in rows]
-    completions = sampler.sample_rows(policy, row_prompts, None, list(range(len(rows))), temperatures)
+    completions = sampler.sample(policy, row_prompts, None, list(range(len(rows))), temperatures)
     positions, batch = [], Scorer.batch
     monkeypatch.setattr(Scorer, "batch", lambda *a: positions.append(batch(*a).input_ids.numel()) or batch(*a))
-    together = sampler.logps(policy, row_prompts, completions, None, temperatures)
+    together = sampler.score(policy, row_prompts, completions, None, temperatures)
     monkeypatch.undo()
     with torch.no_grad():
         alone = []
@@ -241,7 +246,7 @@ def test_completions_of_one_prompt_are_scored_together_each_as_it_would_be_alone
     assert together == pytest.approx(alone, abs=1e-4)
     # each prompt once: fewer positions than the completions' rows hold without any padding
     assert sum(positions) < sum(len(p) + len(c) for p, c in zip(row_prompts, completions))
-    uneven = sampler.logps(policy, row_prompts[:-1], completions[:-1], None, temperatures[:-1])
+    uneven = sampler.score(policy, row_prompts[:-1], completions[:-1], None, temperatures[:-1])
     assert uneven == pytest.approx(together[:-1], abs=1e-5)
 
 
@@ -258,10 +263,10 @@ def test_log_probs_summed_while_drawing_equal_the_scored_log_probs(make_config, 
     rows = [(p, t) for p in range(3) for t in (0.5, 1.0, 2.0)]
     args = ([prompts[p] for p, _ in rows], None, list(range(len(rows))), [t for _, t in rows])
     drawn, logps = sampler.sample_scored(policy, *args)
-    assert drawn == sampler.sample_rows(policy, *args)
-    scored = sampler.logps(policy, args[0], drawn, None, args[3])
+    assert drawn == sampler.sample(policy, *args)
+    scored = sampler.score(policy, args[0], drawn, None, args[3])
     assert logps == pytest.approx(scored, abs=1e-4) and len(set(map(len, drawn))) > 1
-    monkeypatch.setattr(generations, "own_loop_problem", lambda *a: "forced")
+    monkeypatch.setattr(sampling, "own_loop_problem", lambda *a: "forced")
     assert sampler.sample_scored(policy, *args) == (drawn, pytest.approx(scored, abs=1e-6))
 
 
@@ -278,10 +283,10 @@ def test_sampling_batches_hold_the_rows_of_batch_size_prompts_shortest_prompts_f
     record = lambda module, args, kwargs: prefills.append(tuple(kwargs["input_ids"].shape))  # noqa: E731
     hook = policy.register_forward_pre_hook(record, with_kwargs=True)
     sampler.batch_size = 2
-    by_two = sampler.sample_rows(policy, *args)
+    by_two = sampler.sample(policy, *args)
     hook.remove()
     sampler.batch_size = 1
-    assert sampler.sample_rows(policy, *args) == by_two
+    assert sampler.sample(policy, *args) == by_two
     widths = [shape for shape in prefills if shape[1] > 1]
     assert [rows for rows, _ in widths] == [2, 2, 1]  # prefills of distinct prompts: 2, 2 and the last one
     assert [width for _, width in widths] == sorted(len(p) for p in prompts)[1::2] + [len(prompts[0])]
@@ -355,10 +360,10 @@ def test_prompts_prefilled_in_length_groups_hold_what_one_padded_batch_holds(mak
     rows = [(p, t) for p in range(4) for t in (0.5, 1.0)]
     args = ([list(prompts[p]) for p, _ in rows], None, [11 * p + int(4 * t) for p, t in rows], [t for _, t in rows])
     sampler.batch_size = 4
-    drawn = sampler.sample_rows(policy, *args)
+    drawn = sampler.sample(policy, *args)
     monkeypatch.setitem(decoding.GROUP_COST, "cpu", 10**6)
     monkeypatch.setattr(decoding, "VOCAB_BLOCK", 10**9)
-    assert sampler.sample_rows(policy, *args) == drawn
+    assert sampler.sample(policy, *args) == drawn
 
 
 def test_the_blocked_head_gives_the_heads_logits_and_is_the_heads_own_again_after(monkeypatch):
@@ -405,8 +410,8 @@ def test_scored_examples_are_batched_by_length_and_each_score_returns_to_its_row
     rows = [(p, t) for p in range(3) for t in (0.5, 1.0, 2.0)]
     row_prompts, temperatures = [prompts[p] for p, _ in rows], [t for _, t in rows]
     sampler.batch_size = 9
-    completions = sampler.sample_rows(policy, row_prompts, None, list(range(len(rows))), temperatures)
-    together = sampler.logps(policy, row_prompts, completions, None, temperatures)
+    completions = sampler.sample(policy, row_prompts, None, list(range(len(rows))), temperatures)
+    together = sampler.score(policy, row_prompts, completions, None, temperatures)
     sizes, batch = [], Scorer.batch
 
     def recorded(self, examples):
@@ -415,7 +420,7 @@ def test_scored_examples_are_batched_by_length_and_each_score_returns_to_its_row
 
     monkeypatch.setattr(Scorer, "batch", recorded)
     sampler.batch_size = 3  # one example (3 completions) a batch
-    apart = sampler.logps(policy, row_prompts, completions, None, temperatures)
+    apart = sampler.score(policy, row_prompts, completions, None, temperatures)
     tokens = [len(p) + sum(len(c) for c, (q, _) in zip(completions, rows) if q == i) for i, p in enumerate(prompts)]
     assert sizes == [[n] for n in sorted(tokens)] and sorted(tokens) != tokens
     assert apart == pytest.approx(together, abs=1e-5)

@@ -10,7 +10,7 @@ import transformers
 import config as configuration
 import evaluate
 from conftest import read_jsonl, save_tiny_lm, write_jsonl
-from core.generations import load_judge
+from core.judges import load_judge
 from modeling.distributed import Topology
 from utils import UserError
 
@@ -90,7 +90,7 @@ def test_a_judge_function_that_fails_is_one_line_naming_it(tmp_path, function, e
     spec = f"tests.test_evaluation_holes:{function}"
     judge = load_judge(spec, None, Topology.create("BasicTrainer").device, 4, 64, tmp_path)
     with pytest.raises(UserError, match=re.escape(f"judge={spec} raised {exception} (")):
-        judge(["Q: 1?"], ["yes"], ["no"])
+        judge.judge(["Q: 1?"], ["yes"], ["no"])
 
 
 def test_a_win_rate_with_an_sft_loss_is_one_line(make_config):
@@ -182,7 +182,7 @@ def test_prompts_longer_than_the_models_positions_keep_their_end_and_are_said_on
 
 
 def test_a_cut_prompt_keeps_its_last_tokens():
-    from core.generations import Sampler
+    from core.sampling import Sampler
 
     class Model:
         config = transformers.GPT2Config(n_positions=10)

@@ -8,8 +8,8 @@ import torch
 
 import train
 from conftest import TINY_DIR, assert_same_metrics, policy_state, read_jsonl, write_jsonl
-from core import generations
-from core.generations import RewardJudge
+from core import judges
+from core.judges import RewardJudge
 from core.rewards import load_reward
 from rounds import Rounds, round_lines
 from utils import UserError
@@ -221,7 +221,7 @@ def test_a_judging_reward_model_reads_each_prompt_once_for_both_completions(rewa
     hook = reward.model.register_forward_pre_hook(
         lambda m, a, kw: read.append(kw["input_ids"].numel()), with_kwargs=True
     )
-    judgement = RewardJudge(reward)(prompts, first, second)
+    judgement = RewardJudge(reward).judge(prompts, first, second)
     hook.remove()
     assert judgement.rewards[0] + judgement.rewards[1] == pytest.approx(alone, abs=1e-5)
     assert judgement.outcomes == [math.copysign(1, a - b) for a, b in zip(alone[:3], alone[3:])]
@@ -242,7 +242,7 @@ def test_a_reward_judge_rewards_each_distinct_completion_of_a_prompt_once_across
         return [len(c) - 0.1 * len(p) for p, c in zip(prompts, completions)]
 
     judge = RewardJudge(reward)
-    monkeypatch.setattr(generations, "PROMPTS_PER_CALL", 2)
+    monkeypatch.setattr(judges, "PROMPTS_PER_CALL", 2)
     prompts = ["Q: a", "Q: bb", "Q: ccc"]
     baseline = [" one", " two two", " three"]
     candidates = [[" 1", " two two", " 333"], [" 11", " 2", " three"], [" 1", " 22", " 3"]]
@@ -250,7 +250,7 @@ def test_a_reward_judge_rewards_each_distinct_completion_of_a_prompt_once_across
     judgements = judge.judge_all(prompts, pairs)
     assert len(calls) == len(set(calls)) == 9  # 12 completions, 3 of them a text already read for their prompt
     for (first, second), judgement in zip(pairs, judgements):
-        assert judgement == judge(prompts, first, second)
+        assert judgement == judge.judge(prompts, first, second)
         expected = [math.copysign(1, len(a) - len(b)) if len(a) != len(b) else 0 for a, b in zip(first, second)]
         assert judgement.outcomes == expected
 

@@ -319,7 +319,7 @@ def test_samples_see_the_images(vlm_dir, colour_data, tmp_path):
     encoded = []
     vision_tower(model).register_forward_hook(lambda module, args, out: encoded.append(args[0].shape[0]))
     evaluator = Evaluator(config, Topology.create("BasicTrainer"), tokenizer, [], None)
-    samples = [evaluator.generate(model, [example])[0] for example in examples]
+    samples = [evaluator.sample_texts(model, [example])[0] for example in examples]
     assert encoded == [1, 1, 1]
     for pair, sample in zip(pairs, samples):
         inputs = tokenizer.vision.processor(

@@ -1,0 +1,282 @@
+"""Sampling: completions of prompts drawn from a model, each from a seed of its own, and their tempered log-probs.
+Iterative rounds (rounds.py) sample with it, evaluate.py and the trainer's win rate sample and score with it; the
+judges that compare two completions are core/judges.py's.
+
+The words, one per level (docs/architecture.md#the-words-of-generation): a token is *drawn* (core/seeded_draw.py);
+the loop over a batch's tokens *decodes* (core/decoding.py's own loop, or transformers' generate); rows' completions
+are *sampled*, sharded over the ranks (Sampler.sample, sample_scored); a sequence's log-prob is *scored*
+(Sampler.score). A completion drawn from its seed is the same whatever completions share its batch and however many
+ranks share the prompts (SeededSampling), so a result does not depend on batching or ranks."""
+
+import hashlib
+
+import torch
+import tqdm
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from core.decoding import decode, own_loop_problem
+from core.layouts import left_padded_prompts, to_device
+from core.prompt_groups import prompt_scorer, scores_by_prompt
+from core.seeded_draw import drawn_log_probs, probs_draw, seeded_draw, tempered_probs
+from modeling.placement import root_gathered
+from modeling.vision import unpack_images
+from utils import UserError
+
+
+def sample_seed(prompt_key: bytes, *parts) -> int:
+    """The seed of one sampled completion: of the parts that name it (the run's seed, a round or a temperature,
+    which of the prompt's samples) and the prompt (its example key)."""
+    text = "".join(f"{part}:" for part in parts)
+    digest = hashlib.blake2b(text.encode() + prompt_key, digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # torch seeds are below 2^63 here
+
+
+def distinct_prompts(batches: list[list[dict]], n: int) -> list[dict]:
+    """The first example of each of the first n distinct prompts of the batches' examples: a prompt is its ids and
+    its images (pack_images), so that one question asked of two images is two prompts."""
+    first = {}
+    for example in (ex for batch in batches for ex in batch):
+        first.setdefault((tuple(example["prompt"]), example.get("images", b"")), example)
+    return list(first.values())[:n]
+
+
+class Sampler:
+    """Completions by a model of tokenized prompts, up to max_new_tokens each, and their log-probs, on this
+    process's share of a topology: every data-parallel rank computes its share in batches of batch_size and the
+    results are gathered in order on every rank. A vision-language model (the tokenizer's `vision`, as
+    modeling.tokenizers.load_tokenizer sets it) sees each prompt's images (pack_images; b"": none)."""
+
+    def __init__(self, tokenizer, topology, max_new_tokens: int, batch_size: int):
+        self.tokenizer, self.topology = tokenizer, topology
+        self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
+        self.cut_said = False  # the line on prompts cut to the model's positions, said once
+
+    def fitted(self, model, prompts: list[list[int]], completions: list[list[int]] | None = None) -> list[list[int]]:
+        """The prompts cut to the room the model's positions leave before max_new_tokens (or a longer completion
+        being scored), each keeping its last tokens, as training keeps a prompt's end (nearest the response); one
+        line says so, once. Uncut, a model with learned positions would index past its table (an IndexError in the
+        prefill), a rotary one would read positions it never trained on."""
+        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        after = [max(self.max_new_tokens, len(c)) for c in completions] if completions else [self.max_new_tokens]
+        if limit is None or max(map(len, prompts), default=0) + max(after) <= limit:
+            return prompts
+        if max(after) >= limit:
+            what = f"max_new_tokens={self.max_new_tokens}" if max(after) == self.max_new_tokens else "a completion"
+            raise UserError(f"{what} leaves no room for a prompt in the model's {limit} positions")
+        rooms = [limit - tokens for tokens in (after if completions else after * len(prompts))]
+        cut = len({tuple(prompt) for prompt, room in zip(prompts, rooms) if len(prompt) > room})  # distinct ones
+        if cut and getattr(self.tokenizer, "vision", None) is not None:
+            raise UserError(
+                f"{cut} prompts with images do not fit the model's {limit} positions with max_new_tokens="
+                f"{self.max_new_tokens}, and cutting one would cut its images' tokens: lower max_new_tokens"
+            )
+        if cut and not self.cut_said and self.topology.is_main:
+            print(
+                f"sampling: {cut} of {len(set(map(tuple, prompts)))} prompts do not fit the model's {limit} positions "
+                f"with max_new_tokens={self.max_new_tokens}: each keeps its last {min(rooms)} tokens, as training "
+                "keeps a prompt's end"
+            )
+        self.cut_said = self.cut_said or bool(cut)
+        return [prompt[max(len(prompt) - room, 0) :] for prompt, room in zip(prompts, rooms)]
+
+    def sample(self, model, prompts, images, seeds: list[int] | None, temperatures=1.0, top_p=1.0) -> list[list[int]]:
+        """Completions of rows of prompts (token ids; images: each prompt's, or None), row i sampled from seeds[i] at
+        its temperature (`temperatures`: one for every row, or one per row) from the nucleus `top_p`, or greedy
+        where seeds is None. A row is a function of its prompt, seed and temperature alone: the same in any batch,
+        on any number of ranks. Sharded over the ranks and gathered. Where core.decoding's own loop serves the model,
+        rows of one prompt share its prefill and finished rows leave the batch; else transformers' generate decodes
+        one temperature's rows at a time."""
+        if seeds is None:
+            model.eval()
+            images = images or [b""] * len(prompts)
+            greedy = lambda rows: self.decode_generate(  # noqa: E731
+                model, [prompts[i] for i in rows], [images[i] for i in rows], do_sample=False
+            )
+            return self.sharded(prompts, greedy)
+        temperatures = per_row(temperatures, len(prompts))
+        return [completion for completion, _ in self.sampled(model, prompts, images, seeds, temperatures, top_p, False)]
+
+    def sample_scored(self, model, prompts, images, seeds: list[int], temperatures, top_p=1.0):
+        """`sample`'s completions and each one's log-prob under `model` at its temperature, as `score` gives it (the
+        sampled KL's first term): summed while drawing where the own loop serves (the logits each token was drawn
+        from are the ones it is scored by), else scored after sampling."""
+        temperatures = per_row(temperatures, len(prompts))
+        sampled = self.sampled(model, prompts, images, seeds, temperatures, top_p, True)
+        completions, logps = [completion for completion, _ in sampled], [logp for _, logp in sampled]
+        if None in logps:
+            logps = self.score(model, prompts, completions, images, temperatures)
+        return completions, logps
+
+    def sampled(self, model, prompts, images, seeds, temperatures, top_p, scored: bool) -> list[tuple]:
+        """(completion, log-prob or None) of every row: the log-prob where scored and the own loop serves."""
+        images = images or [b""] * len(prompts)
+        prompts = self.fitted(model, prompts)
+        vision = getattr(self.tokenizer, "vision", None)
+        problem = own_loop_problem(model, vision, self.topology.world_size)
+
+        def batch(rows: list[int]) -> list[tuple]:
+            if problem is None:
+                return self.decode_own(model, [prompts[i] for i in rows], [seeds[i] for i in rows],
+                                       [temperatures[i] for i in rows], top_p, scored)  # fmt: skip
+            completions: dict[int, list[int]] = {}
+            for temperature in dict.fromkeys(temperatures[i] for i in rows):
+                same = [i for i in rows if temperatures[i] == temperature]
+                decoded = self.decode_generate_seeded(model, [prompts[i] for i in same], [seeds[i] for i in same],
+                                                      [images[i] for i in same], temperature, top_p)  # fmt: skip
+                completions.update(zip(same, decoded))
+            return [(completions[i], None) for i in rows]
+
+        model.eval()
+        return self.sharded(prompts, batch, by_prompt=problem is None)
+
+    def sharded(self, prompts: list, batch, by_prompt: bool = False) -> list:
+        """batch(rows) (one result a row) over this rank's share of the rows, gathered in order: in batches of
+        batch_size rows, or (by_prompt) of the rows of batch_size distinct prompts, prompts of similar lengths
+        together."""
+        local, n_real = self.topology.shard(list(range(len(prompts))))
+        batches = prompt_batches(local, prompts, self.batch_size) if by_prompt else [
+            local[start : start + self.batch_size] for start in range(0, len(local), self.batch_size)
+        ]  # fmt: skip
+        results: dict[int, object] = {}
+        with self.progress(len(local), "sampling") as bar:
+            for rows in batches:
+                results.update(zip(rows, batch(rows)))
+                bar.update(len(rows))
+        return self.topology.gather({"results": [results[i] for i in local[:n_real]]})["results"]
+
+    def progress(self, total: int, what: str) -> tqdm.tqdm:
+        """A progress bar of this rank's rows, with its ETA (rank 0's alone)."""
+        return tqdm.tqdm(total=total, desc=what, unit="row", leave=False, dynamic_ncols=True,
+                         disable=not self.topology.is_main)  # fmt: skip
+
+    def uniforms(self, seeds: list[int]) -> torch.Tensor:
+        """[rows, max_new_tokens]: each row's uniforms, from its seed alone."""
+        generators = (torch.Generator().manual_seed(seed) for seed in seeds)
+        return torch.stack([torch.rand(self.max_new_tokens, generator=generator) for generator in generators])
+
+    def decode_own(self, model, prompts, seeds: list[int], temperatures: list[float], top_p: float, scored: bool):
+        """One batch's (completion, log-prob or None) by core.decoding's own loop, each token drawn as SeededSampling
+        draws it; where scored, each completion's float32 log-prob at its temperature, summed as it is drawn."""
+        uniforms = self.uniforms(seeds)
+        one = len(set(temperatures)) == 1  # a number, as SeededSampling divides by it
+        temperature = torch.tensor(temperatures, dtype=torch.float32)[:, None]
+        logps = torch.zeros(len(prompts), dtype=torch.float64)
+
+        def draw(logits: torch.Tensor, step: int, live: torch.Tensor) -> torch.Tensor:
+            rows = live.cpu()
+            row_temperature = temperatures[0] if one else temperature[rows].to(logits.device)
+            probs = tempered_probs(logits, row_temperature)
+            tokens, sums = probs_draw(probs, uniforms[rows, step].to(logits.device), top_p)
+            if scored:
+                logps[rows] += drawn_log_probs(probs, tokens, sums).cpu()
+            return tokens
+
+        pad_token_id, eos_token_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        with root_gathered(model):
+            completions = decode(model, prompts, draw, self.max_new_tokens, pad_token_id, eos_token_id,
+                                 self.topology.device)  # fmt: skip
+        return list(zip(completions, logps.tolist() if scored else [None] * len(prompts)))
+
+    def score(self, model, prompts: list[list[int]], completions: list[list[int]], images: list[bytes] | None,
+              temperatures: float | list[float]) -> list[float]:  # fmt: skip
+        """Each completion's float32 log-probability under `model` sampling at its temperature (one per completion,
+        or one for all): its logits divided by it, the distribution a completion sampled at that temperature, with
+        top_p 1, was drawn from. Each prompt is computed once for all its completions (core/prompt_groups.py);
+        sharded over the ranks and gathered."""
+        model.eval()
+        n = len(prompts)
+        prompts = self.fitted(model, prompts, completions)
+        temperatures = [float(t) for t in per_row(temperatures, n)]
+        images = images or [b""] * n
+        vision = getattr(self.tokenizer, "vision", None)
+        scorer = prompt_scorer(model, self.topology, self.tokenizer.pad_token_id, vision)
+        progress = lambda total: self.progress(total, "log-probs")  # noqa: E731
+        return scores_by_prompt(scorer, model, self.topology, prompts, completions, images, self.batch_size,
+                                progress, temperatures)  # fmt: skip
+
+    @torch.no_grad()
+    def decode_generate(
+        self, model: torch.nn.Module, prompts: list[list[int]], images: list[bytes] | None = None, **settings
+    ) -> list[list[int]]:
+        """One batch of prompts decoded by transformers' generate: the new ids, ending with the EOS where a completion
+        stopped; settings: generate's (do_sample, temperature, top_p, logits_processor). Every rank calls it with as
+        many prompts (synced_gpus: ranks done early join the sharded forward passes of the others)."""
+        pad_token_id, eos_token_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        prompts = self.fitted(model, prompts)
+        prompt_ids, attention_mask = left_padded_prompts([{"prompt": p} for p in prompts], pad_token_id)
+        vision = getattr(self.tokenizer, "vision", None)
+        if vision is not None:  # the prompts' images, and their tokens marked where the model reads marks
+            vision = vision.for_model(model)
+            settings |= vision.pixel_inputs([unpack_images(packed) for packed in images or ()])
+            # images (Qwen-VL, Gemma 3) or the prefix (PaliGemma)
+            settings |= vision.marks(prompt_ids, attention_mask.bool())
+            # never an image's token in a completion: a round's pair holding one would ask for an image it lacks
+            settings["suppress_tokens"] = [vision.image_token_id]
+        device = self.topology.device
+        settings = {name: to_device(v, device) if torch.is_tensor(v) else v for name, v in settings.items()}
+        with root_gathered(model):
+            output = model.generate(
+                prompt_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                max_new_tokens=self.max_new_tokens,
+                pad_token_id=pad_token_id,
+                eos_token_id=eos_token_id,
+                synced_gpus=self.topology.world_size > 1,
+                **settings,
+            )
+        completions = []
+        for row in output[:, prompt_ids.shape[1] :].tolist():
+            end = row.index(eos_token_id) + 1 if eos_token_id in row else len(row)
+            completions.append(row[:end])
+        return completions
+
+    def decode_generate_seeded(
+        self, model, prompts: list[list[int]], seeds: list[int], images=None, temperature=1.0, top_p=1.0
+    ) -> list[list[int]]:
+        """One batch's completions sampled at `temperature` from the nucleus `top_p`, row i from its own seeds[i]
+        alone: the same whatever rows share its batch and however many ranks there are (see SeededSampling)."""
+        uniforms = self.uniforms(seeds)
+        width = max(map(len, prompts))
+        sampler = SeededSampling(uniforms.to(self.topology.device), width, temperature, top_p)
+        processors = LogitsProcessorList([sampler])
+        return self.decode_generate(model, prompts, images, do_sample=False, logits_processor=processors)
+
+
+class SeededSampling(LogitsProcessor):
+    """Sampling at a temperature from the nucleus (the most likely tokens whose mass reaches top_p; Holtzman et al.
+    2020), each row driven by uniforms of its own: row i's token at step t is the nucleus distribution's inverse
+    CDF at uniforms[i, t]. transformers' sampler draws every row from one generator, so that a row's tokens would
+    depend on the rows batched with it; here they depend on its seed. It returns scores that leave the drawn token
+    the only finite one, for greedy decoding (do_sample=False) to pick.
+
+    uniforms: [B, max_new_tokens] in [0, 1); prompt_width: the padded prompts' length (where step 0 starts)."""
+
+    def __init__(self, uniforms: torch.Tensor, prompt_width: int, temperature: float, top_p: float):
+        self.uniforms, self.prompt_width, self.temperature, self.top_p = uniforms, prompt_width, temperature, top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        drawn = self.draw(scores, input_ids.shape[1] - self.prompt_width)
+        return torch.full_like(scores, -torch.inf).scatter_(-1, drawn[:, None].to(scores.device), 0.0)
+
+    def draw(self, scores: torch.Tensor, step: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[B] the token each row draws at `step` from its scores [B, V] (rows: which rows of the uniforms these
+        are; None: all)."""
+        uniforms = self.uniforms[:, step] if rows is None else self.uniforms[rows, step]
+        return seeded_draw(scores, self.temperature, uniforms, self.top_p)
+
+
+def per_row(temperatures, n: int) -> list:
+    """One temperature for each of n rows: the one given for all, or the list given."""
+    return list(temperatures) if isinstance(temperatures, (list, tuple)) else [temperatures] * n
+
+
+def prompt_batches(rows: list[int], prompts: list[list[int]], n_prompts: int) -> list[list[int]]:
+    """The rows in batches of the rows of n_prompts distinct prompts each, the prompts in order of length: each
+    prompt is prefilled once for all its rows (core.decoding), and prompts of similar lengths pad little. A row's
+    completion does not depend on its batch, so any grouping draws the same completions. (A batch of a prompt
+    sampled at 4 temperatures holds 4 rows: more rows per weight read, which bounds a CPU's decode step.)"""
+    by_prompt: dict[tuple, list[int]] = {}
+    for row in rows:
+        by_prompt.setdefault(tuple(prompts[row]), []).append(row)
+    groups = sorted(by_prompt.values(), key=lambda group: len(prompts[group[0]]))
+    return [sum(groups[start : start + n_prompts], []) for start in range(0, len(groups), n_prompts)]
