@@ -22,7 +22,7 @@ from core.optim import build_optimizer, build_scheduler
 from core.probes import probes_dtype
 from core.rewards import reads_images
 from core.router_loss import find_routers
-from core.scoring import Scorer
+from core.scoring import Scorer, ScoringSettings
 from core.step import BatchLoss, Data, check_kto_prompts, mismatched
 from modeling import weights
 from modeling.adapters import (
@@ -34,16 +34,14 @@ from modeling.adapters import (
     quantization_config,
 )
 from modeling.distributed import TRAINERS, Topology, mesh_shape
-from modeling.models import InitialWeights, planned_model, prepare_model, transformers_config
-from modeling.placement import language_blocks, parallelize
+from modeling.models import planned_model, prepare_model, transformers_config
+from modeling.placement import Placement, language_blocks, place
 from modeling.precision import (
-    ComputeWeights,
     Precision,
     auto_compute_dtype,
     choose_compute_dtype,
     decide_precision,
     device_key,
-    parse_dtype,
     slow_precision_note,
 )
 from modeling.reference_sync import SyncedReference, schedule_line
@@ -58,7 +56,7 @@ from reporting.data_report import data_report
 from reporting.fit_check import fit_verdict
 from reporting.hardware import GIB, Hardware
 from reporting.memory_plan import Workload
-from reporting.micro_batches import choose_micro_batches, micro_batch_budget
+from reporting.micro_batches import choose_micro_batches, micro_batch_budget, with_accumulation
 from reporting.telemetry import ModelFlops, PeakRate, peak_flops
 from utils import UserError, get_local_dir
 
@@ -83,6 +81,7 @@ class RunParts:
     evaluator: Evaluator
     flops: ModelFlops
     peak_flops: PeakRate
+    accumulation: int  # micro-batches a step: gradient_accumulation_steps, or more where micro_batch_memory chooses
 
 
 def load_data(
@@ -200,25 +199,26 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
         topology.run_on_main(lambda: preflight(resume, policy, config.batch_size, offload))
     data = rank_data(config, topology, tokenizer, objective, cache_dir, pairs)
     print(f"{len(data.schedule)} steps of {config.batch_size} examples")
-    check_fit(config, topology, policy, data, precision, live_reference_model(config, objective.needs_reference))
+    live = live_reference_model(config, objective.needs_reference)
+    accumulation = check_fit(config, topology, policy, data, precision, live)  # micro-batches a step
 
     # rounds (rounds.py) fill a reference cache for each round's pairs, not the datasets'
     cached = objective.needs_reference and config.reference_cache and not config.rounds.n
     flops = ModelFlops.of(policy, language_blocks(policy, config.model.block_name))
     weights_dtype = next(policy.parameters()).dtype
-    policy = place(policy, config, topology, precision.policy_compute, initial, is_policy=True)
+    policy = place(policy, Placement.of_run(config), topology, precision.policy_compute, initial, is_policy=True)
     if config.liger_kernel:
         print(liger_line(policy, precision.policy_compute, topology, autocast, "liger_kernel"))
     initial_weights = reference_cache.weights_digest(policy, topology) if cached else None
     # The layout, attention and head checks run on the placed model: on its device, once, decided by rank 0.
     reward_eos = tokenizer.eos_token_id if objective.reward_model else None
     scorer = Scorer.create(
-        policy, config, tokenizer.pad_token_id, topology, autocast, precision.policy_compute, objective.tail_weight,
-        reward_eos, tokenizer.vision,
+        policy, ScoringSettings.of_run(config), tokenizer.pad_token_id, topology, autocast, precision.policy_compute,
+        objective.tail_weight, reward_eos, tokenizer.vision,
     )  # fmt: skip
 
     reference, reference_model = build_reference(
-        config, topology, data, objective, precision, policy, scorer, cache_dir, initial_weights
+        config, topology, data, objective, precision, policy, scorer, cache_dir, initial_weights, accumulation
     )
     peak = topology.broadcast(
         topology.run_on_main(lambda: peak_flops(topology.device, precision.policy_compute or weights_dtype, cache_dir))
@@ -234,10 +234,10 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     batch_loss = BatchLoss(
         objective, scorer, policy, precision.policy_compute, reference, topology, max_lengths, routers
     )
-    evaluator = Evaluator(config, topology, tokenizer, data.eval_batches, batch_loss)
+    evaluator = Evaluator(config, topology, tokenizer, data.eval_batches, batch_loss, accumulation)
     return RunParts(
         config, topology, tokenizer, objective, precision, data, policy, scorer, reference, reference_model,
-        optimizer, scheduler, batch_loss, evaluator, flops, peak,
+        optimizer, scheduler, batch_loss, evaluator, flops, peak, accumulation,
     )  # fmt: skip
 
 
@@ -273,7 +273,9 @@ def run_precision(config: DictConfig, topology: Topology, cache_dir: Path, autoc
     return precision
 
 
-def build_reference(config, topology, data, objective, precision, policy, scorer, cache_dir, initial_weights):
+def build_reference(
+    config, topology, data, objective, precision, policy, scorer, cache_dir, initial_weights, accumulation: int
+):
     """(where the reference's log-probs come from, the reference model kept or None). The log-probs are cached
     (initial_weights: the digest of the weights they are computed for, None for no cache) or computed live; a moving
     reference (reference_sync_steps, reference_sync.py) is live after its first update, which only the steps before
@@ -284,7 +286,8 @@ def build_reference(config, topology, data, objective, precision, policy, scorer
     def load_reference() -> torch.nn.Module:  # placed, frozen; never with LoRA (the policy's base serves)
         with topology.main_first():
             model, initial = prepare_model(config.model, precision.reference_weights, cache_dir, config.seed)
-        model = place(model.requires_grad_(False), config, topology, precision.reference_compute, initial)
+        placement = Placement.of_run(config)
+        model = place(model.requires_grad_(False), placement, topology, precision.reference_compute, initial)
         if config.liger_kernel:
             print(liger_line(model, precision.reference_compute, topology, not topology.fsdp, "reference"))
         return model
@@ -297,7 +300,7 @@ def build_reference(config, topology, data, objective, precision, policy, scorer
     cached = live = None
     if initial_weights is not None:
         n_responses = data.train_examples.lengths.shape[1] - 1
-        computation = reference_computation(config, precision, scorer, topology, n_responses)
+        computation = reference_computation(config, precision, scorer, topology, n_responses, accumulation)
         path = reference_cache.cache_path(cache_dir, initial_weights, computation)
         # the initial policy itself computes them where the reference computes like it: no reference is loaded
         like_policy = lambda: (policy, precision.policy_compute)  # noqa: E731
@@ -305,7 +308,7 @@ def build_reference(config, topology, data, objective, precision, policy, scorer
         compute_with = like_policy if precision.reference_like_policy else kept_or_loaded
         read = replace(data, schedule=data.schedule[: config.reference_sync_steps]) if synced else data
         entries = fill_reference_cache(
-            config, topology, read, objective, scorer, path, initial_weights, computation, compute_with
+            config, accumulation, topology, read, objective, scorer, path, initial_weights, computation, compute_with
         )
         cached = reference_cache.CachedReference(entries, topology.device)
     if objective.needs_reference and (not config.reference_cache or synced):
@@ -318,70 +321,39 @@ def build_reference(config, topology, data, objective, precision, policy, scorer
     return SyncedReference(live, cached, policy, owner, every, alpha), reference_model
 
 
-def check_fit(config: DictConfig, topology: Topology, policy, data: Data, precision: Precision, live: bool) -> None:
-    """The micro-batches micro_batch_memory chooses (choose_accumulation; every rank takes the smallest budget of
-    all ranks, so that they agree), then stop in one line, before any weight is read, where the run cannot fit this
-    machine's memory (reporting/fit_check.py)."""
+def check_fit(config: DictConfig, topology: Topology, policy, data: Data, precision: Precision, live: bool) -> int:
+    """The micro-batches a step, as micro_batch_memory chooses them (choose_accumulation; every rank takes the
+    smallest budget of all ranks, so that they agree); then stop in one line, before any weight is read, where the run
+    cannot fit this machine's memory (reporting/fit_check.py)."""
     hardware = Hardware.here(topology.world_size)
     mesh = (topology.dp_size, topology.sp_size, topology.tp_size)
     work = Workload(config, policy, data.train_examples, data.schedule, precision, live)
-    choose_accumulation(work, hardware, mesh, agree=lambda budget: min(topology.all_gather(budget)))
-    _, problem = fit_verdict(work, hardware, mesh)
+    accumulation = choose_accumulation(work, hardware, mesh, agree=lambda budget: min(topology.all_gather(budget)))
+    _, problem = fit_verdict(with_accumulation(work, accumulation), hardware, mesh)
     if problem is not None:
         raise UserError(problem)
+    return accumulation
 
 
-def choose_accumulation(work: Workload, hardware: Hardware, mesh: tuple[int, int, int], agree=lambda x: x) -> None:
-    """The micro-batches micro_batch_memory chooses (micro_batches.choose_micro_batches), printed and set as the run's
-    gradient_accumulation_steps; agree: the budget of every rank from this one's (the smallest of all ranks')."""
+def choose_accumulation(work: Workload, hardware: Hardware, mesh: tuple[int, int, int], agree=lambda x: x) -> int:
+    """The micro-batches a step: micro_batch_memory's choice (micro_batches.choose_micro_batches), printed, else
+    gradient_accumulation_steps; agree: the budget of every rank from this one's (the smallest of all ranks'). A value
+    the run passes on: the checked config keeps what was given."""
     budget = micro_batch_budget(work.config.micro_batch_memory, hardware)
-    if budget is not None:
-        on_gpu = hardware.gpu_bytes is not None
-        count, line = choose_micro_batches(work, work.config.trainer, mesh, on_gpu, agree(budget))
-        work.config.gradient_accumulation_steps = count
-        print(line)
-
-
-def place(
-    model: torch.nn.Module,
-    config: DictConfig,
-    topology: Topology,
-    compute,
-    initial: InitialWeights | None,
-    is_policy: bool = False,
-) -> torch.nn.Module:
-    """The model placed on the run's topology; compute: the dtype it computes in (None: its weights'). An empty model
-    (prepare_model) then gets memory for its shards (on the host with fsdp_cpu_offload), and each rank reads them from
-    `initial`'s files."""
-    checkpointing = is_policy and config.activation_checkpointing
-    reduce_dtype = parse_dtype(config.model.fsdp_reduce_dtype, "model.fsdp_reduce_dtype")
-    kept = weights.real_tensors(model) if initial is not None else {}  # buffers, LoRA adapters: placed, then put back
-    offload = config.get("fsdp_cpu_offload", False)  # export.py places by a run's config.yaml, older ones lack it
-    compiled = config.get("compile_blocks", False)
-    model = parallelize(
-        model, topology, compute, config.model.block_name, checkpointing, reduce_dtype, offload, compiled
-    )
-    if initial is not None:
-        with topology.main_first():
-            directory = initial.fetch()
-        weights.materialize(model, topology.device, kept, host_parameters=offload)
-        initial.read_into(model, set(kept), directory)
-    if config.get("compute_weight_copies", False) and compute is not None:
-        layers = ComputeWeights(compute).apply(model)
-        dtype = str(compute).removeprefix("torch.")
-        print(f"compute_weight_copies: {layers} linear layers compute on {dtype} copies of their weights")
-    elif config.get("compute_weight_copies", False) and is_policy:
-        print("compute_weight_copies=true: the policy computes in its weights' dtype here: nothing to cast or copy")
-    return model
+    if budget is None:
+        return work.config.gradient_accumulation_steps
+    count, line = choose_micro_batches(work, work.config.trainer, mesh, hardware.gpu_bytes is not None, agree(budget))
+    print(line)
+    return count
 
 
 def reference_computation(
-    config: DictConfig, precision: Precision, scorer: Scorer, topology: Topology, n_responses: int
+    config: DictConfig, precision: Precision, scorer: Scorer, topology: Topology, n_responses: int, accumulation: int
 ) -> str:
     """Everything that changes the rounding of the reference's log-probs (the cache file's second key), the device's
     kernels included: a cache directory shared by machines of other CPUs or GPUs keeps one file for each; and the
     responses an example has (pairs or labelled completions: a table holds one width)."""
-    micro = [size // config.gradient_accumulation_steps for size in (config.batch_size, config.eval_batch_size)]
+    micro = [size // accumulation for size in (config.batch_size, config.eval_batch_size)]
     compute = precision.policy_compute if precision.reference_like_policy else precision.reference_compute
     how = "autocast" if scorer.autocast else "FSDP"
     weights = str(precision.reference_weights).removeprefix("torch.")
@@ -395,7 +367,7 @@ def reference_computation(
 
 
 def fill_reference_cache(
-    config, topology, data: Data, objective, scorer, path, weights, computation, compute_with
+    config, accumulation: int, topology, data: Data, objective, scorer, path, weights, computation, compute_with
 ) -> dict:
     """Reference log-probs of every pair that training and eval use, by pair key (reference_cache.fill), computed on
     the same micro-batches as the first epoch's steps and the evals, so that at step 0 a reference computing like the
@@ -417,7 +389,7 @@ def fill_reference_cache(
         first_use,
         batches,
         config.batch_size,
-        config.gradient_accumulation_steps,
+        accumulation,
         compute_with,
         scorer,
         topology,
@@ -460,7 +432,7 @@ def dry_run(config: DictConfig, world_size: int) -> None:
     mesh = mesh_shape(config.trainer, world_size, config.tensor_parallel_size, config.sequence_parallel_size)
     live = live_reference_model(config, objective.needs_reference)
     work = Workload(config, policy, data.train_examples, data.schedule, precision, live)
-    choose_accumulation(work, hardware, mesh)
+    work = with_accumulation(work, choose_accumulation(work, hardware, mesh))
     plan, problem = fit_verdict(work, hardware, mesh)
     print("\n".join(plan.lines(hardware)))
     if problem is not None:

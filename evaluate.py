@@ -121,7 +121,20 @@ register("evaluate", EvaluateConfig)
 DATA_KEYS = ("datasets", "n_eval_examples", "max_length", "max_prompt_length", "chat_template_kwargs")
 
 
-def data_settings(config: DictConfig) -> DictConfig:
+@dataclass(frozen=True)
+class DataSettings:
+    """Where the held-out prompts come from (data_settings): train.py's keys of these names, and the seed the
+    held-out split is drawn with."""
+
+    datasets: list[str]
+    n_eval_examples: int | None
+    max_length: int
+    max_prompt_length: int
+    chat_template_kwargs: dict
+    seed: int
+
+
+def data_settings(config: DictConfig) -> DataSettings:
     """What the held-out prompts come from: each of DATA_KEYS as given, or where null the first candidate's run's
     (its config.yaml beside the checkpoint; without a run, train.py's default), and the seed its held-out split is
     drawn with (the run's; without a run, `seed`): a run's held-out prompts are the ones it never trained on."""
@@ -133,8 +146,9 @@ def data_settings(config: DictConfig) -> DictConfig:
             "(no config.yaml beside it): set datasets=[...]"
         )
     base = run_config(first) if run.exists() else configuration.composed([])
-    settings = OmegaConf.create({key: config[key] if config[key] is not None else base[key] for key in DATA_KEYS})
-    settings.seed = base.seed if run.exists() else config.seed
+    given = {key: config[key] if config[key] is not None else base[key] for key in DATA_KEYS}
+    plain = {key: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for key, v in given.items()}
+    settings = DataSettings(**plain, seed=base.seed if run.exists() else config.seed)
     expect(
         0 < settings.max_prompt_length < settings.max_length,
         "max_prompt_length",
@@ -144,7 +158,7 @@ def data_settings(config: DictConfig) -> DictConfig:
     return settings
 
 
-def held_out_prompts(config: DictConfig, data: DictConfig, tokenizer, cache_dir: Path) -> list[dict]:
+def held_out_prompts(config: DictConfig, data: DataSettings, tokenizer, cache_dir: Path) -> list[dict]:
     """The first n_prompts distinct held-out prompts of `data` (data_settings), each the first example of its
     prompt: {"prompt", "responses" (its chosen and rejected), "key", and "images" where it has any}."""
     settings = Tokenization(data.max_length, data.max_prompt_length, False, dict(data.chat_template_kwargs))

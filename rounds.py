@@ -188,7 +188,9 @@ class Rounds:
         if not trainer.objective.needs_reference:
             return None
         digest = digest or self.weights_digest()
-        computation = reference_computation(c, trainer.precision, trainer.scorer, self.topology, 2)
+        computation = reference_computation(
+            c, trainer.precision, trainer.scorer, self.topology, 2, trainer.accumulation
+        )
         path = reference_cache.cache_path(self.directory, digest, computation)
 
         def compute_with():
@@ -200,7 +202,16 @@ class Rounds:
             return trainer.policy, trainer.precision.policy_compute
 
         entries = fill_reference_cache(
-            c, self.topology, data, trainer.objective, trainer.scorer, path, digest, computation, compute_with
+            c,
+            trainer.accumulation,
+            self.topology,
+            data,
+            trainer.objective,
+            trainer.scorer,
+            path,
+            digest,
+            computation,
+            compute_with,
         )
         trainer.batch_loss.reference = reference_cache.CachedReference(entries, self.topology.device)
         return digest

@@ -10,13 +10,14 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from build import place
+from configuration.sections import ModelConfig
 from core.losses import LOSSES
 from modeling import weights
 from modeling.adapters import apply_lora, require_peft
 from modeling.distributed import Topology
 from modeling.model_dirs import is_reward_model_dir, resolve_model_dir
 from modeling.models import load_model, prepare_model, random_init_dir, transformers_config
+from modeling.placement import Placement, place
 from modeling.precision import decide_precision, parse_dtype
 from modeling.tokenizers import load_tokenizer
 from persistence import checkpoint
@@ -46,7 +47,7 @@ def checkpoint_policy(checkpoint_dir: Path, topology: Topology, dtype: torch.dty
         policy, initial = prepare_model(config.model, dtype, cache_dir, config.seed, reward=reward)
     if config.get("lora", {}).get("enabled", False):
         policy = apply_lora(policy, config.lora, config.seed)
-    policy = place(policy, config, topology, None, initial)
+    policy = place(policy, Placement.of_run(config), topology, None, initial)
     part = ModelWeights(policy)
     if is_legacy(checkpoint_dir):
         part.load_whole(weights.read_reference_format(checkpoint_dir / "policy.pt", "export")["state"], broadcast=False)
@@ -55,20 +56,14 @@ def checkpoint_policy(checkpoint_dir: Path, topology: Topology, dtype: torch.dty
     return policy
 
 
-def model_settings(name_or_path: str, dtype: torch.dtype) -> DictConfig:
-    """A `model:` config (config.py's ModelConfig) for a from_pretrained directory or Hub name."""
-    return OmegaConf.create(
-        dict(
-            name_or_path=str(name_or_path), tokenizer_name_or_path=None, archive=None, block_name=None,
-            policy_dtype=str(dtype).removeprefix("torch."), fsdp_policy_mp=None, reference_dtype=None,
-            fsdp_reduce_dtype="float32", random_init=False, trust_remote_code=False, freeze_vision=True,
-        )
+def model_settings(name_or_path: str, dtype: torch.dtype) -> ModelConfig:
+    """The `model:` section (configuration.sections.ModelConfig) of a from_pretrained directory or Hub name, loaded
+    in `dtype` as it is."""
+    return ModelConfig(
+        name_or_path=str(name_or_path), tokenizer_name_or_path=None, archive=None, block_name=None,
+        policy_dtype=str(dtype).removeprefix("torch."), fsdp_policy_mp=None, reference_dtype=None,
+        fsdp_reduce_dtype="float32", random_init=False, trust_remote_code=False, freeze_vision=True,
     )  # fmt: skip
-
-
-def placing(model_config: DictConfig) -> DictConfig:
-    """What build.place reads of a run's config, for a model placed to generate and score, not to train."""
-    return OmegaConf.create(dict(model=model_config, activation_checkpointing=False, fsdp_cpu_offload=False))
 
 
 def kind(spec: str) -> str:
@@ -125,12 +120,12 @@ def load_trained(spec: str, topology: Topology, dtype: torch.dtype, cache_dir: P
             problem = first_line(error)
             raise UserError(f"{spec}: its base {settings.name_or_path} cannot be loaded ({problem})") from None
         merged = PeftModel.from_pretrained(base, spec).merge_and_unload()
-        model = place(merged, placing(settings), topology, None, None)
+        model = place(merged, Placement(), topology, None, None)
     else:
         settings = model_settings(spec, dtype)
         with topology.main_first():
             model, initial = prepare_model(settings, dtype, cache_dir, seed=0)
-        model = place(model, placing(settings), topology, None, initial)
+        model = place(model, Placement(), topology, None, initial)
     return model.eval()
 
 

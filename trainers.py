@@ -47,6 +47,7 @@ class Trainer:
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         self.scorer, self.batch_loss, self.evaluator = parts.scorer, parts.batch_loss, parts.evaluator
         self.flops, self.peak_flops, self.precision = parts.flops, parts.peak_flops, parts.precision
+        self.accumulation = parts.accumulation  # micro-batches a step (micro_batch_memory may choose more than given)
         self.synced = parts.reference if isinstance(parts.reference, SyncedReference) else None  # TR-DPO's
         self.log = RunLog(run_dir, wandb_run, self.topology.is_main, self.throughput)
         self.evals = Evals(self.config, self.topology, self.evaluator, self.tokenizer, run_dir, self.log)
@@ -86,13 +87,13 @@ class Trainer:
         self.log.truncate(step, evaluated=self.last_eval_at == step)
 
     def train_step(self, examples: list[dict]) -> dict[str, list[float]]:
-        """One optimizer step over a global batch, in gradient_accumulation_steps equal micro-batches. The step
+        """One optimizer step over a global batch, in `accumulation` equal micro-batches. The step
         waits for the device once, at its end: for its gathered metrics and gradient norm, in one transfer."""
         self.policy.train()
         # Randomness in a step (LoRA's adapter dropout) is drawn from the step's own seed: a resumed run draws what
         # the uninterrupted one did, and tensor-parallel ranks draw alike.
         torch.manual_seed(self.config.seed + self.batch_counter)
-        sizes = (self.config.batch_size, self.config.gradient_accumulation_steps)
+        sizes = (self.config.batch_size, self.accumulation)
         names, gathered = self.batch_loss.over_micro_batches(examples, "train", *sizes, backward=True)
         with torch.profiler.record_function("clip gradients"):  # named for python -m bench --profile
             grad_norm = clip_grad_norm(self.policy.parameters(), self.config.max_grad_norm)  # the same on every rank

@@ -13,13 +13,15 @@ from utils import get_local_dir, metric_mean
 
 
 class Evaluator:
-    """Evaluates on fixed eval batches, each rank on its share in the training micro-batch budget.
+    """Evaluates on fixed eval batches, each rank on its share in the training micro-batch budget (accumulation: a
+    training step's micro-batches).
 
     batch_metrics: step.BatchLoss, the objective on a micro-batch: (examples, split, batch, coupled part) ->
     (mean loss, {name: [B] metric}), and its `couple` for a loss whose pairs depend on each other."""
 
-    def __init__(self, config, topology: Topology, tokenizer, eval_batches: list[list[dict]], batch_metrics):
-        self.config, self.topology, self.tokenizer = config, topology, tokenizer
+    def __init__(self, config, topology: Topology, tokenizer, eval_batches: list[list[dict]], batch_metrics,
+                 accumulation: int):  # fmt: skip
+        self.config, self.topology, self.tokenizer, self.accumulation = config, topology, tokenizer, accumulation
         self.eval_batches, self.batch_metrics = eval_batches, batch_metrics
         self.sampler = Sampler(tokenizer, topology, config.generation.max_new_tokens, config.eval_batch_size)
 
@@ -31,8 +33,8 @@ class Evaluator:
         batches = tqdm.tqdm(
             self.eval_batches, desc="eval", leave=False, dynamic_ncols=True, disable=not self.topology.is_main
         )
-        # The training micro-batch budget: a rank's share goes through in gradient_accumulation_steps parts.
-        sizes = (self.config.eval_batch_size, self.config.gradient_accumulation_steps)
+        # The training micro-batch budget: a rank's share goes through in as many parts as a training step's.
+        sizes = (self.config.eval_batch_size, self.accumulation)
         for batch in batches:
             names, values = self.batch_metrics.over_micro_batches(batch, "eval", *sizes)
             gathered.append(values)  # without the padding copies

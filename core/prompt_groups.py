@@ -12,27 +12,22 @@ packed layout or the scored head, core.scoring.Scorer falls back to padded rows 
 """
 
 from collections.abc import Callable
-from types import SimpleNamespace
 
 import torch
 import tqdm
 
-from core.scoring import Scorer
+from core.scoring import Scorer, ScoringSettings
 from modeling.distributed import Topology
 from modeling.vision import Vision
-
-# Scored as training scores by default (config/config.yaml): packed rows, the attention path the probes choose,
-# the head only where a token is scored.
-SETTINGS = SimpleNamespace(
-    layout="packed", packed_attention="auto", scored_logits_only=True, pack_row_tokens=None, compile_blocks=False
-)
 
 
 def prompt_scorer(
     model: torch.nn.Module, topology: Topology, pad_token_id: int, vision: Vision | None, reward_eos: int | None = None
 ) -> Scorer:
-    """The Scorer of `model` (a causal LM's log-probs, or with reward_eos a reward model's rewards), checked on it."""
-    return Scorer.create(model, SETTINGS, pad_token_id, topology, False, None, reward_eos=reward_eos, vision=vision)
+    """The Scorer of `model` (a causal LM's log-probs, or with reward_eos a reward model's rewards), checked on it, as
+    training scores by default (ScoringSettings())."""
+    settings = ScoringSettings()
+    return Scorer.create(model, settings, pad_token_id, topology, False, None, reward_eos=reward_eos, vision=vision)
 
 
 def prompt_groups(prompts: list[list[int]], completions: list[list[int]], images: list[bytes], most: int):

@@ -20,6 +20,25 @@ from modeling.vision import Vision
 from utils import UserError
 
 
+@dataclass(frozen=True)
+class ScoringSettings:
+    """What a Scorer is asked for (train.py's keys of the same names); the defaults are config/config.yaml's: packed
+    rows, the attention path the probes choose, the head only where a token is scored."""
+
+    layout: str = "packed"
+    packed_attention: str = "auto"
+    scored_logits_only: bool = True
+    pack_row_tokens: int | None = None  # a packed row's tokens (None: the layout's default)
+    compile_blocks: bool = False  # rows in multiples of FlexAttention's block, for compiled blocks' graphs
+
+    @classmethod
+    def of_run(cls, config) -> "ScoringSettings":
+        return cls(
+            config.layout, config.packed_attention, config.scored_logits_only, config.pack_row_tokens,
+            config.compile_blocks,
+        )  # fmt: skip
+
+
 @dataclass
 class Scorer:
     """How this run turns tokenized examples into per-sequence scores, log-probs or a reward model's rewards: the
@@ -47,7 +66,7 @@ class Scorer:
     def create(
         cls,
         model: torch.nn.Module,
-        settings,
+        settings: ScoringSettings,
         pad_token_id: int,
         topology,
         autocast: bool,
@@ -56,7 +75,7 @@ class Scorer:
         reward_eos: int | None = None,
         vision: Vision | None = None,
     ) -> "Scorer":
-        """As configured (settings: the run's config) where the model allows, checked on the placed model by every
+        """As `settings` ask where the model allows, checked on the placed model by every
         rank (sharded models need them all in each forward) and decided by rank 0; each fallback is one line
         saying why. compute: the policy's compute dtype (None: its weights'); tail_weight: the objective's
         (response_sums); reward_eos: a reward model's EOS id (its head reads one position a sequence: no scored

@@ -5,6 +5,7 @@ projections by the model's own plan, activation checkpointing recomputes them, F
 import contextlib
 import functools
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from modeling import weights
 from modeling.distributed import Topology
+from modeling.models import InitialWeights
+from modeling.precision import ComputeWeights, parse_dtype
 from modeling.sequence_parallel import check_sequence_parallel
 from modeling.vision import vision_tower
 from utils import UserError
@@ -215,3 +218,62 @@ def parallelize(
     if topology.fsdp:
         return apply_fsdp(model, topology.fsdp_mesh, block_name, compute_dtype, reduce_dtype, offload)
     return model if weights.is_empty(model) else model.to(topology.device)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What placing a model reads of a run's settings (`place`): the blocks' class (model.block_name), the dtype
+    FSDP reduces gradients in, and the levers on the policy (activation checkpointing, CPU offload, compiled blocks,
+    compute-weight copies). A model placed to generate and score, not to train, takes the defaults."""
+
+    block_name: str | None = None
+    reduce_dtype: torch.dtype = torch.float32
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    compile_blocks: bool = False
+    compute_weight_copies: bool = False
+
+    @classmethod
+    def of_run(cls, config) -> "Placement":
+        """A run's (its checked config, or the config.yaml of a run written by an older version, which may lack the
+        later keys: their defaults then, as that version placed it)."""
+        return cls(
+            block_name=config.model.block_name,
+            reduce_dtype=parse_dtype(config.model.fsdp_reduce_dtype, "model.fsdp_reduce_dtype"),
+            activation_checkpointing=config.get("activation_checkpointing", False),
+            cpu_offload=config.get("fsdp_cpu_offload", False),
+            compile_blocks=config.get("compile_blocks", False),
+            compute_weight_copies=config.get("compute_weight_copies", False),
+        )
+
+
+def place(
+    model: nn.Module,
+    placement: Placement,
+    topology: Topology,
+    compute: torch.dtype | None,
+    initial: InitialWeights | None,
+    is_policy: bool = False,
+) -> nn.Module:
+    """The model placed on the topology (parallelize); compute: the dtype it computes in (None: its weights'). An
+    empty model (prepare_model) then gets memory for its shards (on the host with CPU offload), and each rank reads
+    them from `initial`'s files. Activation checkpointing and compute-weight copies are the policy's (is_policy)."""
+    checkpointing = is_policy and placement.activation_checkpointing
+    kept = weights.real_tensors(model) if initial is not None else {}  # buffers, LoRA adapters: placed, then put back
+    offload = placement.cpu_offload
+    model = parallelize(
+        model, topology, compute, placement.block_name, checkpointing, placement.reduce_dtype, offload,
+        placement.compile_blocks,
+    )  # fmt: skip
+    if initial is not None:
+        with topology.main_first():
+            directory = initial.fetch()
+        weights.materialize(model, topology.device, kept, host_parameters=offload)
+        initial.read_into(model, set(kept), directory)
+    if placement.compute_weight_copies and compute is not None:
+        layers = ComputeWeights(compute).apply(model)
+        dtype = str(compute).removeprefix("torch.")
+        print(f"compute_weight_copies: {layers} linear layers compute on {dtype} copies of their weights")
+    elif placement.compute_weight_copies and is_policy:
+        print("compute_weight_copies=true: the policy computes in its weights' dtype here: nothing to cast or copy")
+    return model

@@ -2,7 +2,6 @@
 each rank's memory and, where it does not fit, the smallest mesh that would, or fsdp_cpu_offload on the same GPUs."""
 
 import torch
-from omegaconf import DictConfig
 
 from modeling.distributed import TRAINERS
 from modeling.placement import tensor_parallel_plan
@@ -22,7 +21,7 @@ def fit_verdict(work: Workload, hardware: Hardware, mesh: tuple[int, int, int]) 
     problem = current.fit_problem(hardware)
     if problem is None:
         return current, None
-    found = smallest_mesh(work.config, hardware, work.policy, plan) + offload_instead(work, hardware, mesh)
+    found = smallest_mesh(work, hardware, plan) + offload_instead(work, hardware, mesh)
     return current, f"this run does not fit {hardware.describe()}: {problem} ({current.header}); {found}"
 
 
@@ -47,10 +46,10 @@ def offload_instead(work: Workload, hardware: Hardware, mesh: tuple[int, int, in
 MAX_NODES = 256
 
 
-def smallest_mesh(config: DictConfig, hardware: Hardware, policy: torch.nn.Module, plan) -> str:
+def smallest_mesh(work: Workload, hardware: Hardware, plan) -> str:
     """The fewest nodes of hardware's kind (then the smallest tensor-parallel size within a node, then the smallest
     sequence-parallel size in what is left of it) on which FSDPTrainer fits the run, by plan(trainer, (dp, sp, tp))."""
-    per_node = hardware.ranks_per_node
+    config, policy, per_node = work.config, work.policy, hardware.ranks_per_node
     divisors = [size for size in range(1, per_node + 1) if per_node % size == 0]
     sizes = [1] if config.lora.enabled else divisors
     sizes = [tp for tp in sizes if tp == 1 or splits_heads(policy, tp)]
@@ -64,7 +63,7 @@ def smallest_mesh(config: DictConfig, hardware: Hardware, policy: torch.nn.Modul
             candidate = plan("FSDPTrainer", (dp, sp, tp))
             fitting = hardware.with_nodes(nodes)
             if candidate.fit_problem(fitting) is None:
-                step = config.gradient_accumulation_steps * dp
+                step = work.micro_batches * dp
                 unit = "GPU" if candidate.on_gpu else "process"
                 sequence = f" sequence_parallel_size={sp}" if sp > 1 else ""
                 shape = f"dp {dp}{f' x sp {sp}' if sp > 1 else ''} x tp {tp}"

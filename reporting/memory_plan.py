@@ -75,7 +75,8 @@ class MemoryPlan:
 @dataclass(frozen=True)
 class Workload:
     """What a run trains, as far as its memory goes: the config, the policy's shapes (build.meta_policy, or the empty
-    model), its training examples and their schedule, its dtypes, and whether it keeps a live reference model."""
+    model), its training examples and their schedule, its dtypes, whether it keeps a live reference model, and the
+    micro-batches a step (None: the config's gradient_accumulation_steps; micro_batch_memory may choose more)."""
 
     config: DictConfig
     policy: torch.nn.Module
@@ -83,6 +84,11 @@ class Workload:
     schedule: list[list[int]]
     precision: Precision
     live_reference: bool
+    accumulation: int | None = None
+
+    @property
+    def micro_batches(self) -> int:
+        return self.accumulation or self.config.gradient_accumulation_steps
 
 
 def memory_plan(
@@ -190,7 +196,7 @@ def device_memory(work: Workload, trainer: str, mesh: tuple[int, int, int], on_g
     compute = precision.policy_compute or weights_dtype
     compute_bytes = torch.finfo(compute).bits // 8
 
-    micro = max(1, config.batch_size // (config.gradient_accumulation_steps * dp))
+    micro = max(1, config.batch_size // (work.micro_batches * dp))
     shapes = micro_batch_shapes(work, micro, sp)
     # each rank of an sp group holds its slice of the rows' tokens; the mask stays whole on every one
     rows = max(n_rows * length for n_rows, length in shapes) // sp

@@ -1,7 +1,6 @@
 """Micro-batches sized by memory (micro_batch_memory): the budget it gives one rank's training (a number of GiB, or
 auto: a share of the GPU's free memory), and the fewest micro-batches a step whose memory plan fits it."""
 
-import copy
 import dataclasses
 import math
 
@@ -82,7 +81,5 @@ def choose_micro_batches(
 
 
 def with_accumulation(work: Workload, accumulation: int) -> Workload:
-    """`work` with its config's gradient_accumulation_steps set to `accumulation` (a copy: work.config is kept)."""
-    config = copy.deepcopy(work.config)
-    config.gradient_accumulation_steps = accumulation
-    return dataclasses.replace(work, config=config)
+    """`work` in `accumulation` micro-batches a step."""
+    return dataclasses.replace(work, accumulation=accumulation)

@@ -5,14 +5,12 @@ log-probs and gradients against a plain forward of each sequence alone, unpadded
 Windows, chunks, soft caps and logit scales are set small, so that getting one wrong changes the numbers: a window
 of 4 tokens and chunks of 4 against segments of up to 32, a cap of 0.5 against logits of about that size."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import transformers
 
 from conftest import TINY_LM_SIZES, tiny_lm_config
-from core.scoring import Scorer
+from core.scoring import Scorer, ScoringSettings
 from modeling.distributed import Topology
 from modeling.placement import TENSOR_PARALLEL_STYLES, tensor_parallel_plan
 from utils import UserError
@@ -187,15 +185,7 @@ def test_default_path_equals_a_plain_forward_of_each_sequence(model_type, capsys
     model = transformers.AutoModelForCausalLM.from_config(
         tiny_lm_config(model_type, **ZOO[model_type][0])
     ).eval()  # eval: no dropout
-    settings = SimpleNamespace(
-        layout="packed",
-        packed_attention="auto",
-        scored_logits_only=True,
-        max_length=64,
-        pack_row_tokens=None,
-        compile_blocks=False,
-    )
-    scorer = Scorer.create(model, settings, 0, Topology.create("BasicTrainer"), autocast=False, compute=None)
+    scorer = Scorer.create(model, ScoringSettings(), 0, Topology.create("BasicTrainer"), autocast=False, compute=None)
     _, path, tp = ZOO[model_type]
     assert (scorer.describe(), tensor_parallel(model)) == (path, tp), capsys.readouterr().out
 

@@ -84,7 +84,8 @@ def test_micro_batch_memory_takes_the_fewest_micro_batches_that_fit_and_trains_a
     assert line.endswith(
         f"{peaks[2] / 2**30:.3g} GiB of the {float(budget):.3g} GiB budget (micro_batch_memory={budget})"
     )
-    assert chosen.config.gradient_accumulation_steps == 2 and chosen.config.batch_size == 8
+    assert chosen.accumulation == 2 and chosen.config.batch_size == 8
+    assert chosen.config.gradient_accumulation_steps == 1  # the checked config keeps what was given
     run_dir = str(chosen.run_dir)
     fixed = build_trainer(make_config(*base, "gradient_accumulation_steps=2", f"local_run_dir={run_dir}_2"))
     whole = build_trainer(make_config(*base, f"local_run_dir={run_dir}_1"))
@@ -105,12 +106,12 @@ def test_micro_batch_memory_takes_gradient_accumulation_steps_as_its_floor(make_
     peaks = planned_training_peaks(make_config())
     budget = budget if budget == "100" else f"{(peaks[8] + peaks[4]) / 2 / 2**30:.9f}"
     config = make_config(f"gradient_accumulation_steps={floor}", f"micro_batch_memory={budget}")
-    assert build_trainer(config).config.gradient_accumulation_steps == chosen
+    assert build_trainer(config).accumulation == chosen and config.gradient_accumulation_steps == floor
 
 
 def test_micro_batch_memory_auto_leaves_a_cpu_run_s_micro_batches_as_given(make_config, capsys):
     config = make_config("gradient_accumulation_steps=2", "micro_batch_memory=auto")
-    assert build_trainer(config).config.gradient_accumulation_steps == 2
+    assert build_trainer(config).accumulation == 2
     assert "micro-batches:" not in capsys.readouterr().out
 
 

@@ -26,7 +26,7 @@ from conftest import (
     vlm_overrides,
     write_jsonl,
 )
-from core.scoring import Scorer
+from core.scoring import Scorer, ScoringSettings
 from modeling.distributed import Topology
 from modeling.vision import Vision, pack_images, vision_tower
 from pairs.sources import read_file_rows
@@ -115,7 +115,8 @@ def test_vision_zoo_default_path_equals_a_plain_forward_of_each_sequence(family,
     topology, results = Topology.create("BasicTrainer"), {}
     for layout in ("packed", "padded"):
         settings = configuration.load(vlm_overrides(tmp_path, tmp_path, data, f"layout={layout}", "max_length=256"))
-        scorer = Scorer.create(model, settings, tokenizer.pad_token_id, topology, False, None, vision=tokenizer.vision)
+        scoring = ScoringSettings.of_run(settings)
+        scorer = Scorer.create(model, scoring, tokenizer.pad_token_id, topology, False, None, vision=tokenizer.vision)
         model.zero_grad()
         encoded.clear()
         logps = scorer(model, scorer.batch(examples), None)
@@ -183,7 +184,8 @@ def test_a_family_whose_processor_gives_inputs_this_trainer_does_not_build_is_re
     model, processor = tiny_vlm(family)
     settings = configuration.load(vlm_overrides(tmp_path, tmp_path, tmp_path / "pairs.jsonl"))
     with pytest.raises(UserError) as refused:
-        Scorer.create(model, settings, 0, Topology.create("BasicTrainer"), False, None, vision=Vision.of(processor))
+        Scorer.create(model, ScoringSettings.of_run(settings), 0, Topology.create("BasicTrainer"), False, None,
+                      vision=Vision.of(processor))  # fmt: skip
     assert str(refused.value) == REFUSED[family]
 
 

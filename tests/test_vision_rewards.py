@@ -29,7 +29,7 @@ from conftest import (
     write_jsonl,
 )
 from core.rewards import ModelReward
-from core.scoring import Scorer
+from core.scoring import Scorer, ScoringSettings
 from modeling.distributed import Topology
 from modeling.reward_head import init_reward_head
 from modeling.vision import Vision, decode, pack_images, unpack_images, vision_tower
@@ -81,7 +81,8 @@ def test_rewards_in_a_batch_equal_transformers_forward_of_each_sequence_alone(tm
     for layout in ("packed", "padded"):
         settings = configuration.load(vlm_overrides(tmp_path, tmp_path, data, f"layout={layout}", "loss=reward"))
         scorer = Scorer.create(
-            model, settings, tokenizer.pad_token_id, topology, False, None, reward_eos=tokenizer.eos_token_id,
+            model, ScoringSettings.of_run(settings), tokenizer.pad_token_id, topology, False, None,
+            reward_eos=tokenizer.eos_token_id,
             vision=tokenizer.vision,
         )  # fmt: skip
         assert scorer.layout == layout, scorer.fallbacks

@@ -318,7 +318,7 @@ def test_samples_see_the_images(vlm_dir, colour_data, tmp_path):
     model = transformers.AutoModelForImageTextToText.from_pretrained(vlm_dir)
     encoded = []
     vision_tower(model).register_forward_hook(lambda module, args, out: encoded.append(args[0].shape[0]))
-    evaluator = Evaluator(config, Topology.create("BasicTrainer"), tokenizer, [], None)
+    evaluator = Evaluator(config, Topology.create("BasicTrainer"), tokenizer, [], None, 1)
     samples = [evaluator.sample_texts(model, [example])[0] for example in examples]
     assert encoded == [1, 1, 1]
     for pair, sample in zip(pairs, samples):

@@ -13,12 +13,12 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from build import place
 from conftest import TINY_DIR, tiny_vlm
 from modeling import weights
 from modeling.adapters import LoraSettings, apply_lora
 from modeling.distributed import Topology, free_port, init_process_group, leave_process_group, rank_environment
 from modeling.models import load_model, prepare_model, stored_names
+from modeling.placement import Placement, place
 
 
 def model_config(directory: Path, block_name: str | None = "LlamaDecoderLayer") -> dict:
@@ -82,7 +82,7 @@ def read_on(topology: Topology, directory: Path, block_name: str, cache_dir: Pat
     config = OmegaConf.create({"activation_checkpointing": False, "model": model_config(directory, block_name)})
     model, initial = prepare_model(config.model, torch.float32, cache_dir, seed=0)
     assert initial.sharded and all(p.is_meta for p in model.parameters())
-    placed = place(model, config, topology, None, initial)
+    placed = place(model, Placement(block_name=block_name), topology, None, initial)
     state = get_model_state_dict(placed, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {**state, **{f"buffer:{n}": b.detach().cpu() for n, b in placed.named_buffers()}}
 
