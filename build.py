@@ -22,6 +22,7 @@ from core.optim import build_optimizer, build_scheduler
 from core.probes import probes_dtype
 from core.rewards import reads_images
 from core.router_loss import find_routers
+from core.sampling import Sampler
 from core.scoring import Scorer, ScoringSettings
 from core.step import BatchLoss, Data, check_kto_prompts, mismatched
 from modeling import weights
@@ -79,6 +80,7 @@ class RunParts:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     batch_loss: BatchLoss
     evaluator: Evaluator
+    sampler: Sampler  # the run's: the evals' win rate and samples, and a run of rounds
     flops: ModelFlops
     peak_flops: PeakRate
     accumulation: int  # micro-batches a step: gradient_accumulation_steps, or more where micro_batch_memory chooses
@@ -234,10 +236,11 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     batch_loss = BatchLoss(
         objective, scorer, policy, precision.policy_compute, reference, topology, max_lengths, routers
     )
-    evaluator = Evaluator(config, topology, tokenizer, data.eval_batches, batch_loss, accumulation)
+    sampler = Sampler(tokenizer, topology, config.generation.max_new_tokens, config.eval_batch_size)
+    evaluator = Evaluator(config, topology, tokenizer, data.eval_batches, batch_loss, accumulation, sampler)
     return RunParts(
         config, topology, tokenizer, objective, precision, data, policy, scorer, reference, reference_model,
-        optimizer, scheduler, batch_loss, evaluator, flops, peak, accumulation,
+        optimizer, scheduler, batch_loss, evaluator, sampler, flops, peak, accumulation,
     )  # fmt: skip
 
 

@@ -14,23 +14,24 @@ cache's format; named by the weights' digest). metrics.jsonl gets a record per r
 
 A kill anywhere resumes to the same result: a round's completions depend only on the weights that start it and on
 seeds of (seed, round, prompt, completion), not on batching or ranks; its file and its reference are written before
-its first step, and every checkpoint notes its round (Trainer.round_state). A resume inside a round reads them back;
-a resume from the checkpoint that ends a round starts the next one afresh."""
+its first step, and every checkpoint holds the rounds' progress (RoundProgress, a checkpoint part of its own:
+rounds.pt). A resume inside a round reads them back; a resume from the checkpoint that ends a round starts the next
+one afresh. Rounds run beside the Trainer, through what it offers a round: sampling from the policy, a reference
+swapped for the round's cached one, training on the round's data, and logging."""
 
 import base64
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 import storage
-from build import fill_reference_cache, reference_computation
 from core.examples import Examples, from_ids
 from core.rewards import load_reward
 from core.sampling import distinct_prompts, sample_seed
 from core.step import Data
 from modeling.vision import pack_images, unpack_images
-from persistence import reference_cache
 from persistence.tokenized import first_of_each_group
 from preference_datasets import batch_schedule
 from reporting.data_report import data_report
@@ -38,13 +39,36 @@ from trainers import Trainer
 from utils import UserError
 
 DIRECTORY = "rounds"
+PART = "rounds"  # the checkpoint part (rounds.pt) of a run of rounds' progress
+
+
+@dataclass
+class RoundProgress:
+    """Where a run of rounds is, saved with every checkpoint and resumed like its other parts: the round under way
+    (None: none yet), the step its schedule starts at, and the digest of the weights that started it (its cached
+    reference's name; None for a loss without a reference)."""
+
+    round: int | None = None
+    start: int = 0
+    reference: str | None = None
+
+    def state_dict(self) -> dict:
+        return {"round": self.round, "start": self.start, "reference": self.reference}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.round, self.start, self.reference = state["round"], state["start"], state["reference"]
 
 
 class Rounds:
-    """The rounds of a run, on the Trainer's parts (every rank runs it; the reward runs on rank 0)."""
+    """The rounds of a run, beside its Trainer (every rank runs them; the reward runs on rank 0); their progress is
+    the Trainer's checkpoint part PART (train.build_trainer gives it one)."""
 
     def __init__(self, trainer: Trainer):
         self.trainer, self.config, self.topology = trainer, trainer.config, trainer.topology
+        self.progress = trainer.more_parts[PART]
+        old = trainer.resumed_loop.get("round")  # a checkpoint of an earlier version noted its round in its marker
+        if self.progress.round is None and old is not None:
+            self.progress.load_state_dict(old)
         self.settings, self.directory = trainer.config.rounds, trainer.run_dir / DIRECTORY
         prompts = first_of_each_group(trainer.data.train_examples)
         self.prompts = prompts.select(np.random.default_rng(self.config.seed).permutation(len(prompts)))
@@ -60,22 +84,22 @@ class Rounds:
         )
 
     def run(self) -> None:
-        """Every round not done yet: a resumed one goes on from its checkpoint, then the others from their start."""
-        trainer, state = self.trainer, self.trainer.round_state
-        if trainer.finished:
+        """Every round not done yet: a resumed one goes on from its checkpoint, then the others from their start;
+        nothing where the run resumed from its final checkpoint and asks for no more rounds."""
+        trainer, progress = self.trainer, self.progress
+        first = 0 if progress.round is None else progress.round + 1
+        if trainer.resumed_final and first >= self.settings.n:
             return
-        first = 0
-        if state is not None:  # resumed: within round state["round"], or at its end
-            data = self.round_data(state["round"], self.read(state["round"]))
-            if trainer.batch_counter < state["start"] + len(data.schedule):
-                self.use_reference(data, state["reference"], resumed=True)
-                trainer.train(data, round_start=state["start"])
-                self.end_round(state["round"])
-            first = state["round"] + 1
+        if progress.round is not None:  # resumed: within round progress.round, or at its end
+            data = self.round_data(progress.round, self.read(progress.round))
+            if trainer.batch_counter < progress.start + len(data.schedule):
+                trainer.use_cached_reference(data, self.directory, progress.reference)
+                trainer.train(data, round_start=progress.start)
+                self.end_round(progress.round)
         for round_index in range(first, self.settings.n):
             self.train_round(round_index)
         reward = self.heldout_reward()
-        trainer.log.metrics({"rounds/round": self.settings.n, "rounds/heldout_reward": reward}, *trainer.counters())
+        trainer.report({"rounds/round": self.settings.n, "rounds/heldout_reward": reward})
         print(f"after round {self.settings.n - 1}: held-out greedy reward {reward:.4g}")
 
     def train_round(self, round_index: int) -> None:
@@ -84,10 +108,10 @@ class Rounds:
         heldout = self.heldout_reward()
         lines = self.sample_round(round_index)
         data = self.round_data(round_index, lines)
-        digest = self.use_reference(data)
-        trainer.round_state = {"round": round_index, "start": trainer.batch_counter, "reference": digest}
+        digest = trainer.use_cached_reference(data, self.directory)
+        self.progress.load_state_dict({"round": round_index, "start": trainer.batch_counter, "reference": digest})
         record = round_record(round_index, lines, heldout)
-        trainer.log.metrics(record, *trainer.counters())
+        trainer.report(record)
         self.report(round_index, record, data, len(lines))
         trainer.train(data)
         self.end_round(round_index)
@@ -112,10 +136,9 @@ class Rounds:
 
     def end_round(self, round_index: int) -> None:
         """An eval against the round's reference (the last round's is the run's final eval) and a checkpoint."""
-        trainer = self.trainer
-        if round_index + 1 < self.settings.n and trainer.last_eval_at != trainer.example_counter:
-            trainer.evaluate()
-        trainer.checkpoint_now()
+        if round_index + 1 < self.settings.n:
+            self.trainer.evaluate_unless_done()
+        self.trainer.checkpoint_now()
 
     def round_prompts(self, round_index: int) -> Examples:
         """The round's prompts: `rounds.prompts` of them in turn from the shuffled training prompts (all: null)."""
@@ -134,17 +157,11 @@ class Rounds:
             for j in range(k)
         ]
         repeated = [prompt for prompt in prompts for _ in range(k)], [packed for packed in images for _ in range(k)]
-        completions = self.sample(*repeated, seeds)
+        completions = self.trainer.sample(*repeated, seeds)
         groups = examples.groups.tolist()
         return self.topology.broadcast(
             self.topology.run_on_main(lambda: self.score(round_index, prompts, images, groups, completions))
         )
-
-    def sample(self, prompts: list[list[int]], images: list[bytes], seeds: list[int] | None) -> list[list[int]]:
-        """Completions of `prompts` by the policy, which sees their `images` (pack_images; b"": none), sampled as
-        generation.* says from `seeds` (greedy where None), gathered in order on every rank."""
-        g, sampler = self.config.generation, self.trainer.evaluator.sampler
-        return sampler.sample(self.trainer.policy, prompts, images, seeds, g.temperature, g.top_p)
 
     def score(self, round_index: int, prompts: list[list[int]], images: list[bytes], groups: list[int], completions):
         """(rank 0) The round's lines (`round_lines`), written to rounds/round-R.jsonl whole; the reward sees each
@@ -180,49 +197,9 @@ class Rounds:
             print(f"round {round_index}: {len(examples)} pairs, fewer than batch_size={c.batch_size}: no step")
         return Data(examples, self.eval_batches, schedule)
 
-    def use_reference(self, data: Data, digest: str | None = None, resumed: bool = False) -> str | None:
-        """The round's reference log-probs, of its pairs and the eval batches, from the file in rounds/ named by the
-        digest of the weights that start the round (the policy now, unless resumed), computed by the policy itself
-        where missing; the digest (None for a loss without a reference)."""
-        trainer, c = self.trainer, self.config
-        if not trainer.objective.needs_reference:
-            return None
-        digest = digest or self.weights_digest()
-        computation = reference_computation(
-            c, trainer.precision, trainer.scorer, self.topology, 2, trainer.accumulation
-        )
-        path = reference_cache.cache_path(self.directory, digest, computation)
-
-        def compute_with():
-            if resumed:  # the weights that started the round are gone: only their cached numbers would do
-                raise UserError(
-                    f"{path}, the reference log-probs of the round this checkpoint is in, is missing or was made "
-                    "otherwise; resume from the checkpoint that ends the round before"
-                )
-            return trainer.policy, trainer.precision.policy_compute
-
-        entries = fill_reference_cache(
-            c,
-            trainer.accumulation,
-            self.topology,
-            data,
-            trainer.objective,
-            trainer.scorer,
-            path,
-            digest,
-            computation,
-            compute_with,
-        )
-        trainer.batch_loss.reference = reference_cache.CachedReference(entries, self.topology.device)
-        return digest
-
-    def weights_digest(self) -> str:
-        """The policy's weights digest (reference_cache.weights_digest), from every rank's shards."""
-        return reference_cache.weights_digest(self.trainer.policy, self.topology)
-
     def heldout_reward(self) -> float:
         """The mean reward of the policy's greedy completions of the held-out prompts."""
-        completions = self.sample(self.eval_prompts, self.eval_images, None)
+        completions = self.trainer.sample(self.eval_prompts, self.eval_images, None)
 
         def mean_reward() -> float:
             prompt_texts, completion_texts = reward_texts(self.trainer.tokenizer, self.eval_prompts, completions)

@@ -22,6 +22,7 @@ from typing import Callable
 from omegaconf import DictConfig, OmegaConf
 
 import config as configuration
+import rounds
 import storage
 import sweeps
 from build import build, dry_run
@@ -29,7 +30,6 @@ from modeling.distributed import Topology, launch, process_rank, reported_errors
 from persistence import checkpoint
 from persistence.run_lock import RunLock
 from reporting.wandb_run import init_wandb, wants_wandb
-from rounds import Rounds
 from trainers import Trainer
 from training.run_log import LOGS
 from utils import UserError, get_local_run_dir, set_seed
@@ -62,8 +62,10 @@ def prepare_run_dir(config: DictConfig, hold: contextlib.ExitStack | None = None
 
 
 def build_trainer(config: DictConfig, topology: Topology, run_dir: Path, wandb_run=None) -> Trainer:
-    """The run's parts (build.py) and the Trainer over them."""
-    return Trainer(build(config, topology), run_dir, wandb_run)
+    """The run's parts (build.py) and the Trainer over them, resumed where resume_from says; a run of rounds keeps
+    its progress as a checkpoint part of its own (rounds.RoundProgress)."""
+    more_parts = {rounds.PART: rounds.RoundProgress()} if config.rounds.n else {}
+    return Trainer(build(config, topology), run_dir, wandb_run, more_parts)
 
 
 def run(config: DictConfig) -> None:
@@ -81,7 +83,7 @@ def run(config: DictConfig) -> None:
         trainer = build_trainer(config, topology, run_dir, wandb_run)
         lock.enter_context(trainer.checkpoints)  # a save in the background ends before the lock is let go
         if config.rounds.n:
-            Rounds(trainer).run()
+            rounds.Rounds(trainer).run()
         else:
             trainer.train()
         trainer.finish()

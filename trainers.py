@@ -19,7 +19,7 @@ from pathlib import Path
 
 import tqdm
 
-from build import RunParts
+from build import RunParts, fill_reference_cache, reference_computation
 from core.evaluation import HeldOutWinRate
 from core.optim import clip_grad_norm
 from core.step import Data
@@ -40,26 +40,31 @@ class Trainer:
     topology: the parts come built (build.py); train() runs a round of optimizer steps over a schedule and may run
     again on new data, with the counters going on; finish() ends the run with a final eval, checkpoint and summary."""
 
-    def __init__(self, parts: RunParts, run_dir: Path, wandb_run=None):
+    def __init__(self, parts: RunParts, run_dir: Path, wandb_run=None, more_parts: dict | None = None):
+        """more_parts: stateful parts beyond the run's (a run of rounds' progress), by file name: saved with every
+        checkpoint and resumed like the others."""
         self.config, self.topology, self.run_dir = parts.config, parts.topology, run_dir
         self.tokenizer, self.objective, self.data = parts.tokenizer, parts.objective, parts.data
         self.policy, self.reference_model = parts.policy, parts.reference_model
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         self.scorer, self.batch_loss, self.evaluator = parts.scorer, parts.batch_loss, parts.evaluator
+        self.sampler = parts.sampler  # the run's: its evals' win rate and samples, and a run of rounds, sample with it
         self.flops, self.peak_flops, self.precision = parts.flops, parts.peak_flops, parts.precision
         self.accumulation = parts.accumulation  # micro-batches a step (micro_batch_memory may choose more than given)
         self.synced = parts.reference if isinstance(parts.reference, SyncedReference) else None  # TR-DPO's
         self.log = RunLog(run_dir, wandb_run, self.topology.is_main, self.throughput)
-        self.evals = Evals(self.config, self.topology, self.evaluator, self.tokenizer, run_dir, self.log)
+        self.evals = Evals(self.config, self.topology, self.evaluator, self.sampler, self.tokenizer, run_dir, self.log)
         self.cadence = Cadence(
             self.config.eval_every, self.config.save_every or self.config.eval_every, self.config.do_first_eval
         )
-        self.checkpoints = Checkpointer(checkpoint_parts(parts), self.config, self.topology, run_dir, self.tokenizer)
+        self.more_parts = dict(more_parts or {})
+        held = {**checkpoint_parts(parts), **self.more_parts}
+        self.checkpoints = Checkpointer(held, self.config, self.topology, run_dir, self.tokenizer)
         self.example_counter = self.batch_counter = 0
         self.nonfinite = NonfiniteSteps(self.config.max_nonfinite_steps)
-        self.round_start, self.round_state = 0, None  # where this round's schedule starts; rounds.py's round state
+        self.round_start = 0  # where the schedule being trained starts (a run of rounds': its round's)
         self.last_eval_at = None
-        self.finished = False  # resumed from the checkpoint that ends this run
+        self.resumed_final, self.resumed_loop = False, {}  # resumed from the checkpoint that ended a run; its loop
         self.start_examples, self.speed = 0, self.throughput()
         if self.config.resume_from is not None:
             self.resume(Path(self.config.resume_from))
@@ -77,13 +82,10 @@ class Trainer:
         self.start_examples = step
         self.last_eval_at = loop.get("last_eval_at", step)  # older checkpoints were all written right after an eval
         self.nonfinite.in_a_row = loop.get("nonfinite_in_a_row", 0)
-        self.round_state = loop.get("round")
         if self.synced is not None:  # its weights came with the checkpoint
             self.synced.resumed(self.batch_counter)
-        # the run's end, unless it now asks for more steps (n_epochs, n_examples) or rounds (rounds.n)
-        rounds = self.round_state
-        left = rounds["round"] + 1 < c.rounds.n if rounds else self.batch_counter < len(self.data.schedule)
-        self.finished = marker.get("final", False) and not left
+        # the run's end: nothing left, unless the run now asks for more steps (n_epochs, n_examples) or rounds
+        self.resumed_final, self.resumed_loop = marker.get("final", False), loop
         self.log.truncate(step, evaluated=self.last_eval_at == step)
 
     def train_step(self, examples: list[dict]) -> dict[str, list[float]]:
@@ -118,12 +120,11 @@ class Trainer:
             if isinstance(self.batch_loss.reference, reference_cache.CachedReference):
                 self.batch_loss.reference.require(self.batch_loss.reference_keys(data))
             self.data, self.round_start = data, self.batch_counter if round_start is None else round_start
-            self.evaluator.eval_batches = data.eval_batches
-        if self.finished:
-            print(f"{self.checkpoints.last} ends this run: nothing left to train")
-            return
         c, schedule = self.config, self.data.schedule
         done, disable = self.batch_counter - self.round_start, not self.topology.is_main
+        if self.resumed_final and done >= len(schedule):
+            print(f"{self.checkpoints.last} ends this run: nothing left to train")
+            return
         progress = tqdm.tqdm(total=len(schedule), initial=done, disable=disable, **PROGRESS_BAR)
         last_log = time.time()
         with StopSignals() as stop, progress:
@@ -166,8 +167,9 @@ class Trainer:
         print(f"reference: update {self.synced.updates} after step {self.batch_counter}, alpha {self.synced.alpha:g}")
 
     def finish(self) -> None:
-        """The run's end: a final eval, checkpoint (LATEST, with the export) and summary; a signal now lets it end."""
-        if self.finished:
+        """The run's end: a final eval, checkpoint (LATEST, with the export) and summary; a signal now lets it end.
+        Nothing where the run resumed from its final checkpoint and took no step since."""
+        if self.resumed_final and self.example_counter == self.start_examples:
             return
         with StopSignals():
             final_metrics = self.evaluate()
@@ -196,6 +198,48 @@ class Trainer:
         if self.checkpoints.saved_at != self.example_counter:
             self.save(self.run_dir / f"step-{self.example_counter}", {}, wait=wait)
 
+    def evaluate_unless_done(self) -> None:
+        """An eval here, unless one was just made at this step."""
+        if self.last_eval_at != self.example_counter:
+            self.evaluate()
+
+    def report(self, metrics: dict[str, float]) -> None:
+        """A record of metrics (a round's) logged at the current step."""
+        self.log.metrics(metrics, *self.counters())
+
+    def sample(self, prompts: list[list[int]], images: list[bytes], seeds: list[int] | None) -> list[list[int]]:
+        """The policy's completions of `prompts`, which sees their `images` (pack_images; b"": none), sampled as
+        generation.* says from `seeds` (greedy where None), gathered in order on every rank."""
+        g = self.config.generation
+        return self.sampler.sample(self.policy, prompts, images, seeds, g.temperature, g.top_p)
+
+    def use_cached_reference(self, data: Data, directory: Path, digest: str | None = None) -> str | None:
+        """The reference from here on: the log-probs, of data's pairs and eval batches, of the weights whose digest
+        is `digest` (None: the policy's now, which compute what the file in `directory` misses; given: a resume
+        inside a round, whose starting weights are gone, so the file must hold them all). Returns the digest (None
+        for a loss without a reference)."""
+        if not self.objective.needs_reference:
+            return None
+        resumed, digest = digest is not None, digest or reference_cache.weights_digest(self.policy, self.topology)
+        c = self.config
+        computation = reference_computation(c, self.precision, self.scorer, self.topology, 2, self.accumulation)
+        path = reference_cache.cache_path(directory, digest, computation)
+
+        def compute_with():
+            if resumed:  # the weights that started the round are gone: only their cached numbers would do
+                raise UserError(
+                    f"{path}, the reference log-probs of the round this checkpoint is in, is missing or was made "
+                    "otherwise; resume from the checkpoint that ends the round before"
+                )
+            return self.policy, self.precision.policy_compute
+
+        entries = fill_reference_cache(
+            self.config, self.accumulation, self.topology, data, self.objective, self.scorer, path, digest,
+            computation, compute_with,
+        )  # fmt: skip
+        self.batch_loss.reference = reference_cache.CachedReference(entries, self.topology.device)
+        return digest
+
     def evaluate(self) -> dict[str, float]:
         """An eval (Evals) here; its metrics."""
         metrics = self.evals(self.policy, self.reference_model, *self.counters())
@@ -205,7 +249,7 @@ class Trainer:
     def save(self, output_dir: Path, metrics: dict[str, float], final: bool = False, wait: bool = False) -> None:
         """A checkpoint of where training is with the loop's counters (final: and the export; wait: done on return)."""
         self.log.check(self.topology, self.stopped)
-        loop = dict(last_eval_at=self.last_eval_at, nonfinite_in_a_row=self.nonfinite.in_a_row, round=self.round_state)
+        loop = dict(last_eval_at=self.last_eval_at, nonfinite_in_a_row=self.nonfinite.in_a_row)
         try:
             self.checkpoints.save(output_dir, self.example_counter, metrics, loop, final, wait)
         except UserError as error:
@@ -221,12 +265,11 @@ class Evals:
     policy's win rate against the reference where eval_winrate_prompts asks for it (winrate/eval), samples where
     sample_during_eval does, all logged; and plots.png redrawn."""
 
-    def __init__(self, config, topology, evaluator, tokenizer, run_dir: Path, log: "RunLog"):
+    def __init__(self, config, topology, evaluator, sampler, tokenizer, run_dir: Path, log: "RunLog"):
         self.config, self.topology, self.evaluator, self.run_dir, self.log = config, topology, evaluator, run_dir, log
         self.winrate = None
         if config.eval_winrate_prompts:
-            batches = evaluator.eval_batches
-            self.winrate = HeldOutWinRate(config, topology, tokenizer, evaluator.sampler, batches)
+            self.winrate = HeldOutWinRate(config, topology, tokenizer, sampler, evaluator.eval_batches)
 
     def __call__(self, policy, reference_model, examples: int, updates: int) -> dict[str, float]:
         metrics = self.evaluator.evaluate(policy)

@@ -14,16 +14,15 @@ from utils import get_local_dir, metric_mean
 
 class Evaluator:
     """Evaluates on fixed eval batches, each rank on its share in the training micro-batch budget (accumulation: a
-    training step's micro-batches).
+    training step's micro-batches); samples from policy and reference with the run's sampler.
 
     batch_metrics: step.BatchLoss, the objective on a micro-batch: (examples, split, batch, coupled part) ->
     (mean loss, {name: [B] metric}), and its `couple` for a loss whose pairs depend on each other."""
 
     def __init__(self, config, topology: Topology, tokenizer, eval_batches: list[list[dict]], batch_metrics,
-                 accumulation: int):  # fmt: skip
+                 accumulation: int, sampler: Sampler):  # fmt: skip
         self.config, self.topology, self.tokenizer, self.accumulation = config, topology, tokenizer, accumulation
-        self.eval_batches, self.batch_metrics = eval_batches, batch_metrics
-        self.sampler = Sampler(tokenizer, topology, config.generation.max_new_tokens, config.eval_batch_size)
+        self.eval_batches, self.batch_metrics, self.sampler = eval_batches, batch_metrics, sampler
 
     @torch.no_grad()
     def evaluate(self, policy: torch.nn.Module) -> dict[str, float]:

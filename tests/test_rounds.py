@@ -1,5 +1,6 @@
 """Iterative on-policy rounds (rounds.py) and their rewards (rewards.py)."""
 
+import json
 import math
 import shutil
 
@@ -124,13 +125,24 @@ def test_resuming_inside_a_round_or_at_its_end_matches_the_uninterrupted_run(mak
     ends = [r["step"] for r in round_records(whole)[1:3]]
     steps = sorted(int(p.name.split("-")[1]) for p in whole.glob("step-*"))
     inside = next(step for step in steps if ends[0] < step < ends[1])
-    for resume_at in (inside, ends[0]):
-        resumed = tmp_path / f"resumed-{resume_at}"
+    # the rounds' progress is a checkpoint part of its own; an earlier version noted it in checkpoint.json's loop
+    assert torch.load(whole / f"step-{inside}" / "rounds.pt")["state"]["round"] == 1
+    for resume_at, earlier in ((inside, False), (ends[0], False), (inside, True)):
+        resumed = tmp_path / f"resumed-{resume_at}-{earlier}"
         resumed.mkdir()
         # what a run killed later leaves: its logs and rounds past the checkpoint, which the resume cuts back or redoes
         shutil.copy(whole / "metrics.jsonl", resumed / "metrics.jsonl")
         shutil.copytree(whole / "rounds", resumed / "rounds")
         shutil.copytree(whole / f"step-{resume_at}", resumed / f"step-{resume_at}")
+        if earlier:
+            part, marker = (
+                resumed / f"step-{resume_at}" / "rounds.pt",
+                resumed / f"step-{resume_at}" / "checkpoint.json",
+            )
+            noted = json.loads(marker.read_text())
+            noted["loop"]["round"] = torch.load(part)["state"]
+            marker.write_text(json.dumps(noted))
+            part.unlink()
         train.run(make_config(f"local_run_dir={resumed}", "resume_from=auto", *common))
         assert_same_metrics(read_jsonl(whole / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl"))
         for index in range(3):

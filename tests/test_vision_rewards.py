@@ -175,7 +175,7 @@ def test_a_round_on_image_prompts_samples_and_scores_with_the_images(gemma3_dirs
     encoded = []  # the images the policy's vision tower encodes
     count = lambda module, args, kwargs: encoded.append(kwargs["pixel_values"].shape[0])  # noqa: E731
     vision_tower(trainer.policy).register_forward_pre_hook(count, with_kwargs=True)
-    completion = rounds.sample([own["input_ids"][0].tolist()], [pack_images(pairs[0].images)], None)[0]
+    completion = trainer.sample([own["input_ids"][0].tolist()], [pack_images(pairs[0].images)], None)[0]
     assert completion == generated[0, own["input_ids"].shape[1] :].tolist() and encoded == [1]
 
 

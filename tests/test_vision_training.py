@@ -32,6 +32,7 @@ from conftest import (
     write_jsonl,
 )
 from core.evaluation import Evaluator
+from core.sampling import Sampler
 from core.step import mismatched
 from modeling.distributed import Topology
 from modeling.placement import find_blocks, language_blocks, tensor_parallel_plan
@@ -318,7 +319,9 @@ def test_samples_see_the_images(vlm_dir, colour_data, tmp_path):
     model = transformers.AutoModelForImageTextToText.from_pretrained(vlm_dir)
     encoded = []
     vision_tower(model).register_forward_hook(lambda module, args, out: encoded.append(args[0].shape[0]))
-    evaluator = Evaluator(config, Topology.create("BasicTrainer"), tokenizer, [], None, 1)
+    topology = Topology.create("BasicTrainer")
+    sampler = Sampler(tokenizer, topology, config.generation.max_new_tokens, config.eval_batch_size)
+    evaluator = Evaluator(config, topology, tokenizer, [], None, 1, sampler)
     samples = [evaluator.sample_texts(model, [example])[0] for example in examples]
     assert encoded == [1, 1, 1]
     for pair, sample in zip(pairs, samples):

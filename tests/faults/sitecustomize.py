@@ -66,7 +66,7 @@ if FAULT:
 
     def before_forward(module, args):
         if isinstance(module, torch.nn.Embedding):
-            for kind, function in (("eval", "evaluate"), ("generate", "complete"), ("reference", "fill")):
+            for kind, function in (("eval", "evaluate"), ("generate", "sample"), ("reference", "fill")):
                 if called_from(function):
                     event(kind)
 
