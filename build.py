@@ -1,12 +1,13 @@
-"""Building a run: every part the training loop needs, made once from the checked config, in one place. train.py,
-the dry run (reporting/memory_plan.py: the same assembly up to the weights), the benchmarks (bench/) and the tests
-build through here; the Trainer (trainers.py) runs what it is given.
+"""Building a run: every part the training loop needs, made once from the checked config, in one place (the
+reference's: references.py). train.py, the benchmarks (bench/) and the tests build through here; the Trainer
+(trainers.py) runs what it is given. The dry run (`dry_run`) reads the same config, data and precision and plans the
+memory of a meta-device policy (`meta_policy`), reading no weights.
 
 The order matters where noted: local rank 0 loads first (it fills the caches the others then read); the reference's
 log-probs come from the policy's initial weights, before any step; the optimizer is built after FSDP has sharded the
 policy (it then holds the shards each rank owns)."""
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,23 +16,19 @@ from omegaconf import DictConfig, OmegaConf
 from core.attention import model_class
 from core.evaluation import Evaluator
 from core.examples import Examples
-from core.liger import apply_liger
+from core.liger import liger_line
 from core.losses import LOSSES
 from core.objective import build_objective
 from core.optim import build_optimizer, build_scheduler
-from core.probes import probes_dtype
 from core.rewards import reads_images
 from core.router_loss import find_routers
 from core.sampling import Sampler
 from core.scoring import Scorer, ScoringSettings
-from core.step import BatchLoss, Data, check_kto_prompts, mismatched
+from core.step import BatchLoss, Data, check_kto_prompts
 from modeling import weights
 from modeling.adapters import (
-    AdaptersDisabled,
-    ReferenceAdapter,
     add_reference_adapter,
     apply_lora,
-    is_adapted,
     quantization_config,
 )
 from modeling.distributed import TRAINERS, Topology, mesh_shape
@@ -42,10 +39,9 @@ from modeling.precision import (
     auto_compute_dtype,
     choose_compute_dtype,
     decide_precision,
-    device_key,
     slow_precision_note,
 )
-from modeling.reference_sync import SyncedReference, schedule_line
+from modeling.reference_sync import schedule_line
 from modeling.tokenizers import load_tokenizer
 from modeling.vision import freeze_vision_tower, vision_tower
 from pairs.formats import PreferencePair
@@ -53,6 +49,7 @@ from persistence import checkpoint, reference_cache
 from persistence.checkpoint_loading import preflight
 from persistence.tokenized import Tokenization, first_of_each_group, load_examples, tokenize_pairs
 from preference_datasets import batch_schedule
+from references import build_reference, live_reference_model
 from reporting.data_report import data_report
 from reporting.fit_check import fit_verdict
 from reporting.hardware import GIB, Hardware
@@ -157,15 +154,6 @@ def rank_data(config: DictConfig, topology: Topology, tokenizer, objective, cach
         return load_data(config, tokenizer, objective, cache_dir, pairs, report=topology.is_main)
 
 
-def live_reference_model(config: DictConfig, needs_reference: bool) -> bool:
-    """Whether the run loads a reference model of its own: to score live (reference_cache=false), to sample from or
-    to move towards the policy (reference_sync_steps), unless LoRA's base serves (the policy with its adapters
-    disabled, or with its reference adapter)."""
-    kept = not config.reference_cache or config.sample_during_eval or config.reference_sync_steps is not None
-    kept = kept or config.eval_winrate_prompts > 0  # to sample from
-    return needs_reference and not config.lora.enabled and kept
-
-
 def build(config: DictConfig, topology: Topology, pairs: dict[str, list[PreferencePair]] | None = None) -> RunParts:
     """Every part of the run on this rank; pairs: the data ({"train": ..., "test": ...}) instead of config.datasets."""
     cache_dir = get_local_dir(config.local_dirs)
@@ -244,13 +232,6 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     )  # fmt: skip
 
 
-def liger_line(model: torch.nn.Module, compute, topology: Topology, autocast: bool, label: str) -> str:
-    """Liger-Kernel's kernels in a placed model (liger.apply_liger, probed as the scorer's probes run it, rank 0
-    deciding for every rank); the line that says what was taken, after `label`."""
-    dtype = probes_dtype(model, compute, autocast)
-    return apply_liger(model, dtype, topology.device, topology.broadcast, label)
-
-
 def offload_line(policy: torch.nn.Module, optimizer: str) -> str:
     """Where fsdp_cpu_offload put this rank's shards of the policy's parameters (their gradients and the optimizer's
     state follow them), counted on the placed model."""
@@ -274,54 +255,6 @@ def run_precision(config: DictConfig, topology: Topology, cache_dir: Path, autoc
     if note:
         print(note)
     return precision
-
-
-def build_reference(
-    config, topology, data, objective, precision, policy, scorer, cache_dir, initial_weights, accumulation: int
-):
-    """(where the reference's log-probs come from, the reference model kept or None). The log-probs are cached
-    (initial_weights: the digest of the weights they are computed for, None for no cache) or computed live; a moving
-    reference (reference_sync_steps, reference_sync.py) is live after its first update, which only the steps before
-    it read the cache for. The reference model is loaded to score live, to sample from or to move, or is the LoRA
-    policy's base (adapters disabled) or base and reference adapter."""
-    synced = config.reference_sync_steps is not None
-
-    def load_reference() -> torch.nn.Module:  # placed, frozen; never with LoRA (the policy's base serves)
-        with topology.main_first():
-            model, initial = prepare_model(config.model, precision.reference_weights, cache_dir, config.seed)
-        placement = Placement.of_run(config)
-        model = place(model.requires_grad_(False), placement, topology, precision.reference_compute, initial)
-        if config.liger_kernel:
-            print(liger_line(model, precision.reference_compute, topology, not topology.fsdp, "reference"))
-        return model
-
-    reference_model = None
-    if objective.needs_reference and is_adapted(policy):  # LoRA: the base, with the reference adapter if it moves
-        reference_model = ReferenceAdapter(policy) if synced else AdaptersDisabled(policy)
-    elif live_reference_model(config, objective.needs_reference):
-        reference_model = load_reference()
-    cached = live = None
-    if initial_weights is not None:
-        n_responses = data.train_examples.lengths.shape[1] - 1
-        computation = reference_computation(config, precision, scorer, topology, n_responses, accumulation)
-        path = reference_cache.cache_path(cache_dir, initial_weights, computation)
-        # the initial policy itself computes them where the reference computes like it: no reference is loaded
-        like_policy = lambda: (policy, precision.policy_compute)  # noqa: E731
-        kept_or_loaded = lambda: (reference_model or load_reference(), precision.reference_compute)  # noqa: E731
-        compute_with = like_policy if precision.reference_like_policy else kept_or_loaded
-        read = replace(data, schedule=data.schedule[: config.reference_sync_steps]) if synced else data
-        entries = fill_reference_cache(
-            config, accumulation, topology, read, objective, scorer, path, initial_weights, computation, compute_with
-        )
-        cached = reference_cache.CachedReference(entries, topology.device)
-    if objective.needs_reference and (not config.reference_cache or synced):
-        live = reference_cache.LiveReference(reference_model, scorer, precision.reference_compute)
-    if not (objective.needs_reference and synced):
-        return (live if live is not None else cached), reference_model
-    owner = policy if is_adapted(policy) else reference_model  # where the weights that move are
-    every, alpha = config.reference_sync_steps, config.reference_mixup_alpha
-    print(schedule_line(every, alpha, len(data.schedule), cached is not None, is_adapted(policy)))
-    return SyncedReference(live, cached, policy, owner, every, alpha), reference_model
 
 
 def check_fit(config: DictConfig, topology: Topology, policy, data: Data, precision: Precision, live: bool) -> int:
@@ -348,55 +281,6 @@ def choose_accumulation(work: Workload, hardware: Hardware, mesh: tuple[int, int
     count, line = choose_micro_batches(work, work.config.trainer, mesh, hardware.gpu_bytes is not None, agree(budget))
     print(line)
     return count
-
-
-def reference_computation(
-    config: DictConfig, precision: Precision, scorer: Scorer, topology: Topology, n_responses: int, accumulation: int
-) -> str:
-    """Everything that changes the rounding of the reference's log-probs (the cache file's second key), the device's
-    kernels included: a cache directory shared by machines of other CPUs or GPUs keeps one file for each; and the
-    responses an example has (pairs or labelled completions: a table holds one width)."""
-    micro = [size // accumulation for size in (config.batch_size, config.eval_batch_size)]
-    compute = precision.policy_compute if precision.reference_like_policy else precision.reference_compute
-    how = "autocast" if scorer.autocast else "FSDP"
-    weights = str(precision.reference_weights).removeprefix("torch.")
-    return (
-        f"{weights} weights, {compute or 'no'} {how} compute, {scorer.describe()}, {topology.describe()}, "
-        f"micro-batches of {micro[0]} and {micro[1]}, seed {config.seed}, on {device_key(topology.device)}, "
-        f"{n_responses} responses an example"
-        + (", compiled blocks" if config.compile_blocks else "")
-        + (", Liger-Kernel" if config.liger_kernel else "")
-    )
-
-
-def fill_reference_cache(
-    config, accumulation: int, topology, data: Data, objective, scorer, path, weights, computation, compute_with
-) -> dict:
-    """Reference log-probs of every pair that training and eval use, by pair key (reference_cache.fill), computed on
-    the same micro-batches as the first epoch's steps and the evals, so that at step 0 a reference computing like the
-    policy agrees with it to the last bit; for KTO also the mismatched examples (step.mismatched) of every step
-    and eval batch, as its KL estimate scores them. compute_with() gives (model, compute dtype), called only if any
-    is missing."""
-    first_use = list(dict.fromkeys(i for indices in data.schedule for i in indices))
-    batches = [(batch, config.eval_batch_size) for batch in data.eval_batches]
-    if objective.needs_kl_estimate:
-        lengths = (config.max_length, config.max_prompt_length)
-        steps = [data.train_examples.take(indices) for indices in data.schedule]
-        batches += [(mismatched(examples, *lengths), config.batch_size) for examples in steps]
-        batches += [(mismatched(batch, *lengths), config.eval_batch_size) for batch in data.eval_batches]
-    return reference_cache.fill(
-        path,
-        weights,
-        computation,
-        data.train_examples,
-        first_use,
-        batches,
-        config.batch_size,
-        accumulation,
-        compute_with,
-        scorer,
-        topology,
-    )
 
 
 def dry_run(config: DictConfig, world_size: int) -> None:

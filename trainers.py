@@ -19,12 +19,13 @@ from pathlib import Path
 
 import tqdm
 
-from build import RunParts, fill_reference_cache, reference_computation
+from build import RunParts
 from core.evaluation import HeldOutWinRate
 from core.optim import clip_grad_norm
 from core.step import Data
 from modeling.reference_sync import SyncedReference
 from persistence import reference_cache
+from references import round_reference
 from reporting.plots import write_plots
 from reporting.telemetry import Throughput, step_amounts
 from training.checkpointer import Checkpointer, checkpoint_parts
@@ -99,12 +100,8 @@ class Trainer:
         names, gathered = self.batch_loss.over_micro_batches(examples, "train", *sizes, backward=True)
         with torch.profiler.record_function("clip gradients"):  # named for python -m bench --profile
             grad_norm = clip_grad_norm(self.policy.parameters(), self.config.max_grad_norm)  # the same on every rank
-        host = torch.cat([gathered.flatten(), grad_norm.reshape(1).to(gathered)]).cpu().tolist()
-        metrics = {name: host[i * len(examples) : (i + 1) * len(examples)] for i, name in enumerate(names)}
-        metrics["grad_norm"] = [host[-1]]
+        metrics, finite = on_host(names, gathered, grad_norm, len(examples))
         metrics["lr"] = [self.scheduler.get_last_lr()[0]]  # the rate this step uses
-        finite = math.isfinite(host[-1]) and all(map(math.isfinite, metrics["loss/train"]))
-        metrics["nonfinite_steps"] = [0.0 if finite else 1.0]
         if finite:  # else the update would spoil the weights: it is skipped, and the run stops if that keeps happening
             self.objective.observe(metrics)
             self.optimizer.step()
@@ -148,8 +145,11 @@ class Trainer:
                 if time.time() - last_log >= c.minimum_log_interval_secs or stopping or boundary:
                     self.log.close_interval(*self.counters())
                     last_log = time.time()
-                if self.synced is not None and self.synced.due(self.batch_counter):
-                    self.move_reference()  # before this step's checkpoint, which holds the moved reference
+                if self.synced is not None and self.synced.due(self.batch_counter):  # TR-DPO's update of the
+                    self.synced.update()  # reference, before this step's checkpoint, which holds the moved one
+                    self.log.metrics({"reference/updates": self.synced.updates}, *self.counters())
+                    print(f"reference: update {self.synced.updates} after step {self.batch_counter}, alpha "
+                          f"{self.synced.alpha:g}")  # fmt: skip
                 if stopping:
                     self.log.check(self.topology, self.stopped)
                     self.checkpoint_now(wait=True)  # of the last finished step (an earlier one's failure stops here)
@@ -159,12 +159,6 @@ class Trainer:
     def live_reference(self) -> bool:
         """Whether a step runs the reference's forward pass (its FLOPs count in MFU)."""
         return self.batch_loss.reference is not None and self.batch_loss.reference.live
-
-    def move_reference(self) -> None:
-        """TR-DPO's update of the reference after this step (reference_sync.py), logged with the updates so far."""
-        self.synced.update()
-        self.log.metrics({"reference/updates": self.synced.updates}, *self.counters())
-        print(f"reference: update {self.synced.updates} after step {self.batch_counter}, alpha {self.synced.alpha:g}")
 
     def finish(self) -> None:
         """The run's end: a final eval, checkpoint (LATEST, with the export) and summary; a signal now lets it end.
@@ -214,30 +208,13 @@ class Trainer:
         return self.sampler.sample(self.policy, prompts, images, seeds, g.temperature, g.top_p)
 
     def use_cached_reference(self, data: Data, directory: Path, digest: str | None = None) -> str | None:
-        """The reference from here on: the log-probs, of data's pairs and eval batches, of the weights whose digest
-        is `digest` (None: the policy's now, which compute what the file in `directory` misses; given: a resume
-        inside a round, whose starting weights are gone, so the file must hold them all). Returns the digest (None
-        for a loss without a reference)."""
+        """The reference from here on: the cached log-probs of data's pairs and eval batches under the policy's
+        weights now, or under the weights of `digest` (a resume inside a round: references.round_reference); the
+        digest (None for a loss without a reference)."""
         if not self.objective.needs_reference:
             return None
-        resumed, digest = digest is not None, digest or reference_cache.weights_digest(self.policy, self.topology)
-        c = self.config
-        computation = reference_computation(c, self.precision, self.scorer, self.topology, 2, self.accumulation)
-        path = reference_cache.cache_path(directory, digest, computation)
-
-        def compute_with():
-            if resumed:  # the weights that started the round are gone: only their cached numbers would do
-                raise UserError(
-                    f"{path}, the reference log-probs of the round this checkpoint is in, is missing or was made "
-                    "otherwise; resume from the checkpoint that ends the round before"
-                )
-            return self.policy, self.precision.policy_compute
-
-        entries = fill_reference_cache(
-            self.config, self.accumulation, self.topology, data, self.objective, self.scorer, path, digest,
-            computation, compute_with,
-        )  # fmt: skip
-        self.batch_loss.reference = reference_cache.CachedReference(entries, self.topology.device)
+        parts = (self.config, self.accumulation, self.topology, data, self.objective, self.scorer, self.precision)
+        self.batch_loss.reference, digest = round_reference(*parts, self.policy, directory, digest)
         return digest
 
     def evaluate(self) -> dict[str, float]:
@@ -258,6 +235,17 @@ class Trainer:
     def stopped(self, error: UserError) -> UserError:
         """A write failure's line, with where the run stopped, what is safe and how to go on."""
         return self.checkpoints.stopped(error, self.example_counter)
+
+
+def on_host(names: list[str], gathered: torch.Tensor, grad_norm: torch.Tensor, n: int) -> tuple[dict, bool]:
+    """A step's metrics ([names, n] gathered on the device) and gradient norm, brought to the host in one transfer;
+    whether the loss and the norm are finite (nonfinite_steps counts a step that is not)."""
+    host = torch.cat([gathered.flatten(), grad_norm.reshape(1).to(gathered)]).cpu().tolist()
+    metrics = {name: host[i * n : (i + 1) * n] for i, name in enumerate(names)}
+    metrics["grad_norm"] = [host[-1]]
+    finite = math.isfinite(host[-1]) and all(map(math.isfinite, metrics["loss/train"]))
+    metrics["nonfinite_steps"] = [0.0 if finite else 1.0]
+    return metrics, finite
 
 
 class Evals:

@@ -14,7 +14,7 @@ import torch
 from core.attention import model_class
 from core.heads import sequence_logps
 from core.layouts import pad
-from core.probes import PROBE_EXAMPLES, exact_float32, probe_tolerance
+from core.probes import PROBE_EXAMPLES, exact_float32, probe_tolerance, probes_dtype
 from utils import first_line
 
 # Liger's kernels taken, by the keyword its per-family functions name them; the losses stay off
@@ -89,3 +89,10 @@ def restore(saved: tuple) -> None:
             module.forward = forward
     for key, value in names.items():
         setattr(family, key, value)
+
+
+def liger_line(model: torch.nn.Module, compute, topology, autocast: bool, label: str) -> str:
+    """Liger-Kernel's kernels in a placed model (apply_liger, probed as the scorer's probes run it, rank 0
+    deciding for every rank); the line that says what was taken, after `label`."""
+    dtype = probes_dtype(model, compute, autocast)
+    return apply_liger(model, dtype, topology.device, topology.broadcast, label)

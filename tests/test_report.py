@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 import build
 import config as configuration
+import references
 import train
 from conftest import (
     TINY_DIR,
@@ -80,7 +81,7 @@ def test_the_estimate_and_the_run_read_reference_dtype_alike(make_config, tiny_t
     assert next(parts.reference_model.parameters()).dtype == weights and parts.precision.reference_compute is None
     examples = eight_examples(tiny_tokenizer, "q", "a", "b")
     policy = build.meta_policy(config, parts.precision, Path(config.local_dirs[0]))
-    live = build.live_reference_model(config, needs_reference=True)
+    live = references.live_reference_model(config, needs_reference=True)
     work = Workload(config, policy, examples, [list(range(8))], parts.precision, live)
     assert memory_plan(work, config.trainer, (1, 1, 1), on_gpu=False).training["reference weights"] == held
 

@@ -3,6 +3,7 @@ no import cycle hides anywhere (a function-level import included), every module 
 classes and functions stay short enough to read whole."""
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -143,3 +144,38 @@ def test_no_class_is_longer_than_a_screenful_or_two():
 def test_no_function_is_longer_than_a_screenful():
     long = {name: n for name, n in lengths((ast.FunctionDef, ast.AsyncFunctionDef)).items() if n > LONGEST_FUNCTION}
     assert not long, long
+
+
+MAPPED = {"bench", "scripts"}  # folders the map names as a whole (bench/), or whose modules it lists apart
+MAP_ROW = re.compile(r"^\| `([\w/]+(?:\.py|/))`")  # a module map row: | `core/losses.py` | ... |
+
+
+def mapped_modules(text: str) -> set[str]:
+    """The module paths the first column of docs/architecture.md's module map names (`core/losses.py`, `bench/`)."""
+    section = text.split("## The module map", 1)[1].split("\n## ", 1)[0]
+    return {match.group(1) for line in section.splitlines() if (match := MAP_ROW.match(line))}
+
+
+def map_problems(text: str, code: set[str]) -> list[str]:
+    """What the module map of `text` gets wrong about the modules at the paths `code`: a module it does not name (in
+    MAPPED's folders, only those it names one by one are looked for), a module or folder it names that is gone."""
+    mapped = mapped_modules(text)
+    named = {path for path in code if path.split("/")[0] not in MAPPED or path in mapped}
+    exists = lambda path: path in code or path.endswith("/") and any(c.startswith(path) for c in code)  # noqa: E731
+    return [f"does not name {path}" for path in sorted(named - mapped)] + [
+        f"names {path}, which does not exist" for path in sorted(mapped) if not exists(path)
+    ]
+
+
+def test_the_module_map_names_every_module_and_only_modules_that_exist():
+    code = {str(path.relative_to(REPO_ROOT)) for path in MODULES.values() if path.name != "__init__.py"}
+    problems = map_problems((REPO_ROOT / "docs" / "architecture.md").read_text(), code)
+    assert not problems, f"docs/architecture.md's module map {'; '.join(problems)}"
+
+
+def test_the_map_check_finds_a_module_missing_and_one_gone():
+    rows = ["| `core/losses.py` | x |", "| `core/gone.py` | y |", "| `bench/` | z |"]
+    text = "\n".join(["## The module map", "", "| module | owns |", "| --- | --- |", *rows, "", "## Next"])
+    code = {"core/losses.py", "core/new.py", "bench/gpu.py", "bench/trl.py"}
+    assert map_problems(text, code) == ["does not name core/new.py", "names core/gone.py, which does not exist"]
+    assert map_problems(text.replace("core/gone.py", "core/new.py"), code) == []
