@@ -41,6 +41,7 @@ from modeling.distributed import (
     leave_process_group,
     reported_errors,
 )
+from modeling.precision import choose_compute_dtype
 from pairs.chat_templates import template_kwargs_problem
 from persistence.tokenized import Tokenization, first_of_each_group, load_examples
 from reporting import evaluation_report, sweep_report
@@ -180,10 +181,16 @@ def held_out_prompts(config: DictConfig, data: DataSettings, tokenizer, cache_di
     return held_out.take(range(min(config.n_prompts, len(held_out))))
 
 
-def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+def compute_dtype(name: str, topology: Topology, cache_dir: Path) -> torch.dtype:
+    """The models' dtype: float32 or bfloat16 as given; auto as training's model.fsdp_policy_mp=auto decides it
+    (modeling.precision.choose_compute_dtype: bfloat16 on a GPU that runs it natively, and on a CPU whose measured
+    bfloat16 matmuls are fast enough (AVX512-BF16, AMX); else float32), decided on rank 0 for every rank and said in
+    one line, as training says it."""
+    if name != "auto":
+        return getattr(torch, name)
+    dtype, why = topology.broadcast(topology.run_on_main(lambda: choose_compute_dtype(topology.device, cache_dir)))
+    print(f"precision: {'bfloat16' if dtype else 'float32'}, because {why} (dtype=auto; dtype=float32 for float32)")
+    return dtype or torch.float32
 
 
 class CompletionStore:
@@ -194,8 +201,8 @@ class CompletionStore:
     def __init__(self, config: DictConfig, topology: Topology, tokenizer, prompts: list[dict]):
         self.config, self.topology, self.prompts = config, topology, prompts
         self.sampler = Sampler(tokenizer, topology, config.max_new_tokens, config.batch_size)
-        self.dtype = compute_dtype(config.dtype, topology.device)
         self.cache_dir = get_local_dir(config.local_dirs)
+        self.dtype = compute_dtype(config.dtype, topology, self.cache_dir)
         s = config.samples_per_prompt
         self.prompt_ids = [ex["prompt"] for ex in prompts for _ in range(s)]
         self.images = [ex.get("images", b"") for ex in prompts for _ in range(s)]
@@ -217,14 +224,16 @@ class CompletionStore:
 
     def sample(self, model, name: str, side: str, kl: bool) -> None:
         """The model's completions as `side` (candidate or baseline) at every temperature, drawn together (rows of
-        one prompt share its prefill) and, with kl, their log-probs under it, summed as they are drawn."""
+        one prompt share its prefill) and, with kl, their log-probs under it: in float32 summed as they are drawn;
+        in bfloat16 scored after sampling, as the reference's are (`score`), so that the KL's two terms come from one
+        computation (a decode step's bfloat16 rounding is not the scoring pass's) and a model against itself is at 0."""
         temperatures, n = list(self.config.temperatures), len(self.prompt_ids)
         seeds = {t: self.seeds(side, t) for t in temperatures}
         order = [(t, i) for i in range(n) for t in temperatures]  # prompt-major: a prompt's rows in one batch
         rows = ([self.prompt_ids[i] for _, i in order], [self.images[i] for _, i in order],
                 [seeds[t][i] for t, i in order], [t for t, _ in order])  # fmt: skip
         start = time.time()
-        if kl:
+        if kl and self.dtype == torch.float32:
             drawn, logps = self.sampler.sample_scored(model, *rows)
             self.own_logps[name] = {t: [None] * n for t in temperatures}
             for (t, i), logp in zip(order, logps):
@@ -236,6 +245,8 @@ class CompletionStore:
         self.completions[side, name] = {t: [None] * n for t in temperatures}
         for (t, i), completion in zip(order, drawn):
             self.completions[side, name][t][i] = completion
+        if kl and self.dtype != torch.float32:
+            self.own_logps[name] = self.score(model, self.completions[side, name])
 
     def score(self, model, completions: dict[float, list[list[int]]]) -> dict[float, list[float]]:
         """Each completion's log-prob under `model` at its temperature: every temperature's together, so that a

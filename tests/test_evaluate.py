@@ -42,7 +42,7 @@ from modeling.distributed import Topology
 from modeling.tokenizers import load_tokenizer
 from modeling.vision import pack_images, vision_tower
 from reporting.data_report import length_bias
-from trained import kind, model_settings
+from trained import kind, load_trained, model_settings
 from utils import UserError
 
 TORCHRUN = (str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2")
@@ -100,6 +100,28 @@ def test_a_model_against_itself_wins_half_within_its_interval_at_no_kl(models, t
         assert line["candidate_reward"] == ours and line["baseline_reward"] == theirs
         assert line["outcome"] == (ours > theirs) - (ours < theirs)
     assert (tmp_path / "out" / "winrate.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("auto", [False, True])
+def test_in_bfloat16_a_model_against_itself_is_at_a_kl_of_0_and_auto_takes_the_probes_choice(
+    models, tmp_path, monkeypatch, capsys, auto
+):
+    # dtype=auto as training decides it: here the probe's choice is forced to bfloat16. The KL's two terms are one
+    # computation in bfloat16 (both scored after sampling): against itself, exactly 0.
+    two_layers, _, pairs = models
+    chosen = (torch.bfloat16, "the probe measured it fast")
+    monkeypatch.setattr(evaluate, "choose_compute_dtype", lambda device, cache_dir: chosen)
+    loaded = []
+    monkeypatch.setattr(evaluate, "load_trained", lambda *args: loaded.append(args[2]) or load_trained(*args))
+    summary, _ = run_evaluation(
+        tmp_path, pairs, f"candidates=[{two_layers}]", f"baseline={two_layers}", f"judge={LOWERCASE}",
+        "n_prompts=6", "temperatures=[0.5,1.0]", f"dtype={'auto' if auto else 'bfloat16'}",
+    )  # fmt: skip
+    assert loaded == [torch.bfloat16] * 2
+    said = "precision: bfloat16, because the probe measured it fast (dtype=auto; dtype=float32 for float32)"
+    assert (said in capsys.readouterr().out) == auto
+    for result in summary["results"][str(two_layers)].values():
+        assert result["kl"] == {"value": 0.0, "low": 0.0, "high": 0.0}
 
 
 def test_a_judge_that_prefers_the_candidate_by_construction_gives_it_every_win(models, tmp_path):
