@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--generate", action="store_true", help="evaluate.py's sampling against plain generate and the bound"
     )
     parser.add_argument(
+        "--vllm", metavar="PYTHON", help="--generate: in float32 and bfloat16, against vLLM run by PYTHON (its venv)"
+    )
+    parser.add_argument(
         "--smoke",
         action="store_true",
         help="--gpu, --data, --scale, --reward, --vision, --async-save, --long or --generate at tiny sizes",
@@ -117,7 +120,7 @@ def run(args: argparse.Namespace) -> None:
     if args.vision:
         return vision.bench_vision(args.warmup, args.steps, args.smoke, args.rounds or 2)
     if args.generate:
-        return generate.bench_generate(args.smoke, args.versus, args.rounds or 1)
+        return generate.bench_generate(args.smoke, args.versus, args.rounds or 1, args.vllm)
     if args.versus:
         return versus.bench_versus(args.versus, args.warmup, args.steps, args.rounds or 2)
     if args.profile is not None:

