@@ -12,6 +12,7 @@ CPU, docs/configuration.md#optional-packages) on the same prompt ids, temperatur
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,11 +48,14 @@ def run_worker(root: Path, result_file: str, **kwargs) -> dict:
 
 
 def run_vllm(python: str, result_file: str, **settings) -> dict:
-    """vllm_worker.py run by `python` (vLLM's environment) in a fresh process; its result."""
+    """vllm_worker.py run by `python` (vLLM's environment) in a fresh process, from a copy beside result_file: run
+    from bench/, its directory would come first on sys.path, and bench/profile.py would stand for the standard
+    library's profile module that torch imports."""
     settings_file = Path(result_file).with_suffix(".settings.json")
     settings_file.write_text(json.dumps({**settings, "result_file": result_file}))
+    worker = Path(shutil.copy(VLLM_WORKER, Path(result_file).parent / VLLM_WORKER.name))
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
-    subprocess.run([python, str(VLLM_WORKER), str(settings_file)], check=True, stdout=subprocess.DEVNULL, env=env)
+    subprocess.run([python, str(worker), str(settings_file)], check=True, stdout=subprocess.DEVNULL, env=env)
     return json.loads(Path(result_file).read_text())
 
 

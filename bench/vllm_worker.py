@@ -17,7 +17,10 @@ def vllm_worker(settings_file: str) -> None:
     settings = json.loads(Path(settings_file).read_text())
     prompts = json.loads(Path(settings["prompts_file"]).read_text())
     longest = max(map(len, prompts)) + settings["max_new_tokens"]
-    engine = vllm.LLM(model=settings["model_dir"], dtype=settings["dtype"], seed=0, max_model_len=longest)
+    # gpu_memory_utilization is, on a CPU, the share of host memory vLLM reserves (its KV cache): a quarter holds
+    # these rows many times over, and leaves the rest to the machine
+    engine = vllm.LLM(model=settings["model_dir"], dtype=settings["dtype"], seed=0, max_model_len=longest,
+                      gpu_memory_utilization=0.25)  # fmt: skip
     rows = [(ids, t) for ids in prompts for t in settings["temperatures"]]  # prompt-major, as evaluate.py's
     inputs = [TokensPrompt(prompt_token_ids=ids) for ids, _ in rows]
     params = [
