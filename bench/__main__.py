@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--rounds",
         type=int,
-        help="--versus, --vision, --async-save: rounds of the configurations alternating (default 2; --generate 1)",
+        help="--versus, --vllm, --vision, --async-save: rounds of the configurations alternating (default 2; "
+        "--generate 1)",
     )
     parser.add_argument(
         "--profile", nargs="*", metavar="KEY=VALUE", help="where a training step's time goes (train.py overrides)"
@@ -133,9 +134,10 @@ def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.rounds is not None and (not (args.versus or args.vision or args.async_save) or args.rounds < 1):
+    alternating = args.versus or args.vllm or args.vision or args.async_save
+    if args.rounds is not None and (not alternating or args.rounds < 1):
         parser.error(
-            f"--rounds {args.rounds}: a number of rounds of at least 1, and only with --versus, --vision or "
+            f"--rounds {args.rounds}: a number of rounds of at least 1, and only with --versus, --vllm, --vision or "
             "--async-save"
         )
     run(args)
