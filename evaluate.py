@@ -316,7 +316,9 @@ def judge_all(config: DictConfig, store: CompletionStore, tokenizer, device, max
     """(rank 0) Each candidate against the baseline at each temperature, judged (a reward model reads max_length
     tokens): {candidate: {temperature: summary}} and every judged pair as a line of samples.jsonl."""
     cache_dir = get_local_dir(config.local_dirs)
-    judge = load_judge(config.judge, config.judge_template, device, config.batch_size, max_length, cache_dir)
+    judge = load_judge(
+        config.judge, config.judge_template, device, config.batch_size, max_length, cache_dir, store.dtype
+    )
     prompt_texts = [tokenizer.decode(ids) for ids in store.prompt_ids]  # as the policy read it
     baseline = config.baseline
     decode = lambda batch: tokenizer.batch_decode(batch, skip_special_tokens=True)  # noqa: E731

@@ -113,14 +113,17 @@ class PairwiseJudge:
 
     kind = "pairwise"
 
-    def __init__(self, directory: Path, template: Path | None, device: torch.device, batch_size: int):
+    def __init__(
+        self, directory: Path, template: Path | None, device: torch.device, batch_size: int,
+        dtype: torch.dtype = torch.float32,
+    ):  # fmt: skip
         from transformers import AutoModelForCausalLM, AutoTokenizer  # on use: the auto classes cost ~0.7 s to import
 
         self.setting = f"judge={directory}"
         self.template = read_template(template or DEFAULT_TEMPLATE)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(directory)
-            model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
         except (OSError, ValueError, RuntimeError) as error:
             raise UserError(f"{self.setting}: cannot load a causal language model ({first_line(error)})") from None
         self.model, self.device, self.batch_size = model.to(device).eval(), device, batch_size
@@ -205,17 +208,21 @@ def check_judge(spec: str, template: str | None) -> None:
         read_template(Path(template))
 
 
-def load_judge(spec: str, template: str | None, device, batch_size: int, max_length: int, cache_dir: Path):
+def load_judge(
+    spec: str, template: str | None, device, batch_size: int, max_length: int, cache_dir: Path,
+    dtype: torch.dtype = torch.float32,
+):  # fmt: skip
     """The judge judge=`spec` names: a function (module:function) or a reward model (RewardJudge), or a causal LM
     (PairwiseJudge, asking in the words of `template`); a model from its directory, or a Hub name from the Hub (the
-    copy an earlier run downloaded, offline; modeling.model_dirs.resolve_model_dir)."""
+    copy an earlier run downloaded, offline; modeling.model_dirs.resolve_model_dir), loaded in `dtype` (evaluate.py's:
+    the evaluation's; a verdict is read from float32 logits either way)."""
     if not Path(spec).is_dir() and not HUB_NAME.match(spec):
         if template is not None:
             raise UserError(f"judge_template={template} is for an LLM judge; judge={spec} is a function")
         return RewardJudge(load_reward(spec, device, batch_size, max_length, "judge"))
     source = resolve_model_dir(spec, cache_dir)
     if not is_reward_model_dir(source):
-        return PairwiseJudge(Path(source), Path(template) if template else None, device, batch_size)
+        return PairwiseJudge(Path(source), Path(template) if template else None, device, batch_size, dtype)
     if template is not None:
         raise UserError(f"judge_template={template} is for an LLM judge; judge={spec} is a reward model")
-    return RewardJudge(ModelReward(Path(source), device, batch_size, max_length, "judge"))
+    return RewardJudge(ModelReward(Path(source), device, batch_size, max_length, "judge", dtype))

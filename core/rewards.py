@@ -103,7 +103,10 @@ class ModelReward:
     sees each prompt's images as training shows them: the prompt's text holds each image's tokens as the policy's
     processor expanded them, and is kept whole (the completion's end kept within what it leaves of max_length)."""
 
-    def __init__(self, directory: Path, device: torch.device, batch_size: int, max_length: int, key="rounds.reward"):
+    def __init__(
+        self, directory: Path, device: torch.device, batch_size: int, max_length: int, key="rounds.reward",
+        dtype: torch.dtype = torch.float32,
+    ):  # fmt: skip
         # on use: the auto classes cost ~0.7 s of every start to import
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoProcessor, AutoTokenizer
 
@@ -113,7 +116,7 @@ class ModelReward:
             if config.num_labels != 1:
                 raise UserError(f"{self.setting} has {config.num_labels} outputs; a reward model has one")
             self.tokenizer = AutoTokenizer.from_pretrained(directory)
-            model = AutoModelForSequenceClassification.from_pretrained(directory, dtype=torch.float32)
+            model = AutoModelForSequenceClassification.from_pretrained(directory, dtype=dtype)
             processor = AutoProcessor.from_pretrained(directory) if reads_images(str(directory)) else None
         except (OSError, ValueError, RuntimeError) as error:
             raise UserError(

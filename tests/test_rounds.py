@@ -323,3 +323,22 @@ def test_a_resume_inside_a_round_whose_files_are_gone_is_one_line(make_config, t
         with pytest.raises(UserError, match=message + r".*resume from the checkpoint that ends the round before"):
             train.run(make_config(f"local_run_dir={resumed}", "resume_from=auto", *common))
         assert (resumed / f"step-{inside}" / "checkpoint.json").exists()  # nothing written was lost
+
+
+def test_a_judges_reward_model_reads_in_the_evaluations_dtype(reward_model_dir):
+    # evaluate.py loads its judge in the evaluation's dtype (bfloat16 where dtype=auto chooses it): the rewards are
+    # the float32 model's to bfloat16's rounding
+    from core.judges import load_judge
+
+    cpu, dtypes = torch.device("cpu"), (torch.float32, torch.bfloat16)
+    judge = {
+        dtype: load_judge(str(reward_model_dir), None, cpu, 3, 64, reward_model_dir.parent, dtype) for dtype in dtypes
+    }
+    assert [next(judge[dtype].reward.model.parameters()).dtype for dtype in dtypes] == list(dtypes)
+    prompts = ["Q: 2 + 3?\nA:", "Q: 1 + 1?\nA:", "Hi"]
+    rewards = {
+        dtype: judge[dtype].judge(prompts, [" 5", " 2", " there"], [" 6", " 9", " you"]).rewards for dtype in dtypes
+    }
+    exact, rounded = (torch.tensor(rewards[dtype]) for dtype in dtypes)
+    assert not torch.equal(exact, rounded)
+    torch.testing.assert_close(rounded, exact, rtol=0.05, atol=0.02)
