@@ -166,7 +166,10 @@ def generate_worker(result_file: str, model_dir: str, judge_dir: str, prompts_fi
         logps = time_logps(sampler, model, prompts, completions)
     result["logps"] = {"seconds": time.perf_counter() - start, "values": logps, "while drawing": own}
     del model
-    judge = RewardJudge(ModelReward(Path(judge_dir), topology.device, batch, 512, "judge"))
+    # the judge in the evaluation's dtype where the version takes one (float32 before, as its evaluate.py's)
+    takes = "dtype" in inspect.signature(ModelReward).parameters
+    judge = RewardJudge(ModelReward(Path(judge_dir), topology.device, batch, 512, "judge",
+                                    **({"dtype": getattr(torch, dtype)} if takes else {})))  # fmt: skip
     texts = [tokenizer.decode(ids) for ids in prompts]
     start, rewards = time.perf_counter(), []
     decode = lambda rows: tokenizer.batch_decode(rows, skip_special_tokens=True)  # noqa: E731
