@@ -45,7 +45,7 @@ from modeling.precision import choose_compute_dtype
 from pairs.chat_templates import template_kwargs_problem
 from persistence.tokenized import Tokenization, first_of_each_group, load_examples
 from reporting import evaluation_report, sweep_report
-from trained import kind, load_trained, run_config, run_reference, trained_tokenizer
+from trained import kind, load_trained, reference_differs, run_config, run_reference, runs_reference, trained_tokenizer
 from utils import (
     POSITIVE,
     Range,
@@ -58,8 +58,6 @@ from utils import (
 )
 
 CHOSEN = "chosen"  # baseline=chosen: the dataset's chosen responses
-# what a run's reference is made of: the runs of a sweep's frontier must share it (seed: a random initialisation's)
-REFERENCE_KEYS = ("model.name_or_path", "model.archive", "model.random_init")
 
 
 @dataclass
@@ -349,7 +347,7 @@ def judge_all(config: DictConfig, store: CompletionStore, tokenizer, device, max
 def sweep_jobs(config: DictConfig) -> dict[str, dict]:
     """The candidates with each sweep directory, run directory or glob replaced by the final checkpoints (LATEST)
     of its finished runs (in config.candidates); the keys that set a sweep's or a glob's runs apart, by candidate ({}
-    without either), for the frontier, whose runs must share one reference (REFERENCE_KEYS). What a glob matches
+    without either), for the frontier, whose runs must share one reference (trained.REFERENCE_KEYS). What a glob matches
     that holds no run or model (a sweep's multirun.yaml, its summary) is left out, with a line."""
     candidates, runs = [], {}
     for i, spec in enumerate(config.candidates):
@@ -405,24 +403,6 @@ def check_same_reference(runs: dict[str, dict]) -> None:
                 f"candidates: {name} was trained against another reference than {first} ({differ}="
                 f"{other.get(differ)}, not {settings.get(differ)}); a frontier needs one: evaluate them apart"
             )
-
-
-def reference_differs(settings: dict, other: dict) -> str | None:
-    """The first setting (flat key) that makes two runs' references differ, or None: they share one."""
-    keys = [*REFERENCE_KEYS, *(("seed",) if settings.get("model.random_init") else ())]
-    return next((key for key in keys if other.get(key) != settings.get(key)), None)
-
-
-def runs_reference(config: DictConfig) -> DictConfig | None:
-    """With reference=null, the config of the first candidate's run where every candidate is a checkpoint of a run
-    (its config.yaml beside it) and all those runs were trained against one reference: the KL's reference is then
-    theirs. None otherwise."""
-    paths = [Path(spec) for spec in config.candidates]
-    if config.reference is not None or not all((path.parent / "config.yaml").exists() for path in paths):
-        return None
-    runs = [run_config(path) for path in paths]
-    flat = [sweep_report.flat(OmegaConf.to_container(run, resolve=True)) for run in runs]
-    return runs[0] if all(reference_differs(flat[0], other) is None for other in flat) else None
 
 
 def reference_line(config: DictConfig, run: DictConfig | None) -> str:

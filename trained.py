@@ -23,9 +23,12 @@ from modeling.tokenizers import load_tokenizer
 from persistence import checkpoint
 from persistence.checkpoint_loading import is_legacy
 from persistence.checkpoint_parts import ModelWeights
+from reporting import sweep_report
 from utils import UserError, first_line, get_local_dir
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's
+# what a run's reference is made of: the runs of a sweep's frontier must share it (seed: a random initialisation's)
+REFERENCE_KEYS = ("model.name_or_path", "model.archive", "model.random_init")
 
 
 def run_config(checkpoint_dir: Path) -> DictConfig:
@@ -151,3 +154,21 @@ def trained_tokenizer(spec: str, cache_dir: Path):
         return load_tokenizer(run_config(Path(spec)).model, cache_dir)
     source = adapter_base(Path(spec)) if saved_as == "adapter" else spec
     return load_tokenizer(model_settings(source, torch.float32), cache_dir)
+
+
+def reference_differs(settings: dict, other: dict) -> str | None:
+    """The first setting (flat key) that makes two runs' references differ, or None: they share one."""
+    keys = [*REFERENCE_KEYS, *(("seed",) if settings.get("model.random_init") else ())]
+    return next((key for key in keys if other.get(key) != settings.get(key)), None)
+
+
+def runs_reference(config: DictConfig) -> DictConfig | None:
+    """With evaluate.py's reference=null, the config of the first candidate's run where every candidate is a
+    checkpoint of a run (its config.yaml beside it) and all those runs were trained against one reference: the KL's
+    reference is then theirs. None otherwise."""
+    paths = [Path(spec) for spec in config.candidates]
+    if config.reference is not None or not all((path.parent / "config.yaml").exists() for path in paths):
+        return None
+    runs = [run_config(path) for path in paths]
+    flat = [sweep_report.flat(OmegaConf.to_container(run, resolve=True)) for run in runs]
+    return runs[0] if all(reference_differs(flat[0], other) is None for other in flat) else None

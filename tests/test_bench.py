@@ -151,7 +151,9 @@ def test_rounds_is_refused_without_versus_or_below_one(capsys):
             main(flags)
         assert exit.value.code == 2, flags
         stderr = capsys.readouterr().err
-        assert stderr.splitlines()[-1].endswith("at least 1, and only with --versus, --vision or --async-save"), stderr
+        assert stderr.splitlines()[-1].endswith(
+            "at least 1, and only with --versus, --vllm, --vision or --async-save"
+        ), stderr
 
 
 @pytest.mark.slow

@@ -61,9 +61,12 @@ def models(tmp_path_factory):
 
 
 def evaluation_args(tmp_path: Path, pairs: Path, *overrides: str) -> list[str]:
+    """An evaluation's command line, in float32 (the values the tests compare are float32's; dtype=auto would be
+    bfloat16 on a CPU with fast bfloat16 matmuls); the overrides last, so that they win."""
     return [
-        f"datasets=[{pairs}]", "n_eval_examples=20", "n_prompts=8", "max_new_tokens=6", "wandb.enabled=false",
-        f"output_dir={tmp_path / 'out'}", f"local_dirs=[{tmp_path}]", "bootstrap_resamples=500", "plots=false",
+        "dtype=float32", f"datasets=[{pairs}]", "n_eval_examples=20", "n_prompts=8", "max_new_tokens=6",
+        "wandb.enabled=false", f"output_dir={tmp_path / 'out'}", f"local_dirs=[{tmp_path}]", "bootstrap_resamples=500",
+        "plots=false",
         *overrides,
     ]  # fmt: skip
 

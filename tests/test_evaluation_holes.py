@@ -37,7 +37,8 @@ def model(tmp_path_factory):
 
 def evaluation(tmp_path, model, data, *overrides) -> list[str]:
     return [
-        f"candidates=[{model}]", f"datasets=[{data}]", f"judge={JUDGE}", "n_eval_examples=8", "max_new_tokens=3",
+        "dtype=float32", f"candidates=[{model}]", f"datasets=[{data}]", f"judge={JUDGE}", "n_eval_examples=8",
+        "max_new_tokens=3",
         "temperatures=[1.0]", "wandb.enabled=false", "plots=false", f"output_dir={tmp_path / 'out'}",
         f"local_dirs=[{tmp_path}]", "bootstrap_resamples=100", *overrides,
     ]  # fmt: skip
