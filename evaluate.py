@@ -365,9 +365,9 @@ def sweep_jobs(config: DictConfig) -> dict[str, dict]:
             if problem:
                 raise UserError(f"candidates[{i}]={spec} {problem}")
             for job in found:
-                if job.finished() and (job.directory / "LATEST").is_dir():
-                    settings = job.settings()
-                    runs[str(job.directory / "LATEST")] = settings if glob.has_magic(spec) or job.overrides else None
+                if job.finished() and (job.directory / "LATEST").is_dir():  # a sweep's or a glob's runs: labelled
+                    labelled = glob.has_magic(spec) or job.overrides
+                    runs[str(job.directory / "LATEST")] = job.settings() if labelled else None
                 else:
                     print(f"candidates: {job.directory} left out ({job.status}: no final checkpoint)")
             candidates += [str(job.directory / "LATEST") for job in found if str(job.directory / "LATEST") in runs]

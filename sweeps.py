@@ -108,12 +108,12 @@ class Plan:
         base = configuration.composed(fixed)  # one line naming the key, as for a single run
         directory = Path(base.local_run_dir or get_local_run_dir(base.exp_name, list(base.local_dirs)))
         check_directory(base, directory)
-        create_directory(directory)
         if base.resume_from == "auto" and any(arg.startswith("hydra/sweeper=") for arg in hydra_args):
             raise UserError(
                 "resume_from=auto continues a sweep whose jobs are fixed before it starts (the basic sweeper's "
                 "grid); another sweeper chooses them as it goes: start a new sweep in another local_run_dir"
             )
+        create_directory(directory)  # once the command line is known to start a sweep there
         ours = [f"hydra.sweep.dir={hydra_quoted(str(directory))}"]
         for group in ("job_logging", "hydra_logging"):  # jobs print as single runs do, not through Hydra's logging
             if not any(arg.startswith(f"hydra/{group}=") for arg in hydra_args):

@@ -214,7 +214,8 @@ class Trainer:
         if not self.objective.needs_reference:
             return None
         parts = (self.config, self.accumulation, self.topology, data, self.objective, self.scorer, self.precision)
-        self.batch_loss.reference, digest = round_reference(*parts, self.policy, directory, digest)
+        reference, digest = round_reference(*parts, self.policy, directory, digest)
+        self.batch_loss.use_reference(reference)
         return digest
 
     def evaluate(self) -> dict[str, float]:

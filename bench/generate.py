@@ -105,16 +105,28 @@ def report(label: str, result: dict, bound: float) -> dict:
     return {"sampler": rate, "evaluation": whole}
 
 
+def workload(tmp: Path, smoke: bool) -> tuple[list[list[int]], dict]:
+    """The prompts (their ids, written to tmp/prompts.json) and the worker's settings every version is timed on: the
+    model (SmolLM2, or with smoke a random tiny Llama), a same-sized reward model as judge, the batch, new tokens and
+    temperatures."""
+    n, batch, new_tokens, temperatures = SIZES["smoke" if smoke else "full"]
+    model_dir = tiny_model_dir(tmp / "model") if smoke else smollm2_dir()
+    prompts = prompt_ids(model_dir, n, smoke)
+    prompts_file = tmp / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    settings = dict(model_dir=model_dir, judge_dir=judge_dir(model_dir, tmp / "judge"), prompts_file=str(prompts_file),
+                    batch=batch, max_new_tokens=new_tokens, temperatures=temperatures)  # fmt: skip
+    return prompts, settings
+
+
 def bench_generate(smoke: bool, ref: str | None, rounds: int, vllm: str | None = None) -> None:
     if vllm is not None:
         return bench_against_vllm(smoke, rounds, vllm)
     n, batch, new_tokens, temperatures = SIZES["smoke" if smoke else "full"]
     rounds = 1 if smoke else rounds
     with tempfile.TemporaryDirectory() as tmp, code_at(ref) if ref else contextlib.nullcontext() as old:
-        model_dir = tiny_model_dir(Path(tmp) / "model") if smoke else smollm2_dir()
-        prompts = prompt_ids(model_dir, n, smoke)
-        prompts_file = Path(tmp) / "prompts.json"
-        prompts_file.write_text(json.dumps(prompts))
+        prompts, settings = workload(Path(tmp), smoke)
+        model_dir = settings["model_dir"]
         rate = cpu_matmul_flops(REPO_ROOT / ".cache", again=not smoke)["float32"]  # the best rate seen here
         context = sum(map(len, prompts)) / len(prompts) + new_tokens / 2
         bound = rate / decode_flops_per_token(model_dir, round(context))
@@ -127,9 +139,6 @@ def bench_generate(smoke: bool, ref: str | None, rounds: int, vllm: str | None =
             f"{decode_flops_per_token(model_dir, round(context)) / 1e6:.1f} MFLOP a decode token = {bound:.0f} "
             f"tokens/s; {rounds} round(s), each version in a fresh process, alternating"
         )
-        settings = dict(model_dir=model_dir, judge_dir=judge_dir(model_dir, Path(tmp) / "judge"),
-                        prompts_file=str(prompts_file), batch=batch, max_new_tokens=new_tokens,
-                        temperatures=temperatures)  # fmt: skip
         versions = [(ref, old), ("this tree", REPO_ROOT)] if ref else [("this tree", REPO_ROOT)]
         totals = {label: {"sampler": [], "evaluation": []} for label, _ in versions}
         completions, values, own = {}, {}, []
@@ -177,10 +186,8 @@ def bench_against_vllm(smoke: bool, rounds: int, python: str) -> None:
     same prompt ids and settings, alternating fresh processes; tokens/s and the ratios."""
     n, batch, new_tokens, temperatures = SIZES["smoke" if smoke else "full"]
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = tiny_model_dir(Path(tmp) / "model") if smoke else smollm2_dir()
-        prompts = prompt_ids(model_dir, n, smoke)
-        prompts_file = Path(tmp) / "prompts.json"
-        prompts_file.write_text(json.dumps(prompts))
+        prompts, settings = workload(Path(tmp), smoke)
+        model_dir = settings["model_dir"]
         rates = cpu_matmul_flops(REPO_ROOT / ".cache", again=not smoke)
         print(
             f"CPU: {cpu_name()}, {os.cpu_count()} cores, flags {' '.join(cpu_flags()) or 'none'}; torch "
@@ -189,9 +196,6 @@ def bench_against_vllm(smoke: bool, rounds: int, python: str) -> None:
             f"{n} HH prompts (mean {sum(map(len, prompts)) / n:.0f} tokens) x {len(temperatures)} temperatures, "
             f"{new_tokens} new tokens, our batch {batch} prompts; vLLM ignores EOS; {rounds} round(s), alternating"
         )
-        settings = dict(model_dir=model_dir, judge_dir=judge_dir(model_dir, Path(tmp) / "judge"),
-                        prompts_file=str(prompts_file), batch=batch, max_new_tokens=new_tokens,
-                        temperatures=temperatures)  # fmt: skip
         ours = {dtype: {"sampler": [], "evaluation": []} for dtype in DTYPES}
         theirs = {dtype: [] for dtype in DTYPES}
         for _ in range(rounds):
@@ -202,7 +206,7 @@ def bench_against_vllm(smoke: bool, rounds: int, python: str) -> None:
                 for key, value in report(f"ours {dtype}", result, bound).items():
                     ours[dtype][key].append(value)
                 engine = run_vllm(python, str(Path(tmp) / "vllm.json"), model_dir=model_dir, dtype=dtype,
-                                  prompts_file=str(prompts_file), temperatures=temperatures,
+                                  prompts_file=settings["prompts_file"], temperatures=temperatures,
                                   max_new_tokens=new_tokens)  # fmt: skip
                 theirs[dtype].append(engine["tokens"] / engine["seconds"])
                 print(f"vLLM {engine['version']} {dtype}: {theirs[dtype][-1]:8.1f} tokens/s ({engine['tokens']} tokens "

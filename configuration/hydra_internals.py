@@ -42,8 +42,9 @@ def problem() -> str | None:
 
 def app(config_dir: str) -> "Hydra":
     """Hydra over `config_dir`, as @hydra.main would create it, without holding Hydra's global state."""
-    if problem():
-        raise UserError(problem())
+    moved = problem()
+    if moved:
+        raise UserError(moved)
     search_path = create_config_search_path(config_dir)
     return Hydra(task_name="train", config_loader=ConfigLoaderImpl(config_search_path=search_path))
 

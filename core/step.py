@@ -125,6 +125,10 @@ class BatchLoss:
         summed = self.topology.sum_over_dp(torch.cat([counts.choices, counts.tokens.reshape(1)]))
         return RouterCounts(summed[:-1], summed[-1])
 
+    def use_reference(self, reference) -> None:
+        """Read the reference's log-probs from `reference` from now on (a round's cached ones: rounds.py)."""
+        self.reference = reference
+
     def over_micro_batches(
         self, examples: list[dict], split: str, batch_size: int, accumulation: int, backward: bool = False
     ) -> tuple[list[str], torch.Tensor]:
