@@ -134,6 +134,8 @@ def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.vllm and (args.smoke or not args.generate):
+        parser.error("--vllm PYTHON goes with --generate on SmolLM2: vLLM's CPU attention takes no tiny model's heads")
     alternating = args.versus or args.vllm or args.vision or args.async_save
     if args.rounds is not None and (not alternating or args.rounds < 1):
         parser.error(

@@ -55,7 +55,11 @@ def run_vllm(python: str, result_file: str, **settings) -> dict:
     settings_file.write_text(json.dumps({**settings, "result_file": result_file}))
     worker = Path(shutil.copy(VLLM_WORKER, Path(result_file).parent / VLLM_WORKER.name))
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
-    subprocess.run([python, str(worker), str(settings_file)], check=True, stdout=subprocess.DEVNULL, env=env)
+    done = subprocess.run([python, str(worker), str(settings_file)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True, env=env)  # fmt: skip
+    if done.returncode != 0:
+        errors = [line.strip() for line in done.stderr.splitlines() if "Error" in line] or ["no error line"]
+        raise SystemExit(f"error: vLLM ({python}) failed on {settings['model_dir']}: {errors[-1]}")
     return json.loads(Path(result_file).read_text())
 
 

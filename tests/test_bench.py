@@ -275,3 +275,14 @@ def test_generate_smoke_times_the_sampler_plain_generate_and_every_part_of_an_ev
     assert len(shares) == 6 and abs(sum(shares) - 100) <= 3, split
     plain = next(line for line in lines if "plain generate(do_sample=True)" in line)
     assert float(plain.split()[2]) > 0, plain
+
+
+def test_vllm_is_refused_without_generate_or_with_smoke(capsys):
+    # vLLM's CPU attention takes no tiny model's head size (16): --vllm measures SmolLM2 with --generate only
+    from bench.__main__ import main
+
+    for flags in (["--vllm", "python3", "--generate", "--smoke"], ["--vllm", "python3", "--fsdp"]):
+        with pytest.raises(SystemExit) as exit:
+            main(flags)
+        assert exit.value.code == 2, flags
+        assert capsys.readouterr().err.splitlines()[-1].endswith("vLLM's CPU attention takes no tiny model's heads")
