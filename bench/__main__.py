@@ -48,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--budget", type=float, default=gpu.BUDGET, help="--gpu: seconds for all its stages (each has its own limit)"
     )
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="--gpu: run only the stages whose names contain TEXT (repeatable), e.g. '1024 x 64: packed, block'",
+    )
     parser.add_argument("--attention", action="store_true", help="dense vs block-mask attention bookkeeping")
     parser.add_argument("--data", action="store_true", help="data at scale: tokenizing, caching, mapping")
     parser.add_argument(
@@ -127,7 +134,7 @@ def run(args: argparse.Namespace) -> None:
     if args.profile is not None:
         return profile.bench_profile(args.profile, args.warmup, args.steps)
     if args.gpu:
-        return gpu.bench_gpu(args.smoke, args.out, args.budget)
+        return gpu.bench_gpu(args.smoke, args.out, args.budget, tuple(args.only))
     return kernels.bench_kernels(args.size, args.repeats)
 
 
@@ -136,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.vllm and (args.smoke or not args.generate):
         parser.error("--vllm PYTHON goes with --generate on SmolLM2: vLLM's CPU attention takes no tiny model's heads")
+    if args.only and not args.gpu:
+        parser.error("--only TEXT chooses among the stages of --gpu's campaign")
     alternating = args.versus or args.vllm or args.vision or args.async_save
     if args.rounds is not None and (not alternating or args.rounds < 1):
         parser.error(

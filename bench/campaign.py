@@ -47,10 +47,10 @@ def last_line(output: str) -> str:
 class Campaign:
     """The stages' record and the time left: run() starts a stage's process, record() writes its outcome."""
 
-    def __init__(self, out: Path, budget: float, header: dict, render: Callable[[dict], str]):
+    def __init__(self, out: Path, budget: float, header: dict, render: Callable[[dict], str], only=()):
         out.mkdir(parents=True, exist_ok=True)
-        self.out, self.deadline, self.render = out, time.monotonic() + budget, render
-        self.report = {"campaign": {**header, "budget_s": budget}, "stages": []}
+        self.out, self.deadline, self.render, self.only = out, time.monotonic() + budget, render, tuple(only)
+        self.report = {"campaign": {**header, "budget_s": budget, "only": list(only)}, "stages": []}
         (out / "campaign.log").write_text("")
         self.write()
 
@@ -72,7 +72,10 @@ class Campaign:
     def run(self, name: str, argv: list[str], limit: float, least: float = 10.0) -> tuple[str, float, str]:
         """(status, seconds, output) of argv run from the repository's root in a process group of its own, stopped
         (the whole group: pytest's and torchrun's children too) after `limit` seconds or at the budget's end; not
-        started where less than `least` seconds of the budget are left. Its output is appended to campaign.log."""
+        started where less than `least` seconds of the budget are left, nor where `only` names texts and the stage's
+        name holds none of them (a second, shorter call on a lease). Its output is appended to campaign.log."""
+        if self.only and not any(text in name for text in self.only):
+            return "skipped: not selected (--only)", 0.0, ""
         limit = min(limit, self.remaining())
         if limit < least:
             return f"skipped: out of budget ({max(0.0, self.remaining()):.0f} s left)", 0.0, ""
