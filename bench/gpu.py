@@ -191,6 +191,7 @@ def campaign_overrides(tmp: Path, model_dir: Path, data_file: Path, workload: tu
         f"max_prompt_length={max_length // 2}",
         f"batch_size={pairs}",
         f"eval_batch_size={pairs}",
+        f"eval_every={pairs * 20}",  # a multiple of every workload's batch (the default, 160, is not of 64)
         f"activation_checkpointing={str(checkpointing).lower()}",
         "wandb.enabled=false",
         "debug=true",
