@@ -74,7 +74,7 @@ OURS = {
 CONFIGURATIONS = ("packed, block mask (default)", "TRL", "TRL + Liger", "padded", "packed, dense mask")
 TABLE_ORDER = ("padded", "packed, dense mask", "packed, block mask (default)", "TRL", "TRL + Liger")
 # (limit in seconds on a GPU, in --smoke) of the cuda tests, each background-save run and the profile
-LIMITS = {"cuda tests": (200, 60), "background saves": (60, 60), "profile": (120, 60), "sampling": (60, 60)}
+LIMITS = {"cuda tests": (200, 60), "background saves": (90, 60), "profile": (120, 60), "sampling": (60, 60)}
 # The sampling stage's (prompts, temperatures, new tokens, the pairs' max_length its prompts are drawn for)
 SAMPLING = {"gpu": (16, [0.25, 0.5, 0.75, 1.0], 64, 1024), "smoke": (2, [0.5, 1.0], 4, 64)}
 # The campaign's default budget: a 15-minute lease less the machine's start, the wheels' install and the transfers

@@ -1,7 +1,7 @@
 """How a batch's attention reaches the model: a packed batch's masks (the dense [R, 1, T, T] boolean mask, made the
 additive float mask the model adds, or FlexAttention's BlockMask, which lists fully masked blocks as skipped), each
-layer type's span (a sliding window, attention chunks) read from the model's config, the attention implementation
-for a forward, and the keyword inputs the model is called with (a vision-language model's language model is handed
+layer type's span (a sliding window, attention chunks) read from the model's config, the attention implementation a
+block mask needs, and the keyword inputs the model is called with (a vision-language model's language model is handed
 its masks by layer type itself). Also model_class, the transformers model inside peft's wrapper, whose config and
 class every check reads.
 
@@ -15,6 +15,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from core.layouts import FULL_ATTENTION, AttentionSpan, ModelBatch, dense_mask, packed_mask_mod
+from modeling.mask_dispatch import follow_masks
 from modeling.vision import vision_tower
 
 ATTENTIONS = ("auto", "dense", "block")
@@ -80,22 +81,6 @@ def describe_spans(spans: dict[str, AttentionSpan]) -> str:
     return ", ".join(f"{layer_type} {span.describe()}" for layer_type, span in spans.items())
 
 
-@contextlib.contextmanager
-def attention_implementation(model: torch.nn.Module, name: str | None):
-    """transformers' attention implementation set to `name` for the forwards inside this block (None: unchanged).
-    The config's setter passes it on to sub-configs; every attention layer reads it at each forward."""
-    if name is None:
-        yield
-        return
-    config = model.config
-    previous = config._attn_implementation
-    config._attn_implementation = name
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous
-
-
 def model_class(model: torch.nn.Module):
     """The transformers model inside peft's wrapper, or the model itself."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -112,12 +97,21 @@ def model_inputs(batch: ModelBatch, mask_dtype: torch.dtype, attention: str, spa
     return inputs | (batch.image_inputs or {}), flex
 
 
+def language_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose config the language model's attention layers read (a vision-language model's decoder)."""
+    base = model_class(model)
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    return decoder if decoder is not None and hasattr(decoder, "config") else base
+
+
 def forward_context(model: torch.nn.Module, device: torch.device, autocast_dtype: torch.dtype | None, flex: bool):
-    """Autocast in `autocast_dtype` (None: none), and FlexAttention for a block mask."""
+    """Autocast in `autocast_dtype` (None: none); for a block mask, the language model's attention made to follow its
+    mask, for good (modeling.mask_dispatch: a recomputed forward runs outside this context)."""
+    if flex:
+        follow_masks(language_model(model))
     stack = contextlib.ExitStack()
     if autocast_dtype:
         stack.enter_context(torch.autocast(device.type, dtype=autocast_dtype))
-    stack.enter_context(attention_implementation(model, "flex_attention" if flex else None))
     return stack
 
 

@@ -17,6 +17,7 @@ from core.heads import head_logit_map, sequence_logps, sequence_rewards
 from core.image_inputs import with_image_inputs
 from core.layouts import ModelBatch, pack, pad, segment_lengths
 from core.logprobs import IDENTITY
+from modeling.mask_dispatch import own_implementation
 from modeling.vision import MARK_INPUTS, Vision, decode, pack_images, unpack_images
 from utils import first_line
 
@@ -208,7 +209,7 @@ def packing_problem(
     mask (one per layer type where they differ) and explicit position ids, which the probe checks numerically
     against the padded layout, both examples in one row, with the model's windows and chunks cut to PROBE_SPAN (a
     reward model's rewards: reward_eos, compare); a vision-language model (vision) with an image in a prompt."""
-    implementation = getattr(model.config, "_attn_implementation", None)
+    implementation = own_implementation(getattr(model.config, "_attn_implementation", None))
     if implementation not in ("sdpa", "eager"):
         return f"attention implementation {implementation!r} takes no 4-D mask (sdpa and eager do)"
     with probe_spans(model):

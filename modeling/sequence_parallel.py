@@ -16,7 +16,6 @@ sp times its slice's share; FSDP averages them over the dp x sp ranks, which lea
 slices, averaged over the dp groups: the one-process gradient (tested against it)."""
 
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,7 @@ import torch.distributed._functional_collectives as funcol
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
+from modeling.mask_dispatch import attention_for, own_implementation
 from utils import UserError
 
 # The attention implementations the wrapper runs inside (a block mask always runs FlexAttention's).
@@ -82,7 +82,7 @@ class SequenceGroup:
         checkpointing recomputes a block's forward during the backward pass, outside the scorer's forward. Where the
         mask is no longer than the queries (generation, the probes) the wrapper is the model's own attention."""
         config = model.config
-        current = config._attn_implementation
+        current = own_implementation(config._attn_implementation)  # it takes a BlockMask itself
         if current.startswith("sequence_parallel"):
             return
         if current not in INNER_IMPLEMENTATIONS:
@@ -93,17 +93,10 @@ class SequenceGroup:
         ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
         config._attn_implementation = name
 
-    def inner_function(self, module: torch.nn.Module, mask):
-        if mask is not None and not torch.is_tensor(mask):  # FlexAttention's BlockMask
-            return AttentionInterface._global_mapping["flex_attention"]
-        if self.inner == "eager":  # each model defines its own
-            return sys.modules[type(module).__module__].eager_attention_forward
-        return AttentionInterface._global_mapping[self.inner]
-
     def attention(self, module, query, key, value, attention_mask, **kwargs):
         """transformers' attention function signature: query [B, Hq, t, D], key and value [B, Hkv, t, D] of this
         rank's t tokens; the output [B, t, Hq, D]. The mask covers the whole row, T = size x t tokens."""
-        inner = self.inner_function(module, attention_mask)
+        inner = attention_for(module, attention_mask, self.inner)
         if attention_mask is None or attention_mask.shape[-2] == query.shape[2]:
             return inner(module, query, key, value, attention_mask, **kwargs)
         if attention_mask.shape[-2] != query.shape[2] * self.size:

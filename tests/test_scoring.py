@@ -4,12 +4,14 @@
 import pytest
 import torch
 import transformers
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from conftest import TINY_DIR, tiny_lm_config
-from core.attention import FLEX_BLOCK
+from core.attention import FLEX_BLOCK, additive_mask, block_mask, language_model
 from core.heads import sequence_logps
 from core.layouts import FULL_ATTENTION, dense_mask, pack, pad, segment_lengths
 from core.probes import block_attention_problem, packing_problem, scored_head_problem
+from modeling.mask_dispatch import follow_masks
 from pairs.formats import PreferencePair
 from persistence.tokenized import Tokenization, tokenize_pairs
 
@@ -213,7 +215,39 @@ def test_flex_attention_forward_equals_dense_and_padded_on_cpu(examples, scored_
     # kernel's sums a step or two apart where AVX512 ones happened to agree); a masking error is of order 1.
     torch.testing.assert_close(block, padded, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(block, dense, rtol=1e-6, atol=1e-5)
-    assert model.config._attn_implementation == "sdpa"  # FlexAttention for that forward only
+    # The model's attention now follows its mask for good: activation checkpointing recomputes a block's forward in
+    # the backward pass, outside the scorer's forward, with the same BlockMask (on the GPU, with FlexAttention
+    # switched on for the scorer's forward only, that recomputation reached sdpa and failed). Given the BlockMask with
+    # no context at all, the model takes FlexAttention; given a tensor mask, its own sdpa, as before.
+    assert model.config._attn_implementation == "block_masks_or_sdpa"
+    inputs = dict(input_ids=one_row.input_ids, position_ids=one_row.position_ids)
+    with torch.no_grad():
+        recomputed = model(**inputs, attention_mask=block_mask(one_row)).logits
+        with sdpa_kernel(SDPBackend.MATH):
+            plain = model(**inputs, attention_mask=additive_mask(dense_mask(one_row), torch.float32)).logits
+    real = one_row.segment_ids[0] >= 0  # the tail's padding sees nothing but itself, however the kernels treat it
+    torch.testing.assert_close(recomputed[:, real], plain[:, real], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3", "paligemma"])
+def test_following_block_masks_changes_the_language_model_alone(family):
+    # A vision tower keeps its attention (FlexAttention's GPU kernels take no head under 16 dimensions: the tiny
+    # towers' 8 failed on the H200), and PaliGemma's Gemma 2 keeps eager, which its attention soft cap needs (setting
+    # the composite config passes one name to every sub-config: sdpa there refused the soft cap).
+    from conftest import tiny_vlm
+
+    model, _ = tiny_vlm(family)
+    before = {
+        name: module.config._attn_implementation for name, module in model.named_modules() if name.endswith("attn")
+    }
+    follow_masks(language_model(model))
+    for name, module in model.named_modules():
+        if name.endswith("attn"):
+            expected = f"block_masks_or_{before[name]}" if ".language_model." in f".{name}" else before[name]
+            assert module.config._attn_implementation == expected, name
+    assert {before[name] for name in before if "language_model" in name} == {
+        "eager" if family == "paligemma" else "sdpa"
+    }
 
 
 def test_block_attention_probe_needs_cuda_and_declared_support():
