@@ -89,6 +89,33 @@ def test_a_campaign_stage_that_fails_or_runs_past_its_limit_is_recorded_and_the_
     assert "===== hangs: timed out after 2 s\nstarted" in (tmp_path / "campaign.log").read_text()
 
 
+def test_only_runs_the_stages_it_names_and_goes_with_gpu_alone(tmp_path, capsys):
+    # A lease's second call: only the named stages start; the others are recorded as not selected, never started
+    from bench.__main__ import main
+
+    campaign = Campaign(tmp_path, 30, {"device": "test"}, lambda report: "", only=("1024 x 64: padded",))
+    write = [sys.executable, "-c", f"open({str(tmp_path / 'ran')!r}, 'a').write('x')"]
+    assert campaign.run("1024 x 64: TRL", write, limit=20, least=1)[0] == "skipped: not selected (--only)"
+    assert not (tmp_path / "ran").exists()
+    assert campaign.run("1024 x 64: padded", write, limit=20, least=1)[0] == "ok"
+    assert (tmp_path / "ran").read_text() == "x"
+    with pytest.raises(SystemExit) as exit:
+        main(["--only", "padded", "--fsdp"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("--only TEXT chooses among the stages of --gpu's campaign")
+
+
+def test_every_configuration_of_every_gpu_workload_passes_the_single_runs_checks(tmp_path):
+    # The H200 found 1024 x 64 refused by the campaign's own config (eval_every=160 is no multiple of 64 pairs): a
+    # lease cannot afford a configuration the CPU could have checked
+    import config as configuration
+
+    data = tmp_path / "pairs.jsonl"
+    for workload in gpu.CAMPAIGN_WORKLOADS["gpu"]:
+        for extra in gpu.OURS.values():
+            configuration.load([*gpu.campaign_overrides(tmp_path, tmp_path / "model", data, workload), *extra])
+
+
 def test_test_outcomes_read_pytest_verbose_lines_with_and_without_xdist_and_the_summary():
     output = """[gw0] [ 33%] PASSED tests/test_liger.py::test_kernels
 tests/test_adapters.py::test_qlora SKIPPED (needs bitsandbytes)     [ 66%]
