@@ -11,7 +11,8 @@ reward-against-KL figure (Rafailov et al. 2023, Figures 2 and 3). Written to the
 samples.jsonl, winrate.png; a wandb table; and the results in each candidate's model card, where it has one.
 
 Under torchrun the prompts are shared out over the ranks and each model is sharded over them (FSDP) as training
-shards it; the result is the same as on one process. Config: config/evaluate.yaml (types and checks below)."""
+shards it, or with shard_models=false held whole by every rank (data parallel: no gathering of weights, our decode
+loop on every rank); the result is the same as on one process. Config: config/evaluate.yaml (types and checks below)."""
 
 import contextlib
 import glob
@@ -82,6 +83,7 @@ class EvaluateConfig:
     seed: int = ranged(Range(0, 2**32 - 1))
     batch_size: int = ranged(POSITIVE)
     dtype: str = MISSING
+    shard_models: bool = MISSING
     bootstrap_resamples: int = ranged(Range(100), expected="100 or more")
     output_dir: Optional[str] = MISSING
     local_dirs: list[str] = MISSING
@@ -474,7 +476,8 @@ def main(args: list[str]) -> None:
         init_process_group(timeout_secs=1800)
     try:
         with reported_errors():
-            evaluate(config, Topology.create("FSDPTrainer" if distributed else "BasicTrainer"), labels)
+            sharded = distributed and config.shard_models  # else every rank holds each model whole (data parallel)
+            evaluate(config, Topology.create("FSDPTrainer" if sharded else "BasicTrainer"), labels)
     finally:
         if distributed:
             leave_process_group()

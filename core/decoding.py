@@ -16,6 +16,7 @@ import inspect
 
 import torch
 import transformers
+from torch.distributed.tensor import DTensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -46,12 +47,19 @@ PROCESSOR_FIELDS = {
 }
 
 
-def own_loop_problem(model: torch.nn.Module, vision, world_size: int) -> str | None:
-    """Why the own decode loop cannot serve this model (the Sampler then keeps model.generate), or None."""
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether the model's weights are shared out over ranks (FSDP, tensor parallelism: DTensors), so that each of
+    its forward passes needs every rank."""
+    return any(isinstance(parameter, DTensor) for parameter in model.parameters())
+
+
+def own_loop_problem(model: torch.nn.Module, vision) -> str | None:
+    """Why the own decode loop cannot serve this model (the Sampler then keeps model.generate), or None. A model
+    whole on each of several ranks is served: each rank decodes its rows alone, finished rows leaving its batch."""
     if vision is not None:
         return "a vision-language model (its images enter through generate's inputs)"
-    if world_size > 1:
-        return "sharded over several ranks (generate's synced_gpus keeps every rank in step)"
+    if is_sharded(model):
+        return "sharded over the ranks (generate's synced_gpus keeps every rank in each forward pass)"
     config = getattr(model, "generation_config", None)
     for field, defaults in PROCESSOR_FIELDS.items():
         if getattr(config, field, None) not in defaults:

@@ -14,7 +14,7 @@ import torch
 import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from core.decoding import decode, own_loop_problem
+from core.decoding import decode, is_sharded, own_loop_problem
 from core.layouts import left_padded_prompts, to_device
 from core.prompt_groups import prompt_scorer, scores_by_prompt
 from core.seeded_draw import drawn_log_probs, probs_draw, seeded_draw, tempered_probs
@@ -50,6 +50,7 @@ class Sampler:
         self.tokenizer, self.topology = tokenizer, topology
         self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
         self.cut_said = False  # the line on prompts cut to the model's positions, said once
+        self.said: set[str] = set()  # the lines on which path samples (say_path), each said once
 
     def fitted(self, model, prompts: list[list[int]], completions: list[list[int]] | None = None) -> list[list[int]]:
         """The prompts cut to the room the model's positions leave before max_new_tokens (or a longer completion
@@ -112,7 +113,8 @@ class Sampler:
         images = images or [b""] * len(prompts)
         prompts = self.fitted(model, prompts)
         vision = getattr(self.tokenizer, "vision", None)
-        problem = own_loop_problem(model, vision, self.topology.world_size)
+        problem = own_loop_problem(model, vision)
+        self.say_path(problem)
 
         def batch(rows: list[int]) -> list[tuple]:
             if problem is None:
@@ -128,6 +130,16 @@ class Sampler:
 
         model.eval()
         return self.sharded(prompts, batch, by_prompt=problem is None)
+
+    def say_path(self, problem: str | None) -> None:
+        """One line, the first time each path serves: the own decode loop (on how many ranks) or generate, and why."""
+        ranks = f" on each of {self.topology.world_size} ranks" if self.topology.world_size > 1 else ""
+        line = f"sampling: our decode loop{ranks}"
+        if problem is not None:
+            line = f"sampling: transformers' generate: {problem}"
+        if line not in self.said and self.topology.is_main:
+            print(line)
+        self.said.add(line)
 
     def sharded(self, prompts: list, batch, by_prompt: bool = False) -> list:
         """batch(rows) (one result a row) over this rank's share of the rows, gathered in order: in batches of
@@ -200,7 +212,7 @@ class Sampler:
     ) -> list[list[int]]:
         """One batch of prompts decoded by transformers' generate: the new ids, ending with the EOS where a completion
         stopped; settings: generate's (do_sample, temperature, top_p, logits_processor). Every rank calls it with as
-        many prompts (synced_gpus: ranks done early join the sharded forward passes of the others)."""
+        many prompts (synced_gpus, for a sharded model: ranks done early join the forward passes of the others)."""
         pad_token_id, eos_token_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         prompts = self.fitted(model, prompts)
         prompt_ids, attention_mask = left_padded_prompts([{"prompt": p} for p in prompts], pad_token_id)
@@ -221,7 +233,7 @@ class Sampler:
                 max_new_tokens=self.max_new_tokens,
                 pad_token_id=pad_token_id,
                 eos_token_id=eos_token_id,
-                synced_gpus=self.topology.world_size > 1,
+                synced_gpus=is_sharded(model),
                 **settings,
             )
         completions = []

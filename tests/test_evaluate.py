@@ -253,14 +253,20 @@ def test_batching_and_two_ranks_give_the_same_samples_and_verdicts(models, tmp_p
     args = (f"candidates=[{two_layers}]", f"baseline={one_layer}", f"judge={LOWERCASE}", "samples_per_prompt=2")
     _, whole = run_evaluation(tmp_path / "whole", pairs, *args, "batch_size=16")
     _, small = run_evaluation(tmp_path / "small", pairs, *args, "batch_size=3")
-    result = run_cli(
-        *evaluation_args(tmp_path / "ranks", pairs, *args, "batch_size=3"), launcher=TORCHRUN, script="evaluate.py",
-        env_extra={"OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = read_jsonl(tmp_path / "ranks" / "out" / "samples.jsonl")
+    # Two ranks, each model sharded over them (generate, ranks in step) or whole on each (our loop on each rank)
+    outputs = []
+    for name, shard in (("ranks", "true"), ("replicas", "false")):
+        result = run_cli(
+            *evaluation_args(tmp_path / name, pairs, *args, "batch_size=3", f"shard_models={shard}"),
+            launcher=TORCHRUN, script="evaluate.py", env_extra={"OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        outputs.append(result.stdout)
+    assert "sampling: transformers' generate: sharded over the ranks" in outputs[0]
+    assert "sampling: our decode loop on each of 2 ranks" in outputs[1]
+    ranks, replicas = (read_jsonl(tmp_path / name / "out" / "samples.jsonl") for name in ("ranks", "replicas"))
     assert len(whole) == 8 * 2 * 4
-    for other in (small, ranks):
+    for other in (small, ranks, replicas):
         assert len(other) == len(whole)
         for ours, theirs in zip(whole, other):
             ours, theirs = dict(ours), dict(theirs)

@@ -8,7 +8,7 @@ from transformers.cache_utils import DynamicLayer
 
 import train
 from conftest import build_trainer, read_jsonl
-from core import decoding, sampling
+from core import decoding, sampling, seeded_draw
 from core.decoding import ReservedLayer, hole_filling_order, length_groups
 from core.sampling import SeededSampling
 from core.scoring import Scorer
@@ -439,3 +439,58 @@ def test_the_log_probs_read_while_drawing_divide_out_the_float32_softmaxs_roundi
     exact = torch.log_softmax(logits.double(), -1).gather(1, tokens[:, None])[:, 0]
     assert (probs.gather(1, tokens[:, None])[:, 0].double().log() - exact).mean() > 5e-6  # the softmax's rounding
     assert (drawn_log_probs(probs, tokens, sums) - exact).abs().max() < 1e-6
+
+
+def nucleus_probabilities(logits: torch.Tensor, temperature: float, top_p: float, shift: int = 0) -> torch.Tensor:
+    """float64 probabilities of the tempered nucleus, written out: tokens by falling probability while the mass
+    before them is below top_p (shift: the cut moved by that many tokens, a wrong cut), renormalised."""
+    p = torch.softmax(logits.double() / temperature, dim=0)
+    order = torch.argsort(p, descending=True, stable=True)
+    before = torch.cumsum(p[order], dim=0) - p[order]
+    kept = torch.zeros_like(p, dtype=torch.bool)
+    kept[order[: int((before < top_p).sum()) + shift]] = True
+    return torch.where(kept, p, 0) / p[kept].sum()
+
+
+def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson's chi-square test of counts against probabilities `expected` (tokens expected under 5 times pooled in
+    one bin); a token drawn where its probability is 0 is a p-value of 0."""
+    from scipy.stats import chisquare
+
+    n = counts.sum().item()
+    if counts[expected == 0].sum() > 0:
+        return 0.0
+    large = expected * n >= 5
+    observed = torch.cat([counts[large], counts[~large & (expected > 0)].sum()[None]]).double()
+    wanted = torch.cat([expected[large], expected[~large].sum()[None]]) * n
+    keep = wanted > 0
+    return float(chisquare(observed[keep].numpy(), wanted[keep].numpy()).pvalue)
+
+
+@pytest.mark.parametrize("prefix", [16, 1024])
+def test_the_own_loops_draws_are_an_exact_sample_of_the_tempered_nucleus(make_config, monkeypatch, prefix):
+    # 8,000 rows of one prompt, each drawing its first token from its own seed through the Sampler's own decode loop,
+    # on a tiny Llama whose logits are spread (x 24): at each temperature and top_p, the counts pass a chi-square test
+    # against the float64 tempered nucleus of the model's logits, and no token outside the nucleus is drawn. With a
+    # prefix of 16 of the 259 probabilities sorted, a CPU draw often falls past it and sorts the whole row; with
+    # 1,024 it never does. The test has the power to tell: the same counts reject a nucleus cut one token earlier and a
+    # temperature 10% off.
+    monkeypatch.setattr(seeded_draw, "PREFIX", prefix)
+    trainer = build_trainer(make_config("generation.max_new_tokens=1"))
+    policy, sampler = trainer.policy, trainer.evaluator.sampler
+    policy.get_output_embeddings().register_forward_hook(lambda module, args, logits: logits * 24)
+    prompt = trainer.data.train_examples[0]["prompt"]
+    with torch.no_grad():
+        logits = policy(torch.tensor([prompt])).logits[0, -1]
+    n, vocab = 8000, logits.shape[0]
+    sampler.batch_size = 1
+    for temperature, top_p in ((0.7, 1.0), (1.0, 1.0), (2.0, 1.0), (2.0, 0.9), (4.0, 0.7)):
+        drawn = sampler.sample(policy, [prompt] * n, None, list(range(n)), temperature, top_p)
+        assert {len(completion) for completion in drawn} == {1}
+        counts = torch.bincount(torch.tensor([c[0] for c in drawn]), minlength=vocab)
+        expected = nucleus_probabilities(logits, temperature, top_p)
+        assert int((expected * n >= 5).sum()) >= 9  # spread: many tokens are drawn often
+        assert chi_square_p_value(counts, expected) > 1e-4, (temperature, top_p)
+        assert chi_square_p_value(counts, nucleus_probabilities(logits, 1.1 * temperature, top_p)) < 1e-6
+        if top_p < 1:
+            assert chi_square_p_value(counts, nucleus_probabilities(logits, temperature, top_p, shift=-1)) == 0.0
