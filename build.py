@@ -224,7 +224,8 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     batch_loss = BatchLoss(
         objective, scorer, policy, precision.policy_compute, reference, topology, max_lengths, routers
     )
-    sampler = Sampler(tokenizer, topology, config.generation.max_new_tokens, config.eval_batch_size)
+    sampled_in = precision.policy_compute if precision.autocast else None  # FSDP casts the weights itself
+    sampler = Sampler(tokenizer, topology, config.generation.max_new_tokens, config.eval_batch_size, sampled_in)
     evaluator = Evaluator(config, topology, tokenizer, data.eval_batches, batch_loss, accumulation, sampler)
     return RunParts(
         config, topology, tokenizer, objective, precision, data, policy, scorer, reference, reference_model,

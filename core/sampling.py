@@ -8,6 +8,7 @@ are *sampled*, sharded over the ranks (Sampler.sample, sample_scored); a sequenc
 (Sampler.score). A completion drawn from its seed is the same whatever completions share its batch and however many
 ranks share the prompts (SeededSampling), so a result does not depend on batching or ranks."""
 
+import contextlib
 import hashlib
 
 import torch
@@ -46,9 +47,10 @@ class Sampler:
     results are gathered in order on every rank. A vision-language model (the tokenizer's `vision`, as
     modeling.tokenizers.load_tokenizer sets it) sees each prompt's images (pack_images; b"": none)."""
 
-    def __init__(self, tokenizer, topology, max_new_tokens: int, batch_size: int):
+    def __init__(self, tokenizer, topology, max_new_tokens: int, batch_size: int, autocast: torch.dtype | None = None):
         self.tokenizer, self.topology = tokenizer, topology
         self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
+        self.autocast = autocast  # a training run's compute dtype where torch.autocast applies it (else None)
         self.cut_said = False  # the line on prompts cut to the model's positions, said once
         self.said: set[str] = set()  # the lines on which path samples (say_path), each said once
 
@@ -131,12 +133,22 @@ class Sampler:
         model.eval()
         return self.sharded(prompts, batch, by_prompt=problem is None)
 
+    def computing(self):
+        """The forward passes' context: the training run's autocast, so that its win rate and its rounds sample from
+        the policy as it computes in training (a float32-weight policy trained in bfloat16 samples in bfloat16)."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.topology.device.type, dtype=self.autocast)
+
     def say_path(self, problem: str | None) -> None:
-        """One line, the first time each path serves: the own decode loop (on how many ranks) or generate, and why."""
+        """One line, the first time each path serves: the own decode loop (on how many ranks) or generate, and why;
+        and the autocast dtype it computes in, where the run's applies."""
         ranks = f" on each of {self.topology.world_size} ranks" if self.topology.world_size > 1 else ""
         line = f"sampling: our decode loop{ranks}"
         if problem is not None:
             line = f"sampling: transformers' generate: {problem}"
+        if self.autocast is not None:
+            line += f" ({str(self.autocast).removeprefix('torch.')} autocast, as the run computes)"
         if line not in self.said and self.topology.is_main:
             print(line)
         self.said.add(line)
@@ -184,7 +196,7 @@ class Sampler:
             return tokens
 
         pad_token_id, eos_token_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-        with root_gathered(model):
+        with root_gathered(model), self.computing():
             completions = decode(model, prompts, draw, self.max_new_tokens, pad_token_id, eos_token_id,
                                  self.topology.device)  # fmt: skip
         return list(zip(completions, logps.tolist() if scored else [None] * len(prompts)))
@@ -226,7 +238,7 @@ class Sampler:
             settings["suppress_tokens"] = [vision.image_token_id]
         device = self.topology.device
         settings = {name: to_device(v, device) if torch.is_tensor(v) else v for name, v in settings.items()}
-        with root_gathered(model):
+        with root_gathered(model), self.computing():
             output = model.generate(
                 prompt_ids.to(device),
                 attention_mask=attention_mask.to(device),

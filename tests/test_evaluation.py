@@ -494,3 +494,19 @@ def test_the_own_loops_draws_are_an_exact_sample_of_the_tempered_nucleus(make_co
         assert chi_square_p_value(counts, nucleus_probabilities(logits, 1.1 * temperature, top_p)) < 1e-6
         if top_p < 1:
             assert chi_square_p_value(counts, nucleus_probabilities(logits, temperature, top_p, shift=-1)) == 0.0
+
+
+def test_a_run_in_bfloat16_autocast_samples_its_win_rate_and_rounds_in_bfloat16(make_config, capsys):
+    # The float32-weight policy a BasicTrainer run trains under bfloat16 autocast samples as it computes: its
+    # completions are those of the policy's forward passes under that autocast, which differ from float32's on
+    # these rows, and the line on the sampling path says so.
+    trainer = build_trainer(make_config("model.fsdp_policy_mp=bfloat16", "generation.max_new_tokens=16"))
+    assert trainer.sampler.autocast == torch.bfloat16
+    prompts = [trainer.data.train_examples[i]["prompt"] for i in range(4)] * 2
+    seeds, temperatures = list(range(8)), [0.7, 1.0] * 4
+    drawn = trainer.sampler.sample(trainer.policy, prompts, None, seeds, temperatures)
+    assert "sampling: our decode loop (bfloat16 autocast, as the run computes)" in capsys.readouterr().out
+    plain = sampling.Sampler(trainer.tokenizer, trainer.topology, 16, trainer.sampler.batch_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert plain.sample(trainer.policy, prompts, None, seeds, temperatures) == drawn
+    assert sum(a != b for a, b in zip(plain.sample(trainer.policy, prompts, None, seeds, temperatures), drawn)) >= 2
