@@ -176,7 +176,7 @@ def test_prompts_longer_than_the_models_positions_keep_their_end_and_are_said_on
     printed = capsys.readouterr().out
     line = ("sampling: 4 of 4 prompts do not fit the model's 32 positions with max_new_tokens=8: each keeps its last "
             "24 tokens, as training keeps a prompt's end")  # fmt: skip
-    assert printed.count("prompts do not fit the model") == 1 and line in printed  # once, for sampling and scoring alike
+    assert printed.count("prompts do not fit the model") == 1 and line in printed  # once: sampling, scoring
     assert abs(summary["results"][str(short_model)]["1.0"]["kl"]["value"]) < 1e-5  # its own reference: scored alike
     with pytest.raises(UserError, match=r"^max_new_tokens=40 leaves no room for a prompt in the model's 32 positions$"):
         run(evaluation(tmp_path, short_model, data, "max_new_tokens=40"))
