@@ -34,6 +34,7 @@ from configuration.messages import as_override, expect
 from configuration.sections import WandbConfig
 from core.judges import check_judge, load_judge
 from core.sampling import Sampler, sample_seed
+from core.server_sampling import ServerSampler
 from core.winrates import summarize
 from modeling.distributed import (
     Topology,
@@ -84,6 +85,8 @@ class EvaluateConfig:
     batch_size: int = ranged(POSITIVE)
     dtype: str = MISSING
     shard_models: bool = MISSING
+    server: Optional[str] = MISSING
+    server_timeout: float = ranged(Range(0, low_open=True))
     bootstrap_resamples: int = ranged(Range(100), expected="100 or more")
     output_dir: Optional[str] = MISSING
     local_dirs: list[str] = MISSING
@@ -201,6 +204,8 @@ class CompletionStore:
     def __init__(self, config: DictConfig, topology: Topology, tokenizer, prompts: list[dict]):
         self.config, self.topology, self.prompts = config, topology, prompts
         self.sampler = Sampler(tokenizer, topology, config.max_new_tokens, config.batch_size)
+        self.server = config.server and ServerSampler(config.server, tokenizer, config.max_new_tokens,
+                                                      config.server_timeout)  # fmt: skip
         self.cache_dir = get_local_dir(config.local_dirs)
         self.dtype = compute_dtype(config.dtype, topology, self.cache_dir)
         s = config.samples_per_prompt
@@ -233,7 +238,12 @@ class CompletionStore:
         rows = ([self.prompt_ids[i] for _, i in order], [self.images[i] for _, i in order],
                 [seeds[t][i] for t, i in order], [t for t, _ in order])  # fmt: skip
         start = time.time()
-        if kl and self.dtype == torch.float32:
+        if self.server and side == "candidate":  # the server's draws, scored by ours (below)
+            self.server.check(name, name)
+            if self.topology.is_main:
+                print(f"sampling: the generation server {self.server.url} ({self.server.model_id}); log-probs ours")
+            drawn = self.server.sample(self.topology, rows[0], rows[3], top_p=1.0)
+        elif kl and self.dtype == torch.float32:
             drawn, logps = self.sampler.sample_scored(model, *rows)
             self.own_logps[name] = {t: [None] * n for t in temperatures}
             for (t, i), logp in zip(order, logps):
@@ -245,7 +255,7 @@ class CompletionStore:
         self.completions[side, name] = {t: [None] * n for t in temperatures}
         for (t, i), completion in zip(order, drawn):
             self.completions[side, name][t][i] = completion
-        if kl and self.dtype != torch.float32:
+        if kl and (self.dtype != torch.float32 or (self.server and side == "candidate")):
             self.own_logps[name] = self.score(model, self.completions[side, name])
 
     def score(self, model, completions: dict[float, list[list[int]]]) -> dict[float, list[float]]:
@@ -262,6 +272,8 @@ class CompletionStore:
         """Candidates first, then the baseline, then the reference where it is another model."""
         c = self.config
         reference = c.reference or (c.baseline if c.baseline != CHOSEN else None)
+        if c.server and len(c.candidates) > 1:
+            raise UserError(f"server={c.server} serves one model: give one candidate, not {len(c.candidates)}")
         for name in c.candidates:
             model = self.load(name)
             self.sample(model, name, "candidate", kl=reference is not None)

@@ -41,20 +41,14 @@ def distinct_prompts(batches: list[list[dict]], n: int) -> list[dict]:
     return list(first.values())[:n]
 
 
-class Sampler:
-    """Completions by a model of tokenized prompts, up to max_new_tokens each, and their log-probs, on this
-    process's share of a topology: every data-parallel rank computes its share in batches of batch_size and the
-    results are gathered in order on every rank. A vision-language model (the tokenizer's `vision`, as
-    modeling.tokenizers.load_tokenizer sets it) sees each prompt's images (pack_images; b"": none)."""
+class PositionFit:
+    """Prompts cut to the room a model's positions leave (Sampler.fitted), the line saying so said once."""
 
-    def __init__(self, tokenizer, topology, max_new_tokens: int, batch_size: int, autocast: torch.dtype | None = None):
-        self.tokenizer, self.topology = tokenizer, topology
-        self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
-        self.autocast = autocast  # a training run's compute dtype where torch.autocast applies it (else None)
-        self.cut_said = False  # the line on prompts cut to the model's positions, said once
-        self.said: set[str] = set()  # the lines on which path samples (say_path), each said once
+    def __init__(self, tokenizer, max_new_tokens: int, is_main: bool):
+        self.tokenizer, self.max_new_tokens, self.is_main = tokenizer, max_new_tokens, is_main
+        self.said = False
 
-    def fitted(self, model, prompts: list[list[int]], completions: list[list[int]] | None = None) -> list[list[int]]:
+    def __call__(self, model, prompts: list[list[int]], completions: list[list[int]] | None = None) -> list[list[int]]:
         """The prompts cut to the room the model's positions leave before max_new_tokens (or a longer completion
         being scored), each keeping its last tokens, as training keeps a prompt's end (nearest the response); one
         line says so, once. Uncut, a model with learned positions would index past its table (an IndexError in the
@@ -73,14 +67,28 @@ class Sampler:
                 f"{cut} prompts with images do not fit the model's {limit} positions with max_new_tokens="
                 f"{self.max_new_tokens}, and cutting one would cut its images' tokens: lower max_new_tokens"
             )
-        if cut and not self.cut_said and self.topology.is_main:
+        if cut and not self.said and self.is_main:
             print(
                 f"sampling: {cut} of {len(set(map(tuple, prompts)))} prompts do not fit the model's {limit} positions "
                 f"with max_new_tokens={self.max_new_tokens}: each keeps its last {min(rooms)} tokens, as training "
                 "keeps a prompt's end"
             )
-        self.cut_said = self.cut_said or bool(cut)
+        self.said = self.said or bool(cut)
         return [prompt[max(len(prompt) - room, 0) :] for prompt, room in zip(prompts, rooms)]
+
+
+class Sampler:
+    """Completions by a model of tokenized prompts, up to max_new_tokens each, and their log-probs, on this
+    process's share of a topology: every data-parallel rank computes its share in batches of batch_size and the
+    results are gathered in order on every rank. A vision-language model (the tokenizer's `vision`, as
+    modeling.tokenizers.load_tokenizer sets it) sees each prompt's images (pack_images; b"": none)."""
+
+    def __init__(self, tokenizer, topology, max_new_tokens: int, batch_size: int, autocast: torch.dtype | None = None):
+        self.tokenizer, self.topology = tokenizer, topology
+        self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
+        self.autocast = autocast  # a training run's compute dtype where torch.autocast applies it (else None)
+        self.fitted = PositionFit(tokenizer, max_new_tokens, topology.is_main)  # prompts cut to the positions
+        self.said: set[str] = set()  # the lines on which path samples (say_path), each said once
 
     def sample(self, model, prompts, images, seeds: list[int] | None, temperatures=1.0, top_p=1.0) -> list[list[int]]:
         """Completions of rows of prompts (token ids; images: each prompt's, or None), row i sampled from seeds[i] at

@@ -1,0 +1,140 @@
+"""evaluate.py's server=: an OpenAI-compatible completions server samples the candidate, everything after is ours. A
+stand-in server in a thread answers as vLLM does (`/v1/models`, `/tokenize`, `/v1/completions` with
+`return_token_ids`), its completions drawn by our own Sampler from the model it serves. Checked: every completion in
+samples.jsonl is one the server sent, rescored by our scorer (a model against itself: a KL of exactly 0, a win rate
+whose interval covers one half); a server of another model or another vocabulary, an unreachable one, a malformed or
+truncated answer and a timeout are one line each, naming the URL."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import transformers
+
+import config as configuration
+import evaluate
+from conftest import arithmetic_pairs, read_jsonl, save_tiny_lm, write_jsonl
+from core.sampling import Sampler
+from modeling.distributed import Topology
+from test_evaluate import LOWERCASE, evaluation_args
+from utils import UserError
+
+
+class StandIn:
+    """A server of the model at `model_dir` under the name `served`; `answer` may replace a completions answer."""
+
+    def __init__(self, model_dir: Path, served: str, tokenizer_dir: Path | None = None):
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
+        self.served, self.answer, self.delay, self.sent = served, None, 0.0, []
+        self.seed, self.lock = 0, threading.Lock()  # one model, requests in threads: one draw at a time
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, body: dict | bytes, code: int = 200):
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self.reply({"object": "list", "data": [{"id": stand_in.served, "root": stand_in.served}]})
+
+            def do_POST(self):
+                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                time.sleep(stand_in.delay)
+                if self.path == "/tokenize":
+                    ids = stand_in.tokenizer(request["prompt"], add_special_tokens=False)["input_ids"]
+                    return self.reply({"tokens": ids, "count": len(ids)})
+                self.reply(stand_in.answer(request) if stand_in.answer else stand_in.complete(request))
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def complete(self, request: dict) -> dict:
+        """n completions drawn by our own loop at the request's temperature, the EOS left out of the ids (as some
+        servers answer: finish_reason says it stopped)."""
+        sampler = Sampler(self.tokenizer, Topology.create("BasicTrainer"), request["max_tokens"], 16)
+        n, eos = request["n"], self.tokenizer.eos_token_id
+        with self.lock:
+            seeds = list(range(self.seed, self.seed + n))
+            self.seed += n
+            drawn = sampler.sample(self.model, [request["prompt"]] * n, None, seeds, request["temperature"])
+            self.sent += drawn
+        stopped = [ids[-1:] == [eos] for ids in drawn]
+        choices = [{"index": i, "token_ids": ids[:-1] if stop else ids, "finish_reason": "stop" if stop else "length"}
+                   for i, (ids, stop) in enumerate(zip(drawn, stopped))]  # fmt: skip
+        return {"choices": choices}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server")
+    return save_tiny_lm(root / "model", "llama"), write_jsonl(root / "pairs.jsonl", arithmetic_pairs(40))
+
+
+def run(tmp_path, pairs, *overrides):
+    config = configuration.load(evaluation_args(tmp_path, pairs, *overrides), "evaluate")
+    output = evaluate.evaluate(config, Topology.create("BasicTrainer"))
+    return json.loads((output / "evaluation.json").read_text()), read_jsonl(output / "samples.jsonl")
+
+
+def test_a_served_model_against_itself_is_rescored_by_ours_at_a_kl_of_0(tiny, tmp_path, capsys):
+    model_dir, pairs = tiny
+    server = StandIn(model_dir, str(model_dir))
+    settings = (f"candidates=[{model_dir}]", f"baseline={model_dir}", f"judge={LOWERCASE}", f"server={server.url}",
+                "samples_per_prompt=4", "temperatures=[0.5,1.0]", "n_prompts=8")  # fmt: skip
+    summary, lines = run(tmp_path, pairs, *settings)
+    assert f"sampling: the generation server {server.url} ({model_dir}); log-probs ours" in capsys.readouterr().out
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    sent = {tokenizer.decode(ids, skip_special_tokens=True) for ids in server.sent}
+    assert len(server.sent) == 8 * 4 * 2 and {line["candidate_response"] for line in lines} <= sent
+    for result in summary["results"][str(model_dir)].values():  # the reference is the baseline: the model itself
+        assert result["kl"] == {"value": 0.0, "low": 0.0, "high": 0.0}  # our scorer's log-probs, both terms
+        assert result["win_rate"]["low"] <= 0.5 <= result["win_rate"]["high"]
+
+
+def test_each_failure_of_the_server_is_one_line_naming_its_url(tiny, tmp_path):
+    model_dir, pairs = tiny
+    base = (f"candidates=[{model_dir}]", "baseline=chosen", f"judge={LOWERCASE}", "n_prompts=2", "temperatures=[1.0]")
+
+    def fails(server_url: str, *extra: str) -> str:
+        with pytest.raises(UserError) as raised:
+            run(tmp_path, pairs, *base, f"server={server_url}", *extra)
+        assert "\n" not in str(raised.value)
+        return str(raised.value)
+
+    other = StandIn(model_dir, "org/another-model")
+    assert fails(other.url) == (
+        f"generation server {other.url} serves org/another-model, not the candidate {model_dir}: serve it there"
+    )
+    server = StandIn(model_dir, str(model_dir))
+    server.tokenizer = type("Other", (), {"__call__": lambda self, text, **kw: {"input_ids": [1, 2, 3]}})()
+    assert "tokenizes otherwise than" in fails(server.url) and server.url in fails(server.url)
+    server.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    server.http.shutdown()
+    server.http.server_close()
+    assert fails(server.url).startswith(f"generation server {server.url}/v1/models is unreachable")
+    server = StandIn(model_dir, str(model_dir))
+    server.answer = lambda request: {"choices": [{"text": "no ids"}] * request["n"]}
+    assert fails(server.url).startswith(f"generation server {server.url}/v1/completions answered a choice without")
+    server.answer = lambda request: {"choices": []}
+    assert fails(server.url) == f"generation server {server.url}/v1/completions answered 0 choices for n=1"
+    server.answer = lambda request: {"choices": [{"token_ids": [5] * 99, "finish_reason": "length"}]}
+    assert fails(server.url) == f"generation server {server.url}/v1/completions answered 99 tokens for max_tokens=6"
+    server.answer = None
+    server.delay = 2.0
+    assert fails(server.url, "server_timeout=0.5") == (
+        f"generation server {server.url}/tokenize gave no answer within 0.5 s (server_timeout)"
+    )
+    assert fails(server.url, f"candidates=[{model_dir},{model_dir}]") == (
+        f"server={server.url} serves one model: give one candidate, not 2"
+    )
