@@ -14,6 +14,7 @@ import subprocess
 import threading
 import time
 import urllib.request
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -36,7 +37,7 @@ class StandIn:
         self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
         self.served, self.answer, self.delay, self.sent = served, None, 0.0, []
-        self.seed, self.lock = 0, threading.Lock()  # one model, requests in threads: one draw at a time
+        self.lock = threading.Lock()  # one model, requests in threads: one draw at a time
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -70,9 +71,9 @@ class StandIn:
         servers answer: finish_reason says it stopped)."""
         sampler = Sampler(self.tokenizer, Topology.create("BasicTrainer"), request["max_tokens"], 16)
         n, eos = request["n"], self.tokenizer.eos_token_id
+        first = zlib.crc32(json.dumps([request["prompt"], request["temperature"]]).encode()) * 1000
+        seeds = list(range(first, first + n))  # of the request, not of its arrival: concurrent requests interleave
         with self.lock:
-            seeds = list(range(self.seed, self.seed + n))
-            self.seed += n
             drawn = sampler.sample(self.model, [request["prompt"]] * n, None, seeds, request["temperature"])
             self.sent += drawn
         stopped = [ids[-1:] == [eos] for ids in drawn]
