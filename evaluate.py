@@ -204,8 +204,8 @@ class CompletionStore:
     def __init__(self, config: DictConfig, topology: Topology, tokenizer, prompts: list[dict]):
         self.config, self.topology, self.prompts = config, topology, prompts
         self.sampler = Sampler(tokenizer, topology, config.max_new_tokens, config.batch_size)
-        self.server = config.server and ServerSampler(config.server, tokenizer, config.max_new_tokens,
-                                                      config.server_timeout)  # fmt: skip
+        self.server = ServerSampler(config.server, tokenizer, config.max_new_tokens, config.server_timeout, topology) \
+            if config.server else None  # fmt: skip
         self.cache_dir = get_local_dir(config.local_dirs)
         self.dtype = compute_dtype(config.dtype, topology, self.cache_dir)
         s = config.samples_per_prompt
@@ -239,10 +239,7 @@ class CompletionStore:
                 [seeds[t][i] for t, i in order], [t for t, _ in order])  # fmt: skip
         start = time.time()
         if self.server and side == "candidate":  # the server's draws, scored by ours (below)
-            self.server.check(name, name)
-            if self.topology.is_main:
-                print(f"sampling: the generation server {self.server.url} ({self.server.model_id}); log-probs ours")
-            drawn = self.server.sample(self.topology, rows[0], rows[3], top_p=1.0)
+            drawn = self.server.sample(rows[0], rows[3], top_p=1.0)
         elif kl and self.dtype == torch.float32:
             drawn, logps = self.sampler.sample_scored(model, *rows)
             self.own_logps[name] = {t: [None] * n for t in temperatures}
@@ -272,8 +269,10 @@ class CompletionStore:
         """Candidates first, then the baseline, then the reference where it is another model."""
         c = self.config
         reference = c.reference or (c.baseline if c.baseline != CHOSEN else None)
-        if c.server and len(c.candidates) > 1:
+        if self.server and len(c.candidates) > 1:
             raise UserError(f"server={c.server} serves one model: give one candidate, not {len(c.candidates)}")
+        if self.server:  # before any model loads: a server of another model stops the evaluation at once
+            self.server.check(c.candidates[0])
         for name in c.candidates:
             model = self.load(name)
             self.sample(model, name, "candidate", kl=reference is not None)

@@ -14,6 +14,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import tqdm
+
 from utils import UserError
 
 # Text whose ids tell tokenizers apart: words, digits, punctuation, spacing, a chat turn's marks, non-ASCII letters
@@ -25,8 +27,8 @@ CONCURRENT = 32
 class ServerSampler:
     """Completions of prompts from the model an OpenAI-compatible server at `url` serves (check() first)."""
 
-    def __init__(self, url: str, tokenizer, max_new_tokens: int, timeout: float):
-        self.url, self.tokenizer = url.rstrip("/"), tokenizer
+    def __init__(self, url: str, tokenizer, max_new_tokens: int, timeout: float, topology):
+        self.url, self.tokenizer, self.topology = url.rstrip("/"), tokenizer, topology
         self.max_new_tokens, self.timeout = max_new_tokens, timeout
         self.model_id: str | None = None
 
@@ -53,18 +55,17 @@ class ServerSampler:
         except ValueError:
             raise UserError(f"{where} answered something that is not JSON: {body[:120]!r}") from None
 
-    def check(self, spec: str, model_dir: str | Path) -> None:
-        """The served model must be the candidate `spec` (read from model_dir): one it serves names it, by its id or
-        root (vLLM's --model), as given or as the same directory; and it must tokenize the probe as ours does."""
+    def check(self, spec: str) -> None:
+        """The served model must be the candidate `spec`: one it serves names it, by its id or root (vLLM's --model),
+        as given or as the same directory; and it must tokenize the probe as ours does. Says which it samples."""
         answer = self.request("/v1/models")
         served = answer.get("data") if isinstance(answer, dict) else None
         if not isinstance(served, list) or not served:
             raise UserError(f"generation server {self.url}/v1/models lists no model: {str(answer)[:200]}")
-        wanted = {spec, str(model_dir)}
-        here = Path(model_dir).resolve() if Path(model_dir).exists() else None
+        here = Path(spec).resolve() if Path(spec).exists() else None
         for entry in served:
             names = [entry.get(key) for key in ("id", "root") if isinstance(entry.get(key), str)]
-            if any(name in wanted or (here is not None and Path(name).resolve() == here) for name in names):
+            if any(name == spec or (here is not None and Path(name).resolve() == here) for name in names):
                 self.model_id = entry.get("id")
                 break
         else:
@@ -78,6 +79,8 @@ class ServerSampler:
                 f"{str(theirs.get('tokens') if isinstance(theirs, dict) else theirs)[:80]}, ours {str(ours)[:80]}): "
                 "it serves another vocabulary"
             )
+        if self.topology.is_main:
+            print(f"sampling: the generation server {self.url} ({self.model_id}); log-probs ours")
 
     def completions(self, prompt: list[int], n: int, temperature: float, top_p: float) -> list[list[int]]:
         """n completions of one prompt at `temperature`: each the new ids, ending with the EOS where it stopped."""
@@ -104,15 +107,20 @@ class ServerSampler:
             drawn.append(ids)
         return drawn
 
-    def sample(self, topology, prompts: list[list[int]], temperatures: list[float], top_p: float) -> list[list[int]]:
+    def sample(self, prompts: list[list[int]], temperatures: list[float], top_p: float) -> list[list[int]]:
         """Completions of rows (prompt, temperature), one request per distinct pair with n its rows, CONCURRENT at a
-        time; each data-parallel rank asks for its share, gathered in order on every rank."""
-        local, n_real = topology.shard(list(range(len(prompts))))
+        time, with a progress bar; each data-parallel rank asks for its share, gathered in order on every rank."""
+        local, n_real = self.topology.shard(list(range(len(prompts))))
         groups: dict[tuple, list[int]] = {}
         for i in local[:n_real]:
             groups.setdefault((tuple(prompts[i]), temperatures[i]), []).append(i)
-        with ThreadPoolExecutor(CONCURRENT) as pool:
+        drawn: dict[int, list[int]] = {}
+        bar = tqdm.tqdm(total=n_real, desc="sampling (server)", unit="row", leave=False, dynamic_ncols=True,
+                        disable=not self.topology.is_main)  # fmt: skip
+        with bar, ThreadPoolExecutor(CONCURRENT) as pool:
             answers = pool.map(lambda item: self.completions(list(item[0][0]), len(item[1]), item[0][1], top_p),
                                groups.items())  # fmt: skip
-            drawn = {i: ids for rows, answer in zip(groups.values(), answers) for i, ids in zip(rows, answer)}
-        return topology.gather({"results": [drawn[i] for i in local[:n_real]]})["results"]
+            for rows, answer in zip(groups.values(), answers):
+                drawn.update(zip(rows, answer))
+                bar.update(len(rows))
+        return self.topology.gather({"results": [drawn[i] for i in local[:n_real]]})["results"]

@@ -109,7 +109,7 @@ def test_a_served_model_against_itself_is_rescored_by_ours_at_a_kl_of_0(tiny, tm
         assert result["win_rate"]["low"] <= 0.5 <= result["win_rate"]["high"]
 
 
-def test_each_failure_of_the_server_is_one_line_naming_its_url(tiny, tmp_path):
+def test_each_failure_of_the_server_is_one_line_naming_its_url(tiny, tmp_path, capsys):
     model_dir, pairs = tiny
     base = (f"candidates=[{model_dir}]", "baseline=chosen", f"judge={LOWERCASE}", "n_prompts=2", "temperatures=[1.0]")
 
@@ -123,6 +123,7 @@ def test_each_failure_of_the_server_is_one_line_naming_its_url(tiny, tmp_path):
     assert fails(other.url) == (
         f"generation server {other.url} serves org/another-model, not the candidate {model_dir}: serve it there"
     )
+    assert "loading" not in capsys.readouterr().out  # checked before any model loads
     server = StandIn(model_dir, str(model_dir))
     server.tokenizer = type("Other", (), {"__call__": lambda self, text, **kw: {"input_ids": [1, 2, 3]}})()
     assert "tokenizes otherwise than" in fails(server.url) and server.url in fails(server.url)
