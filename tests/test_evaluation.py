@@ -93,11 +93,12 @@ def sorted_draw(scores, uniforms, temperature, top_p):
     return order.gather(-1, index).squeeze(-1)
 
 
-@pytest.mark.parametrize("vocab", [7, 49152])
+@pytest.mark.parametrize("vocab", [7, 300, 49152])
 def test_seeded_sampling_draws_the_token_the_stable_full_sort_drew(vocab):
     # The sampler finds the stable sort's token without sorting the token ids: over many seeds, temperatures and
     # top_p values, on logits with many exact ties (integers, -inf for suppressed tokens, underflow at low
-    # temperatures) and on continuous ones, and at uniforms at the ends of [0, 1), every draw is the old one.
+    # temperatures) and on continuous ones, and at uniforms at the ends of [0, 1), every draw is the old one. A
+    # vocabulary of 7 lies within the head; of 300, past it and within the prefix; of 49,152, past both.
     generator = torch.Generator().manual_seed(vocab)
     rows = 8 if vocab > 100 else 64
     for seed in range(3 if vocab > 100 else 40):
@@ -467,14 +468,15 @@ def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
     return float(chisquare(observed[keep].numpy(), wanted[keep].numpy()).pvalue)
 
 
-@pytest.mark.parametrize("prefix", [16, 1024])
-def test_the_own_loops_draws_are_an_exact_sample_of_the_tempered_nucleus(make_config, monkeypatch, prefix):
+@pytest.mark.parametrize("head, prefix", [(4, 16), (64, 1024)])
+def test_the_own_loops_draws_are_an_exact_sample_of_the_tempered_nucleus(make_config, monkeypatch, head, prefix):
     # 8,000 rows of one prompt, each drawing its first token from its own seed through the Sampler's own decode loop,
     # on a tiny Llama whose logits are spread (x 24): at each temperature and top_p, the counts pass a chi-square test
     # against the float64 tempered nucleus of the model's logits, and no token outside the nucleus is drawn. With a
-    # prefix of 16 of the 259 probabilities sorted, a CPU draw often falls past it and sorts the whole row; with
-    # 1,024 it never does. The test has the power to tell: the same counts reject a nucleus cut one token earlier and a
-    # temperature 10% off.
+    # head of 4 and a prefix of 16 of the 259 probabilities, a CPU draw often falls past both and sorts the whole
+    # row; with 64 and 1,024 it falls past the head alone. The test has the power to tell: the same counts reject a
+    # nucleus cut one token earlier and a temperature 10% off.
+    monkeypatch.setattr(seeded_draw, "HEAD", head)
     monkeypatch.setattr(seeded_draw, "PREFIX", prefix)
     trainer = build_trainer(make_config("generation.max_new_tokens=1"))
     policy, sampler = trainer.policy, trainer.evaluator.sampler
