@@ -31,11 +31,13 @@ from core.examples import Examples, from_ids
 from core.rewards import load_reward
 from core.sampling import distinct_prompts, sample_seed
 from core.step import Data
+from modeling.adapters import is_quantized
 from modeling.vision import pack_images, unpack_images
 from persistence.tokenized import first_of_each_group
 from preference_datasets import batch_schedule
 from reporting.data_report import data_report
 from trainers import Trainer
+from training.policy_server import sample_served
 from utils import UserError
 
 DIRECTORY = "rounds"
@@ -79,6 +81,10 @@ class Rounds:
             [ex.get("images", b"") for ex in held_out],
         )
         c = self.config
+        vision = getattr(trainer.tokenizer, "vision", None) is not None
+        if self.settings.server and (vision or is_quantized(trainer.policy)):
+            what = "a vision-language policy (it is sent token ids alone)" if vision else "a 4-bit policy"
+            raise UserError(f"rounds.server samples {what}: set rounds.server=null to sample with our loop")
         self.reward = self.topology.run_on_main(
             lambda: load_reward(self.settings.reward, self.topology.device, c.eval_batch_size, c.max_length)
         )
@@ -157,7 +163,13 @@ class Rounds:
             for j in range(k)
         ]
         repeated = [prompt for prompt in prompts for _ in range(k)], [packed for packed in images for _ in range(k)]
-        completions = self.trainer.sample(*repeated, seeds)
+        if self.settings.server:  # an engine's draws, not our seeds' (docs/rounds.md#sampling-by-a-server)
+            g, trainer = self.config.generation, self.trainer
+            rows = repeated[0], [g.temperature] * len(seeds), g.top_p
+            completions = sample_served(self.settings, self.directory, round_index, trainer.policy, trainer.tokenizer,
+                                        self.topology, rows, g.max_new_tokens)  # fmt: skip
+        else:
+            completions = self.trainer.sample(*repeated, seeds)
         groups = examples.groups.tolist()
         return self.topology.broadcast(
             self.topology.run_on_main(lambda: self.score(round_index, prompts, images, groups, completions))

@@ -65,6 +65,8 @@ class RoundsConfig:
     reward: Optional[str] = MISSING
     prompts: Optional[int] = ranged(Range(0, low_open=True, null="for every training prompt each round"))
     eval_prompts: int = ranged(POSITIVE)
+    server: Optional[str] = MISSING
+    server_timeout: float = ranged(Range(0, low_open=True))
 
     def __post_init__(self):
         check_ranges(self, "rounds.")
@@ -73,11 +75,17 @@ class RoundsConfig:
                 f"rounds.n={self.n} scores each round's completions: set rounds.reward=module:function (a Python "
                 "function of prompt and completion text) or rounds.reward=DIR (a sequence-classification reward model)"
             )
-        for key in ("reward", "prompts"):  # set for rounds that would not run
+        for key in ("reward", "prompts", "server"):  # set for rounds that would not run
             if not self.n and getattr(self, key) is not None:
                 raise UserError(f"rounds.{key}={getattr(self, key)} sets iterative rounds, but rounds.n=0 runs none")
         if self.reward is not None:
             check_reward(self.reward)
+        missing = [field for field in ("{model}", "{port}") if self.server is not None and field not in self.server]
+        if missing:
+            raise UserError(
+                f"rounds.server={self.server!r} lacks {' and '.join(missing)}: the command must serve the round's "
+                "policy, {model}, on the port given, {port} (e.g. 'vllm serve {model} --port {port}')"
+            )
 
 
 @dataclass

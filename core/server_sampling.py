@@ -27,9 +27,10 @@ CONCURRENT = 32
 class ServerSampler:
     """Completions of prompts from the model an OpenAI-compatible server at `url` serves (check() first)."""
 
-    def __init__(self, url: str, tokenizer, max_new_tokens: int, timeout: float, topology):
+    def __init__(self, url: str, tokenizer, max_new_tokens: int, timeout: float, topology, setting: str = "server"):
         self.url, self.tokenizer, self.topology = url.rstrip("/"), tokenizer, topology
         self.max_new_tokens, self.timeout = max_new_tokens, timeout
+        self.setting = setting  # the key that asked for the server (evaluate.py's server, rounds.server), for errors
         self.model_id: str | None = None
 
     def request(self, path: str, payload: dict | None = None) -> dict:
@@ -44,12 +45,12 @@ class ServerSampler:
             detail = " ".join(error.read().decode(errors="replace").split())[:200]
             raise UserError(f"{where} answered HTTP {error.code}: {detail or error.reason}") from None
         except (TimeoutError, socket.timeout):
-            raise UserError(f"{where} gave no answer within {self.timeout:g} s (server_timeout)") from None
+            raise UserError(f"{where} gave no answer within {self.timeout:g} s ({self.setting}_timeout)") from None
         except (urllib.error.URLError, ConnectionError, OSError) as error:
             reason = getattr(error, "reason", error)
             if isinstance(reason, (TimeoutError, socket.timeout)):
-                raise UserError(f"{where} gave no answer within {self.timeout:g} s (server_timeout)") from None
-            raise UserError(f"{where} is unreachable ({reason}); start the server, or set server=null") from None
+                raise UserError(f"{where} gave no answer within {self.timeout:g} s ({self.setting}_timeout)") from None
+            raise UserError(f"{where} is unreachable ({reason}); start it, or set {self.setting}=null") from None
         try:
             return json.loads(body)
         except ValueError:
@@ -108,14 +109,20 @@ class ServerSampler:
         return drawn
 
     def sample(self, prompts: list[list[int]], temperatures: list[float], top_p: float) -> list[list[int]]:
-        """Completions of rows (prompt, temperature), one request per distinct pair with n its rows, CONCURRENT at a
-        time, with a progress bar; each data-parallel rank asks for its share, gathered in order on every rank."""
+        """Completions of rows (prompt, temperature): each data-parallel rank asks for its share (sample_here),
+        gathered in order on every rank."""
         local, n_real = self.topology.shard(list(range(len(prompts))))
+        drawn = self.sample_here([prompts[i] for i in local[:n_real]], [temperatures[i] for i in local[:n_real]], top_p)
+        return self.topology.gather({"results": drawn})["results"]
+
+    def sample_here(self, prompts: list[list[int]], temperatures: list[float], top_p: float) -> list[list[int]]:
+        """Completions of rows (prompt, temperature) asked for by this process alone: one request per distinct pair
+        with n its rows, CONCURRENT at a time, with a progress bar."""
         groups: dict[tuple, list[int]] = {}
-        for i in local[:n_real]:
-            groups.setdefault((tuple(prompts[i]), temperatures[i]), []).append(i)
+        for i, row in enumerate(zip(map(tuple, prompts), temperatures)):
+            groups.setdefault(row, []).append(i)
         drawn: dict[int, list[int]] = {}
-        bar = tqdm.tqdm(total=n_real, desc="sampling (server)", unit="row", leave=False, dynamic_ncols=True,
+        bar = tqdm.tqdm(total=len(prompts), desc="sampling (server)", unit="row", leave=False, dynamic_ncols=True,
                         disable=not self.topology.is_main)  # fmt: skip
         with bar, ThreadPoolExecutor(CONCURRENT) as pool:
             answers = pool.map(lambda item: self.completions(list(item[0][0]), len(item[1]), item[0][1], top_p),
@@ -123,4 +130,4 @@ class ServerSampler:
             for rows, answer in zip(groups.values(), answers):
                 drawn.update(zip(rows, answer))
                 bar.update(len(rows))
-        return self.topology.gather({"results": [drawn[i] for i in local[:n_real]]})["results"]
+        return [drawn[i] for i in range(len(prompts))]

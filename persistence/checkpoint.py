@@ -287,6 +287,18 @@ def export(directory: Path, policy, topology: Topology, shards: Path) -> None:
         weights.consolidate(shards, directory, topology)
 
 
+def export_live(directory: Path, policy, tokenizer, topology: Topology) -> None:
+    """`directory` a from_pretrained directory of the policy's weights as they are now, not from a checkpoint (a
+    round's policy served by an engine: training/policy_server.py), no rank holding the whole model: every rank writes
+    its shards and they are consolidated (weights.export_weights); a LoRA policy's base with its adapters merged in.
+    Collective."""
+    with storage.writing(directory):
+        topology.run_on_main(lambda: directory.mkdir(parents=True, exist_ok=True))
+        topology.run_on_main(lambda: describe_model(directory, policy, tokenizer))
+    weights.export_weights(merged_weights(policy) if is_adapted(policy) else ModelWeights(policy).state(), directory,
+                           topology)  # fmt: skip
+
+
 def adapter_whole(tensor: torch.Tensor) -> torch.Tensor:
     """An adapter's tensor whole, on the CPU (collective where sharded)."""
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu()

@@ -11,12 +11,8 @@ import os
 import signal
 import socket
 import subprocess
-import threading
 import time
 import urllib.request
-import zlib
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 import transformers
@@ -24,62 +20,10 @@ import transformers
 import config as configuration
 import evaluate
 from conftest import arithmetic_pairs, read_jsonl, save_tiny_lm, write_jsonl
-from core.sampling import Sampler
 from modeling.distributed import Topology
+from stand_in_server import StandIn
 from test_evaluate import LOWERCASE, evaluation_args
 from utils import UserError
-
-
-class StandIn:
-    """A server of the model at `model_dir` under the name `served`; `answer` may replace a completions answer."""
-
-    def __init__(self, model_dir: Path, served: str, tokenizer_dir: Path | None = None):
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
-        self.served, self.answer, self.delay, self.sent = served, None, 0.0, []
-        self.lock = threading.Lock()  # one model, requests in threads: one draw at a time
-        stand_in = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def reply(self, body: dict | bytes, code: int = 200):
-                data = body if isinstance(body, bytes) else json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                self.reply({"object": "list", "data": [{"id": stand_in.served, "root": stand_in.served}]})
-
-            def do_POST(self):
-                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                time.sleep(stand_in.delay)
-                if self.path == "/tokenize":
-                    ids = stand_in.tokenizer(request["prompt"], add_special_tokens=False)["input_ids"]
-                    return self.reply({"tokens": ids, "count": len(ids)})
-                self.reply(stand_in.answer(request) if stand_in.answer else stand_in.complete(request))
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-
-    def complete(self, request: dict) -> dict:
-        """n completions drawn by our own loop at the request's temperature, the EOS left out of the ids (as some
-        servers answer: finish_reason says it stopped)."""
-        sampler = Sampler(self.tokenizer, Topology.create("BasicTrainer"), request["max_tokens"], 16)
-        n, eos = request["n"], self.tokenizer.eos_token_id
-        first = zlib.crc32(json.dumps([request["prompt"], request["temperature"]]).encode()) * 1000
-        seeds = list(range(first, first + n))  # of the request, not of its arrival: concurrent requests interleave
-        with self.lock:
-            drawn = sampler.sample(self.model, [request["prompt"]] * n, None, seeds, request["temperature"])
-            self.sent += drawn
-        stopped = [ids[-1:] == [eos] for ids in drawn]
-        choices = [{"index": i, "token_ids": ids[:-1] if stop else ids, "finish_reason": "stop" if stop else "length"}
-                   for i, (ids, stop) in enumerate(zip(drawn, stopped))]  # fmt: skip
-        return {"choices": choices}
 
 
 @pytest.fixture(scope="module")

@@ -264,7 +264,8 @@ def test_a_tiny_gemma3_reward_model_learns_what_the_images_show(gemma3_dirs, tmp
 def test_rounds_that_would_lose_the_images_are_one_line(gemma3_dirs, tmp_path):
     # A text reward model would score the prompts' text alone (refused before the run starts, and by the reward
     # itself); a prompt of 52 tokens (its image's included) over
-    # max_prompt_length=48, with a completion of 64 tokens over max_length=96, would be cut, and its image tokens.
+    # max_prompt_length=48, with a completion of 64 tokens over max_length=96, would be cut, and its image tokens; a
+    # generation server would be sent the prompts without their images.
     policy_dir, reward_dir = gemma3_dirs
     text_reward = tmp_path / "text_reward"
     torch.manual_seed(0)
@@ -284,6 +285,11 @@ def test_rounds_that_would_lose_the_images_are_one_line(gemma3_dirs, tmp_path):
             "rounds.n=1: a prompt with images is 52 tokens, its images' included, and with a completion of "
             "generation.max_new_tokens=64 exceeds max_length=96, which would cut it to max_prompt_length=48: raise "
             "max_length to 116 or max_prompt_length to 52",
+        ),
+        (  # a generation server is sent token ids alone
+            (f"rounds.reward={reward_dir}", "rounds.server='serve {model} {port}'"),
+            "rounds.server samples a vision-language policy (it is sent token ids alone): set rounds.server=null to "
+            "sample with our loop",
         ),
     ]
     for overrides, message in cases:

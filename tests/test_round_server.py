@@ -1,0 +1,112 @@
+"""rounds.server: each round's policy served by a command the user names (training/policy_server.py), here the
+stand-in server of tests/stand_in_server.py, whose completions are our own loop's draws from the model it loaded."""
+
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import transformers
+
+import train
+from conftest import build_trainer, policy_state
+from persistence.checkpoint import export_live
+from stand_in_server import completions
+from test_rounds import ROUNDS, read_round, round_records
+from utils import UserError
+
+STAND_IN = f"{sys.executable} -m tests.stand_in_server {{model}} {{port}}"
+
+
+def test_a_server_started_for_each_round_samples_the_policy_that_starts_it(make_config, tmp_path, capsys):
+    # Every completion in a round's file is the one the stand-in draws from the weights that started the round (round 0:
+    # the initial policy; round 1: the checkpoint that ended round 0): the served copy was that round's policy, and
+    # its answers (the EOS left out of the ids, finish_reason "stop") came back as drawn. After each round the copy
+    # is removed and the server's output kept.
+    config = make_config(*ROUNDS, "rounds.n=2", f"rounds.server='{STAND_IN}'")
+    start = build_trainer(make_config(*ROUNDS, "rounds.n=2", f"local_run_dir={tmp_path / 'start'}"))
+    model, tokenizer = start.policy, start.tokenizer
+    initial = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    train.run(config)
+    run_dir = Path(config.local_run_dir)
+    assert capsys.readouterr().out.count("sampling: the generation server http://127.0.0.1:") == 2
+    round_end = round_records(run_dir)[1]["step"]
+    trained = policy_state(run_dir / f"step-{round_end}")
+    assert any(not value.equal(initial[name]) for name, value in trained.items())  # round 1's policy is another
+    for index, state in ((0, initial), (1, trained)):
+        model.load_state_dict(state)
+        lines = read_round(run_dir, index)
+        assert len(lines) >= 8
+        for line in lines:
+            request = {"prompt": line["prompt_ids"], "n": 4, "temperature": 1.0, "top_p": 0.9, "max_tokens": 8}
+            assert line["completion_ids"] == [
+                choice["drawn"] for choice in completions(model, tokenizer, request)["choices"]
+            ]
+        assert (run_dir / "rounds" / f"server-{index}.log").is_file()
+        assert not (run_dir / "rounds" / f"policy-{index}").exists()
+
+
+def test_the_served_copy_is_the_policys_weights_as_they_are_now(make_config, tmp_path):
+    # export_live writes the live weights (not a checkpoint's) as a from_pretrained directory: after a change to
+    # them, from_pretrained reads back exactly the changed values.
+    trainer = build_trainer(make_config())
+    for parameter in trainer.policy.parameters():
+        parameter.data.add_(0.125)
+    export_live(tmp_path / "copy", trainer.policy, trainer.tokenizer, trainer.topology)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "copy")
+    ours = trainer.policy.state_dict()
+    assert all(value.equal(ours[name]) for name, value in loaded.state_dict().items())
+    assert (
+        transformers.AutoTokenizer.from_pretrained(tmp_path / "copy")("abc")["input_ids"]
+        == trainer.tokenizer("abc")["input_ids"]
+    )
+
+
+def running(marker: str) -> bool:
+    """Whether a process whose command line holds marker is alive."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def test_a_server_that_fails_to_serve_is_one_line_and_is_stopped(make_config, tmp_path):
+    # A command that exits before serving: its exit code and its output's last line; one that never answers: stopped
+    # (its process group killed) once rounds.server_timeout has passed; either way the policy's copy is removed.
+    def fails(command: str, *extra: str) -> tuple[str, Path]:
+        config = make_config(*ROUNDS, "rounds.n=1", f"rounds.server='{command}'", *extra)
+        with pytest.raises(UserError) as raised:
+            train.run(config)
+        assert "\n" not in str(raised.value)
+        rounds_dir = Path(config.local_run_dir) / "rounds"
+        assert not (rounds_dir / "policy-0").exists()
+        return str(raised.value), rounds_dir
+
+    (tmp_path / "exits.py").write_text('print("no engine here")\nraise SystemExit(3)\n')
+    message, rounds_dir = fails(f"{sys.executable} {tmp_path / 'exits.py'} {{model}} {{port}}")
+    assert (
+        message.startswith("rounds.server: `") and " exited with code 3 before serving at http://127.0.0.1:" in message
+    )
+    assert message.endswith(f"({rounds_dir / 'server-0.log'}: no engine here)")
+    marker = uuid.uuid4().hex
+    (tmp_path / "sleeps.py").write_text("import time\ntime.sleep(120)\n")
+    message, rounds_dir = fails(f"{sys.executable} {tmp_path / 'sleeps.py'} {{model}} {{port}} {marker}",
+                                "rounds.server_timeout=2")  # fmt: skip
+    assert " did not answer at http://127.0.0.1:" in message and "within 2 s (rounds.server_timeout)" in message
+    assert not running(marker)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ((f"rounds.server='{STAND_IN}'",), "rounds.server=.* sets iterative rounds, but rounds.n=0 runs none$"),
+        ((*ROUNDS, "rounds.server='vllm serve {model}'"), "rounds.server='vllm serve {model}' lacks {port}: the comm"),
+    ],
+)
+def test_server_settings_that_cannot_work_are_one_line(make_config, overrides, message):
+    with pytest.raises(UserError, match="^" + message.replace("{", r"\{").replace("}", r"\}")):
+        make_config(*overrides)
