@@ -125,6 +125,49 @@ def scaled_(tensor: torch.Tensor, factor: torch.Tensor | float) -> torch.Tensor:
     return tensor if isinstance(factor, float) and factor == 1.0 else tensor.mul_(factor)
 
 
+# Below about -87.3 float32's exp is subnormal, and a CPU's vectorised exp takes a slow path from there down (2-core
+# Xeon: 291 ms for 16.8M values in [-100, -88], 122 ms in [-200, -110], 3.6 ms in [-50, 0]): logits at a temperature
+# of 0.25, as the sampled KL scores them, spread that far. Floored here, each such term of a logsumexp adds at most
+# e^-87 = 1.6e-38 to a sum of at least 1 (the row's maximum gives e^0): all of them, under V 2^-126, stay below the
+# sum's float32 resolution of 2^-24.
+EXP_FLOOR = -87.0
+
+
+class ChunkBuffers:
+    """The [C, V] tensors of one pass's chunks, allocated once and reused by every chunk: the head's logits in the
+    compute dtype, their float32 upcast and a float32 scratch. A fresh tensor per chunk pays its page faults anew on a
+    CPU (glibc maps each block over 32 MiB on its own and unmaps it when freed: a chunk is 64 MiB): on a 2-core Xeon a
+    chunk of 341 x 49,152 took 31 ms for torch.logsumexp with its temporary allocated, 14 ms in a reused one."""
+
+    def __init__(self, rows: int, vocab: int, dtype: torch.dtype, device: torch.device):
+        self.upcast = torch.empty(rows, vocab, dtype=torch.float32, device=device)
+        self.scratch = torch.empty_like(self.upcast)
+        self.head = self.upcast if dtype == torch.float32 else torch.empty(rows, vocab, dtype=dtype, device=device)
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """[C, V] float32 upcast of hidden @ weight.T + bias computed in the dtype of weight and bias (the compute
+        dtype, as the model's own head computes under the same autocast), in the buffers: torch.nn.functional.linear's
+        GEMM, written out=."""
+        head = self.head[: len(hidden)]
+        with torch.autocast(hidden.device.type, enabled=False):
+            hidden = hidden.to(weight.dtype)
+            if bias is None:
+                torch.mm(hidden, weight.t(), out=head)
+            else:
+                torch.addmm(bias, hidden, weight.t(), out=head)
+        return head if head.dtype == torch.float32 else self.upcast[: len(hidden)].copy_(head)
+
+    def logsumexp(self, logits: torch.Tensor) -> torch.Tensor:
+        """[C] torch.logsumexp(logits, dim=-1), computed as it computes it (the row maxima, infinite ones read as 0,
+        subtracted, exponentiated, summed, logged and added back), its temporary in the scratch buffer, and each
+        difference floored at EXP_FLOOR."""
+        maxes = logits.amax(dim=-1)
+        empty = maxes == -float("inf")  # a row of -inf alone: its sum is 0, whatever the floor
+        maxes.masked_fill_(maxes.abs() == float("inf"), 0)
+        shifted = torch.sub(logits, maxes[:, None], out=self.scratch[: len(logits)]).clamp_(min=EXP_FLOOR).exp_()
+        return shifted.sum(dim=-1).log_().add_(maxes).masked_fill_(empty, -float("inf"))
+
+
 class _ChunkedHeadLogps(torch.autograd.Function):
     """log_softmax(f(hidden[rows] @ weight.T + bias))[target], f a LogitMap applied after the upcast: the LM head
     and the float32 log-softmax fused, chunk by chunk, so that the [M, V] logits never exist.
@@ -154,11 +197,12 @@ class _ChunkedHeadLogps(torch.autograd.Function):
         logsumexp = torch.empty_like(token_logps)
         log_sum_sq = torch.empty(rows.numel() if with_sum_sq else 0, dtype=torch.float32, device=hidden.device)
         weight_c, bias_c = cast(weight, compute_dtype), cast(bias, compute_dtype)  # once, not per chunk
+        buffers = ChunkBuffers(min(step, rows.numel()), weight.shape[0], compute_dtype, hidden.device)
         kept = None
         for start in range(0, rows.numel(), step):
             end = start + step
-            logits = logit_map.apply_(head_logits(hidden[rows[start:end]], weight_c, bias_c, compute_dtype).float())
-            logsumexp[start:end] = torch.logsumexp(logits, dim=-1)
+            logits = logit_map.apply_(buffers.logits(hidden[rows[start:end]], weight_c, bias_c))
+            logsumexp[start:end] = buffers.logsumexp(logits)
             token_logps[start:end] = logits.gather(-1, targets[start:end, None]).squeeze(-1) - logsumexp[start:end]
             keep = keep_probs and end >= rows.numel()
             if with_sum_sq or keep:  # the softmax, in place: these logits are not needed again
@@ -166,7 +210,7 @@ class _ChunkedHeadLogps(torch.autograd.Function):
                 probs = logits.sub_(logsumexp[start:end, None]).exp_()
                 if with_sum_sq:
                     log_sum_sq[start:end] = log_sum_squares(probs)
-                kept = scaled_(probs, slope) if keep else None
+                kept = scaled_(probs, slope) if keep else None  # a view: it keeps its buffer for the backward
         ctx.save_for_backward(hidden, weight, bias, rows, targets, token_logps, logsumexp, kept)
         ctx.compute_dtype, ctx.logit_map = compute_dtype, logit_map
         ctx.mark_non_differentiable(log_sum_sq)
@@ -185,13 +229,16 @@ class _ChunkedHeadLogps(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if ctx.needs_input_grad[2] else None
         weight_c, bias_c = cast(weight, dtype), cast(bias, dtype)  # once, not per chunk
         starts = range(0, rows.numel(), step)
+        buffers = (
+            ChunkBuffers(min(step, rows.numel()), weight.shape[0], dtype, hidden.device) if len(starts) > 1 else None
+        )
         for start in starts:
             end = start + step
             chunk_hidden = hidden[rows[start:end]].to(dtype)
             if start == starts[-1]:
                 probs = last_probs
             else:  # recomputed: exp(f(logits) - logsumexp) * f', in place
-                logits = logit_map.apply_(head_logits(chunk_hidden, weight_c, bias_c, dtype).float())
+                logits = logit_map.apply_(buffers.logits(chunk_hidden, weight_c, bias_c))
                 slope = logit_map.slope(logits)
                 probs = scaled_(logits.sub_(logsumexp[start:end, None]).exp_(), slope)
             probs = probs.to(dtype)  # the GEMMs' operand (a copy only under 16-bit compute)
@@ -219,14 +266,6 @@ class _ChunkedHeadLogps(torch.autograd.Function):
 
 def cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if tensor is None else tensor.to(dtype)
-
-
-def head_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
-) -> torch.Tensor:
-    """hidden @ weight.T + bias in `dtype`; weight and bias already in it."""
-    with torch.autocast(hidden.device.type, enabled=False):  # dtypes are explicit here, forward and backward alike
-        return torch.nn.functional.linear(hidden.to(dtype), weight, bias)
 
 
 def token_logps_from_hidden(hidden, weight, bias, rows, targets, with_sum_sq: bool = False, logit_map=IDENTITY):

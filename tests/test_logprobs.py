@@ -226,7 +226,7 @@ def test_the_last_chunk_of_logits_is_computed_once(chunk_rows_of, rows_per_chunk
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and out.shape[-1] == 40:
+            if func._overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and out.shape[-1] == 40:
                 LogitProducts.count += 1
             return out
 
@@ -242,7 +242,8 @@ def test_the_last_chunk_of_logits_is_computed_once(chunk_rows_of, rows_per_chunk
 @pytest.mark.parametrize("grad", [False, True])
 def test_no_grad_passes_do_not_prepare_the_backward(chunk_rows_of, grad):
     # The reference-cache pass and evals run under no_grad with weights that require grad: the forward then leaves
-    # its last chunk's logits as they are (no softmax pass over [C, V] for a backward that never comes).
+    # its last chunk's logits as they are (no softmax pass over [C, V] for a backward that never comes): one
+    # exponential of the chunk, its logsumexp's, not two.
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class VocabularyExps(TorchDispatchMode):
@@ -258,7 +259,7 @@ def test_no_grad_passes_do_not_prepare_the_backward(chunk_rows_of, grad):
     weight = torch.randn(40, 16, requires_grad=True)
     with VocabularyExps(), torch.set_grad_enabled(grad):
         logprobs.token_logps_from_hidden(hidden, weight, None, torch.arange(6), torch.randint(0, 40, (6,)))
-    assert VocabularyExps.count == (1 if grad else 0)
+    assert VocabularyExps.count == (2 if grad else 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -301,3 +302,24 @@ def test_log_sum_of_squared_probs_comes_with_the_log_probs(dtype, rows_per_chunk
     (token_logps * weights).sum().backward()
     (logprobs.token_logps_from_logits(plain, rows, targets) * weights).sum().backward()
     assert torch.equal(with_sum_sq.grad, plain.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_reused_chunk_buffers_give_exactly_what_fresh_tensors_gave(dtype):
+    # The head's logits written into reused buffers, and the logsumexp computed in one, equal bit for bit the fresh
+    # tensors' (torch.nn.functional.linear's upcast, torch.logsumexp), rows of -inf and of +inf included, and a row
+    # spread past exp's subnormal range; a chunk of fewer rows than the buffers reads only its own.
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 16, generator=generator) * 3
+    weight, bias = torch.randn(40, 16, generator=generator).to(dtype), torch.randn(40, generator=generator).to(dtype)
+    buffers = logprobs.ChunkBuffers(7, 40, dtype, hidden.device)
+    for rows in (7, 4):
+        for b in (None, bias):
+            got = buffers.logits(hidden[:rows], weight, b)
+            expected = torch.nn.functional.linear(hidden[:rows].to(dtype), weight, b).float()
+            assert got.shape == (rows, 40) and torch.equal(got, expected)
+            got[0] = -torch.inf
+            got[1, 3] = torch.inf
+            got[2] *= 40  # spread past exp's subnormal range: floored at EXP_FLOOR, below the sum's resolution
+            assert (got[2] - got[2].max() < logprobs.EXP_FLOOR).sum() > 5
+            assert torch.equal(buffers.logsumexp(got), torch.logsumexp(got, dim=-1))
