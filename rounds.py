@@ -31,7 +31,6 @@ from core.examples import Examples, from_ids
 from core.rewards import load_reward
 from core.sampling import distinct_prompts, sample_seed
 from core.step import Data
-from modeling.adapters import is_quantized
 from modeling.vision import pack_images, unpack_images
 from persistence.tokenized import first_of_each_group
 from preference_datasets import batch_schedule
@@ -81,10 +80,11 @@ class Rounds:
             [ex.get("images", b"") for ex in held_out],
         )
         c = self.config
-        vision = getattr(trainer.tokenizer, "vision", None) is not None
-        if self.settings.server and (vision or is_quantized(trainer.policy)):
-            what = "a vision-language policy (it is sent token ids alone)" if vision else "a 4-bit policy"
-            raise UserError(f"rounds.server samples {what}: set rounds.server=null to sample with our loop")
+        if self.settings.server and getattr(trainer.tokenizer, "vision", None) is not None:
+            raise UserError(
+                "rounds.server samples a vision-language policy (it is sent token ids alone): set rounds.server=null "
+                "to sample with our loop"
+            )
         self.reward = self.topology.run_on_main(
             lambda: load_reward(self.settings.reward, self.topology.device, c.eval_batch_size, c.max_length)
         )

@@ -51,6 +51,11 @@ def check_rounds(config) -> None:
         )
     if not config.generation.do_sample:
         raise UserError(f"{n} samples {config.rounds.completions} completions a prompt: generation.do_sample=true")
+    if config.rounds.server and config.lora.quantize:
+        raise UserError(
+            f"rounds.server samples a round's policy written as a model, and lora.quantize={config.lora.quantize} "
+            "has none to write (its adapter merged into a 4-bit base): set rounds.server=null to sample with our loop"
+        )
 
 
 def check_layout(config) -> None:

@@ -18,6 +18,10 @@ from core.sampling import Sampler
 from modeling.distributed import Topology
 
 
+class Listening(ThreadingHTTPServer):
+    request_queue_size = 64  # a round's requests at once (the default backlog is 5)
+
+
 class StandIn:
     """A server of the model at `model_dir` under the name `served`; `answer` may replace a completions answer."""
 
@@ -50,8 +54,7 @@ class StandIn:
                     return self.reply({"tokens": ids, "count": len(ids)})
                 self.reply(stand_in.answer(request) if stand_in.answer else stand_in.complete(request))
 
-        ThreadingHTTPServer.request_queue_size = 64  # a round's requests at once (the default backlog is 5)
-        self.http = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.http = Listening(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
 

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 import transformers
+from omegaconf import OmegaConf
 
 import train
+from configuration.checks import check_rounds
 from conftest import build_trainer, policy_state
 from persistence.checkpoint import export_live
 from stand_in_server import completions
@@ -110,3 +112,12 @@ def test_a_server_that_fails_to_serve_is_one_line_and_is_stopped(make_config, tm
 def test_server_settings_that_cannot_work_are_one_line(make_config, overrides, message):
     with pytest.raises(UserError, match="^" + message.replace("{", r"\{").replace("}", r"\}")):
         make_config(*overrides)
+
+
+def test_a_4bit_policy_is_refused_a_server_before_the_run(make_config):
+    # QLoRA needs a GPU, so its config does not load here: the rounds' check of the loaded config is asked directly.
+    config = OmegaConf.to_object(make_config(*ROUNDS, "rounds.n=1", f"rounds.server='{STAND_IN}'", "lora.enabled=true"))
+    check_rounds(config)  # LoRA merged into a float base: served
+    config.lora.quantize = "4bit"
+    with pytest.raises(UserError, match="^rounds.server samples a round's policy written as a model, and lora.quanti"):
+        check_rounds(config)

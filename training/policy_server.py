@@ -11,7 +11,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -19,19 +18,12 @@ import urllib.request
 from pathlib import Path
 
 from core.server_sampling import ServerSampler
-from modeling.distributed import Topology
+from modeling.distributed import Topology, free_port
 from persistence.checkpoint import export_live
 from utils import UserError
 
 STOP_GRACE = 30  # seconds a server has to exit on SIGTERM before its process group is killed
 POLL = 0.5  # seconds between two asks whether the server answers yet
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now (the server binds it a moment later)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def serve_command(template: str, model_dir: Path, port: int) -> list[str]:
@@ -64,6 +56,7 @@ class PolicyServer:
 
     def __enter__(self) -> "PolicyServer":
         shown = shlex.join(self.command)
+        print(f"rounds.server: starting `{shown}`; its output: {self.log_file}")
         with open(self.log_file, "w") as log:
             try:
                 self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
