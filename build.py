@@ -14,17 +14,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from core.attention import model_class
-from core.evaluation import Evaluator
 from core.examples import Examples
 from core.liger import liger_line
 from core.losses import LOSSES
 from core.objective import build_objective
 from core.optim import build_optimizer, build_scheduler
-from core.rewards import reads_images
 from core.router_loss import find_routers
-from core.sampling import Sampler
 from core.scoring import Scorer, ScoringSettings
 from core.step import BatchLoss, Data, check_kto_prompts
+from generation.sampling import Sampler
+from judging.held_out import Evaluator
+from judging.rewards import reads_images
 from modeling import weights
 from modeling.adapters import (
     add_reference_adapter,

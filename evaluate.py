@@ -14,8 +14,6 @@ Under torchrun the prompts are shared out over the ranks and each model is shard
 shards it, or with shard_models=false held whole by every rank (data parallel: no gathering of weights, our decode
 loop on every rank); the result is the same as on one process. Config: config/evaluate.yaml (types and checks below)."""
 
-import contextlib
-import glob
 import sys
 import time
 from dataclasses import dataclass
@@ -32,10 +30,11 @@ from configuration.checks import check_writable_dir
 from configuration.composition import register
 from configuration.messages import as_override, expect
 from configuration.sections import WandbConfig
-from core.judges import check_judge, load_judge
-from core.sampling import Sampler, sample_seed
-from core.server_sampling import ServerSampler
-from core.winrates import summarize
+from generation.sampling import Sampler, sample_seed
+from generation.server_sampling import ServerSampler
+from judging.candidates import CHOSEN, named_key, reference_line, resolve_reference, sweep_jobs
+from judging.judges import check_judge, load_judge
+from judging.winrates import summarize
 from modeling.distributed import (
     Topology,
     init_process_group,
@@ -46,8 +45,8 @@ from modeling.distributed import (
 from modeling.precision import choose_compute_dtype
 from pairs.chat_templates import template_kwargs_problem
 from persistence.tokenized import Tokenization, first_of_each_group, load_examples
-from reporting import evaluation_report, sweep_report
-from trained import kind, load_trained, reference_differs, run_config, run_reference, runs_reference, trained_tokenizer
+from reporting import evaluation_report
+from trained import kind, load_trained, run_config
 from utils import (
     POSITIVE,
     Range,
@@ -58,8 +57,6 @@ from utils import (
     ranged,
     release_free_memory,
 )
-
-CHOSEN = "chosen"  # baseline=chosen: the dataset's chosen responses
 
 
 @dataclass
@@ -305,19 +302,6 @@ class CompletionStore:
         return np.asarray(values, dtype=np.float64).reshape(len(self.prompts), self.config.samples_per_prompt)
 
 
-@contextlib.contextmanager
-def named_key(config: DictConfig, spec: str):
-    """A model's loading errors name evaluate.py's key that gave it (candidates[i], baseline, reference), not the
-    key train.py would have read it from."""
-    keys = [f"candidates[{i}]" for i, c in enumerate(config.candidates) if c == spec]
-    keys += [key for key in ("baseline", "reference") if config[key] == spec]
-    try:
-        yield
-    except UserError as error:
-        key = keys[0] if keys else "candidates"
-        raise UserError(str(error).replace("model.name_or_path=", f"{key}=")) from None
-
-
 def text_length(ids: list[int], eos_token_id: int) -> int:
     """A completion's tokens without its closing EOS."""
     return len(ids) - (1 if ids and ids[-1] == eos_token_id else 0)
@@ -357,94 +341,12 @@ def judge_all(config: DictConfig, store: CompletionStore, tokenizer, device, max
     return results, lines
 
 
-def sweep_jobs(config: DictConfig) -> dict[str, dict]:
-    """The candidates with each sweep directory, run directory or glob replaced by the final checkpoints (LATEST)
-    of its finished runs (in config.candidates); the keys that set a sweep's or a glob's runs apart, by candidate ({}
-    without either), for the frontier, whose runs must share one reference (trained.REFERENCE_KEYS). What a glob matches
-    that holds no run or model (a sweep's multirun.yaml, its summary) is left out, with a line."""
-    candidates, runs = [], {}
-    for i, spec in enumerate(config.candidates):
-        matched = sorted(glob.glob(spec)) if glob.has_magic(spec) else [spec]
-        if not matched:
-            raise UserError(f"candidates: {spec} matches no directory")
-        for path in map(Path, matched):
-            found = sweep_report.jobs(path) if sweep_report.is_sweep(path) else []
-            if (path / "LATEST").is_dir() and (path / "config.yaml").exists():
-                found = [sweep_report.Job(path, len(runs), [], "run")]  # a run's directory; LATEST says if done
-            problem = None if found else not_a_model(path)
-            if problem and glob.has_magic(spec):
-                print(f"candidates: {path} left out ({problem})")
-                continue
-            if problem:
-                raise UserError(f"candidates[{i}]={spec} {problem}")
-            for job in found:
-                if job.finished() and (job.directory / "LATEST").is_dir():  # a sweep's or a glob's runs: labelled
-                    labelled = glob.has_magic(spec) or job.overrides
-                    runs[str(job.directory / "LATEST")] = job.settings() if labelled else None
-                else:
-                    print(f"candidates: {job.directory} left out ({job.status}: no final checkpoint)")
-            candidates += [str(job.directory / "LATEST") for job in found if str(job.directory / "LATEST") in runs]
-            candidates += [] if found else [str(path)]
-    if not candidates:
-        raise UserError(f"candidates={as_override(list(config.candidates))}: no finished run among them to evaluate")
-    config.candidates = candidates
-    swept = {name: settings for name, settings in runs.items() if settings is not None}  # a sweep's or a glob's
-    if swept:
-        check_same_reference(swept)
-    return sweep_report.labels(swept) if swept else {}
-
-
-def not_a_model(path: Path) -> str | None:
-    """Why a local path is no candidate (a file; a directory holding no model, checkpoint or adapter), or None (a
-    model's directory, or no local path: a Hub name)."""
-    if not path.exists():
-        return None
-    if not path.is_dir():
-        return "is a file, not a run, sweep or model directory"
-    if (path / "config.json").exists() or kind(str(path)) != "model":
-        return None
-    return "is not a run, sweep or model directory: it holds no LATEST/ with config.yaml, no job.json, no config.json"
-
-
-def check_same_reference(runs: dict[str, dict]) -> None:
-    """The runs were trained against one reference, or their KLs are to different models."""
-    first, settings = next(iter(runs.items()))
-    for name, other in runs.items():
-        differ = reference_differs(settings, other)
-        if differ:
-            raise UserError(
-                f"candidates: {name} was trained against another reference than {first} ({differ}="
-                f"{other.get(differ)}, not {settings.get(differ)}); a frontier needs one: evaluate them apart"
-            )
-
-
-def reference_line(config: DictConfig, run: DictConfig | None) -> str:
-    """The one line that says which model the KL is measured against, and why that one."""
-    if run is not None:
-        how = f": a random initialisation of {run.model.name_or_path} from seed {run.seed}, rebuilt"
-        return f"reference: {config.reference} (the runs' own{how if run.model.random_init else ''})"
-    if config.reference is not None:
-        return f"reference: {config.reference}"
-    if config.baseline != CHOSEN:
-        return f"reference: {config.baseline} (the baseline; reference=null)"
-    return "reference: none (baseline=chosen, and the candidates share no run's reference): no KL; give reference=MODEL"
-
-
 def evaluate(config: DictConfig, topology: Topology, labels: dict[str, dict] | None = None) -> Path | None:
     """The whole evaluation on this rank; the output directory (rank 0's; None on the others). `labels`: the keys
     that set a sweep's jobs apart (sweep_jobs), for its frontier."""
     cache_dir = get_local_dir(config.local_dirs)
     with topology.main_first():
-        run = runs_reference(config)
-        if run is not None:  # the runs' own, trained with the candidates' tokenizer: no vocabulary to compare
-            config.reference = run_reference(run, cache_dir)
-        with named_key(config, config.candidates[0]):
-            tokenizer = trained_tokenizer(config.candidates[0], cache_dir)
-        for spec in [*config.candidates[1:], config.baseline, None if run else config.reference]:
-            if spec not in (None, CHOSEN):
-                with named_key(config, spec):
-                    other = trained_tokenizer(spec, cache_dir)
-                check_same_vocabulary(tokenizer, other, config.candidates[0], spec)
+        run, tokenizer = resolve_reference(config, cache_dir)
         data = data_settings(config)
         prompts = held_out_prompts(config, data, tokenizer, cache_dir)
     if topology.is_main:
@@ -463,12 +365,6 @@ def evaluate(config: DictConfig, topology: Topology, labels: dict[str, dict] | N
         return output
 
     return topology.run_on_main(report)
-
-
-def check_same_vocabulary(tokenizer, other, first: str, spec: str) -> None:
-    """The models must read and write the same token ids: a completion's ids are scored by the reference."""
-    if tokenizer.get_vocab() != other.get_vocab():
-        raise UserError(f"{spec} has another tokenizer than {first}: their completions cannot be compared as token ids")
 
 
 def main(args: list[str]) -> None:

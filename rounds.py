@@ -28,9 +28,9 @@ import numpy as np
 
 import storage
 from core.examples import Examples, from_ids
-from core.rewards import load_reward
-from core.sampling import distinct_prompts, sample_seed
 from core.step import Data
+from generation.sampling import distinct_prompts, sample_seed
+from judging.rewards import load_reward
 from modeling.vision import pack_images, unpack_images
 from persistence.tokenized import first_of_each_group
 from preference_datasets import batch_schedule

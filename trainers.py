@@ -20,9 +20,9 @@ from pathlib import Path
 import tqdm
 
 from build import RunParts
-from core.evaluation import HeldOutWinRate
 from core.optim import clip_grad_norm
 from core.step import Data
+from judging.held_out import HeldOutWinRate
 from modeling.reference_sync import SyncedReference
 from persistence import reference_cache
 from references import round_reference

@@ -1,4 +1,4 @@
-"""--generate [--versus GIT_REF] [--rounds N]: evaluate.py's sampling (core.sampling.Sampler) against plain
+"""--generate [--versus GIT_REF] [--rounds N]: evaluate.py's sampling (generation.sampling.Sampler) against plain
 model.generate(do_sample=True) on the same prompts and batches, and against the bound of the machine's float32
 matmul rate (the precision probe's) over a decode step's FLOPs; and where a whole evaluation's time goes: prefill,
 decode forward passes, the rest of sampling (the seeded sampler, generate's own steps), the KL's log-probs (two

@@ -1,8 +1,8 @@
 """--generate's worker, run in a fresh process from the code of either version (this tree's or --versus's, by file
-path: it imports only the sampling and judging modules, core/sampling.py and core/judges.py, or before they were
-split core/generations.py, and modeling.distributed): evaluate.py's sampling (the
-Sampler) and its parts, plain model.generate on the same batches, the seeded sampler alone on random logits, the
-KL's log-probs and a reward model's judging, each timed."""
+path: it imports only the sampling and judging modules, generation/sampling.py and judging/judges.py, before their
+packages core/sampling.py and core/judges.py, before their split core/generations.py, and modeling.distributed):
+evaluate.py's sampling (the Sampler) and its parts, plain model.generate on the same batches, the seeded sampler
+alone on random logits, the KL's log-probs and a reward model's judging, each timed."""
 
 import importlib
 import inspect
@@ -41,11 +41,15 @@ class ForwardClock:
 
 
 def module(name: str):
-    """core.sampling or core.judges (this tree's), or core.generations, which held both in the versions before."""
-    try:
-        return importlib.import_module(f"core.{name}")
-    except ModuleNotFoundError:
-        return importlib.import_module("core.generations")
+    """generation.sampling or judging.judges (this tree's); in the versions before, core.sampling or core.judges, and
+    before those core.generations, which held both."""
+    package = {"sampling": "generation", "judges": "judging"}[name]
+    for dotted in (f"{package}.{name}", f"core.{name}", "core.generations"):
+        try:
+            return importlib.import_module(dotted)
+        except ModuleNotFoundError:
+            continue
+    raise ModuleNotFoundError(f"no {package}.{name}, core.{name} or core.generations in this version")
 
 
 def seeds_of(n: int, temperature: float, side: int = 0) -> list[int]:
@@ -141,7 +145,7 @@ def generate_worker(result_file: str, model_dir: str, judge_dir: str, prompts_fi
     """Every timing of one version's code into result_file (JSON), the models in `dtype` as evaluate.py's dtype= loads
     them (in bfloat16 the KL's first term scored after sampling, as evaluate.py scores it there)."""
     RewardJudge, Sampler = module("judges").RewardJudge, module("sampling").Sampler
-    from core.rewards import ModelReward
+    from judging.rewards import ModelReward
     from modeling.distributed import Topology
 
     torch.manual_seed(0)

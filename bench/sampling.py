@@ -1,4 +1,4 @@
-"""The GPU campaign's sampling stage (gpu.py): evaluate.py's sampling (core.sampling.Sampler, our decode loop, the
+"""The GPU campaign's sampling stage (gpu.py): evaluate.py's sampling (generation.sampling.Sampler, our decode loop, the
 candidate's log-probs summed while drawing) against plain model.generate(do_sample=True) on as many rows of the same
 prompts (at T = 1: generate takes one temperature a call), on the campaign's random model in bfloat16 on a GPU
 (float32 on a CPU, as evaluate.py's dtype=auto chooses). Our rows are evaluate.py's: each prompt at every temperature.
@@ -13,7 +13,7 @@ import transformers
 
 from bench.common import hh_like_rows
 from bench.generate_worker import ForwardClock, time_generate, time_sampler
-from core.sampling import Sampler
+from generation.sampling import Sampler
 from modeling.distributed import Topology
 
 

@@ -9,11 +9,11 @@ import torch
 
 from configuration.messages import as_override, did_you_mean, expect
 from core.attention import ATTENTIONS
-from core.judges import check_judge
 from core.layouts import LAYOUTS
 from core.liger import liger_problem
 from core.losses import LOSSES
 from core.optim import build_optimizer
+from judging.judges import check_judge
 from modeling.distributed import TRAINERS
 from reporting.micro_batches import micro_batch_gib
 from utils import UserError, first_line

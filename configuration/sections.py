@@ -7,7 +7,7 @@ from typing import Optional
 
 from omegaconf import MISSING
 
-from core.rewards import check_reward
+from judging.rewards import check_reward
 from modeling.precision import parse_dtype
 from utils import NON_NEGATIVE, POSITIVE, Range, UserError, check_ranges, ranged
 

@@ -126,7 +126,7 @@ def sequence_logps(
     group, in their places among the batch's scored tokens (the others zeros), every rank has every token's
     log-prob, and sums them in the order one process does: an sp run's sums do not depend on where a slice ends.
     temperature: the log-probs of the model's logits divided by it, a number or [S] one per sequence (on the host;
-    no with_sum_sq, no sequence parallelism): sampled completions' log-probs (core/sampling.py)."""
+    no with_sum_sq, no sequence parallelism): sampled completions' log-probs (generation/sampling.py)."""
     per_token = None  # [N] each scored token's temperature, on the host
     if isinstance(temperature, torch.Tensor):
         per_token = temperature.float().repeat_interleave(batch.sequence_lengths.cpu())

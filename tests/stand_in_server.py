@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from core.sampling import Sampler
+from generation.sampling import Sampler
 from modeling.distributed import Topology
 
 

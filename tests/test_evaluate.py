@@ -1,4 +1,4 @@
-"""evaluate.py and its parts (core/sampling.py and core/judges.py): a model against itself wins half within
+"""evaluate.py and its parts (generation/sampling.py and judging/judges.py): a model against itself wins half within
 its interval, a judge that prefers the candidate by construction gives it every win, a judge that always answers
 "A" gives only ties once the order is swapped, the sampled KL estimates the exact KL of a tiny model, batching and
 two ranks give the same samples and verdicts as one process, images reach the candidate and a vision-language
@@ -35,9 +35,9 @@ from conftest import (
     tiny_run_overrides,
     write_jsonl,
 )
-from core.judges import Judgement, PairwiseJudge, check_judge, letter_tokens, load_judge
-from core.rewards import ModelReward
-from core.sampling import Sampler, sample_seed
+from generation.sampling import Sampler, sample_seed
+from judging.judges import Judgement, PairwiseJudge, check_judge, letter_tokens, load_judge
+from judging.rewards import ModelReward
 from modeling.distributed import Topology
 from modeling.tokenizers import load_tokenizer
 from modeling.vision import pack_images, vision_tower

@@ -8,11 +8,11 @@ from transformers.cache_utils import DynamicLayer
 
 import train
 from conftest import build_trainer, read_jsonl
-from core import decoding, sampling, seeded_draw
-from core.decoding import ReservedLayer, hole_filling_order, length_groups
-from core.sampling import SeededSampling
 from core.scoring import Scorer
-from core.seeded_draw import drawn_log_probs, probs_draw
+from generation import decoding, sampling, seeded_draw
+from generation.decoding import ReservedLayer, hole_filling_order, length_groups
+from generation.sampling import SeededSampling
+from generation.seeded_draw import drawn_log_probs, probs_draw
 
 
 def test_sampling_during_eval_strips_prompt(make_config):
@@ -137,8 +137,8 @@ def test_seeded_draw_at_top_p_1_where_the_mass_rounds_to_1_and_the_rule_cuts_the
 
 
 def test_the_own_decode_loop_draws_what_generate_drew_sharing_prefills_and_dropping_finished_rows(make_config):
-    # Rows of prompts x temperatures x samples through core.decoding's loop: each completion equal (float32) to the
-    # one model.generate with SeededSampling draws from the same seed and temperature, one row at a time; each
+    # Rows of prompts x temperatures x samples through generation.decoding's loop: each completion equal (float32) to
+    # the one model.generate with SeededSampling draws from the same seed and temperature, one row at a time; each
     # distinct prompt prefilled once; rows that drew their EOS leave the batch (the forward passes shrink).
     trainer = build_trainer(make_config("generation.max_new_tokens=12"))
     policy, sampler = trainer.policy, trainer.evaluator.sampler

@@ -10,7 +10,7 @@ import transformers
 import config as configuration
 import evaluate
 from conftest import read_jsonl, save_tiny_lm, write_jsonl
-from core.judges import load_judge
+from judging.judges import load_judge
 from modeling.distributed import Topology
 from utils import UserError
 
@@ -183,7 +183,7 @@ def test_prompts_longer_than_the_models_positions_keep_their_end_and_are_said_on
 
 
 def test_a_cut_prompt_keeps_its_last_tokens():
-    from core.sampling import Sampler
+    from generation.sampling import Sampler
 
     class Model:
         config = transformers.GPT2Config(n_positions=10)

@@ -21,7 +21,7 @@ from core.heads import reward_positions, sequence_rewards
 from core.layouts import pack, pad
 from core.losses import bradley_terry
 from core.objective import RewardObjective
-from core.rewards import ModelReward
+from judging.rewards import ModelReward
 from modeling.reward_head import init_reward_head, reward_head
 from pairs.formats import PreferencePair
 from persistence.tokenized import Tokenization, tokenize_pairs

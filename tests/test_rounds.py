@@ -9,9 +9,9 @@ import torch
 
 import train
 from conftest import TINY_DIR, assert_same_metrics, policy_state, read_jsonl, write_jsonl
-from core import judges
-from core.judges import RewardJudge
-from core.rewards import load_reward
+from judging import judges
+from judging.judges import RewardJudge
+from judging.rewards import load_reward
 from rounds import Rounds, round_lines
 from utils import UserError
 
@@ -328,7 +328,7 @@ def test_a_resume_inside_a_round_whose_files_are_gone_is_one_line(make_config, t
 def test_a_judges_reward_model_reads_in_the_evaluations_dtype(reward_model_dir):
     # evaluate.py loads its judge in the evaluation's dtype (bfloat16 where dtype=auto chooses it): the rewards are
     # the float32 model's to bfloat16's rounding
-    from core.judges import load_judge
+    from judging.judges import load_judge
 
     cpu, dtypes = torch.device("cpu"), (torch.float32, torch.bfloat16)
     judge = {

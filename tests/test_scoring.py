@@ -164,9 +164,10 @@ def test_sums_of_log_sum_squared_probs_equal_the_padded_full_logits(examples, la
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 @pytest.mark.parametrize("scored_head", [True, False])
 def test_log_probs_at_a_temperature_per_sequence_equal_each_sequence_alone(examples, layout, scored_head):
-    # The sampled KL's log-probs (core/prompt_groups.py): each sequence's response tokens under softmax(logits / T),
-    # T its own temperature, from one forward of the whole batch, equal a plain forward of that sequence alone,
-    # its logits divided by its T (sequences are numbered response-major: all first responses, then all second).
+    # The sampled KL's log-probs (generation/prompt_groups.py): each sequence's response tokens under
+    # softmax(logits / T), T its own temperature, from one forward of the whole batch, equal a plain forward of that
+    # sequence alone, its logits divided by its T (sequences are numbered response-major: all first responses, then
+    # all second).
     model = tiny_model("llama", "sdpa")
     n = len(examples)
     temperatures = torch.tensor([0.25, 0.5, 1.0, 2.0, 0.7, 1.5, 1.5, 0.7, 2.0, 1.0, 0.5, 0.25])[: 2 * n]

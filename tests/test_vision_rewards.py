@@ -28,8 +28,8 @@ from conftest import (
     vlm_overrides,
     write_jsonl,
 )
-from core.rewards import ModelReward
 from core.scoring import Scorer, ScoringSettings
+from judging.rewards import ModelReward
 from modeling.distributed import Topology
 from modeling.reward_head import init_reward_head
 from modeling.vision import Vision, decode, pack_images, unpack_images, vision_tower

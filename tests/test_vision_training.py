@@ -31,9 +31,9 @@ from conftest import (
     vlm_overrides,
     write_jsonl,
 )
-from core.evaluation import Evaluator
-from core.sampling import Sampler
 from core.step import mismatched
+from generation.sampling import Sampler
+from judging.held_out import Evaluator
 from modeling.distributed import Topology
 from modeling.placement import find_blocks, language_blocks, tensor_parallel_plan
 from modeling.tokenizers import load_tokenizer

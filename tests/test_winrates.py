@@ -1,9 +1,9 @@
-"""Win-rate statistics (core/winrates.py): rates, their bootstrap intervals, the length-controlled win rate."""
+"""Win-rate statistics (judging/winrates.py): rates, their bootstrap intervals, the length-controlled win rate."""
 
 import numpy as np
 import pytest
 
-from core.winrates import bootstrap, length_controlled, rate_of, score, summarize
+from judging.winrates import bootstrap, length_controlled, rate_of, score, summarize
 
 
 def test_rates_and_the_tie_counted_half_are_the_outcomes_counted():

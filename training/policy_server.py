@@ -2,8 +2,8 @@
 `vllm serve {model} --port {port}`). For each round the policy is written as a from_pretrained directory (its weights
 as they are now; a LoRA policy's merged into its base), the command started on rank 0 in a session of its own with
 its output in a log beside the round's file, and waited for until its /v1/models answers; the round's rows are asked
-for through core.server_sampling.ServerSampler (the served model checked to be that directory, its vocabulary ours);
-then the server is stopped (its whole process group: SIGTERM, SIGKILL after STOP_GRACE seconds) and the directory
+for through generation.server_sampling.ServerSampler (the served model checked to be that directory, its vocabulary
+ours); then the server is stopped (its whole process group: SIGTERM, SIGKILL after STOP_GRACE seconds) and the directory
 removed, whatever happened, before the round's reference pass and training need the memory back. Why a server
 started per round, and what it costs: docs/rounds.md#sampling-by-a-server."""
 
@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from core.server_sampling import ServerSampler
+from generation.server_sampling import ServerSampler
 from modeling.distributed import Topology, free_port
 from persistence.checkpoint import export_live
 from utils import UserError

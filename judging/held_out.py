@@ -1,13 +1,13 @@
-"""Evaluation on the held-out examples, samples from policy and reference on their prompts (core/sampling.py samples
-them), and the policy's win rate against its reference (core/judges.py judges it)."""
+"""Evaluation on the held-out examples, samples from policy and reference on their prompts (generation/sampling.py
+samples them), and the policy's win rate against its reference (judging/judges.py judges it)."""
 
 import numpy as np
 import torch
 import tqdm
 
-from core.judges import load_judge
-from core.sampling import Sampler, distinct_prompts, sample_seed
-from core.winrates import score
+from generation.sampling import Sampler, distinct_prompts, sample_seed
+from judging.judges import load_judge
+from judging.winrates import score
 from modeling.distributed import Topology
 from utils import get_local_dir, metric_mean
 

@@ -1,10 +1,10 @@
 """Sampling: completions of prompts drawn from a model, each from a seed of its own, and their tempered log-probs.
 Iterative rounds (rounds.py) sample with it, evaluate.py and the trainer's win rate sample and score with it; the
-judges that compare two completions are core/judges.py's.
+judges that compare two completions are judging/judges.py's.
 
-The words, one per level (docs/architecture.md#the-words-of-generation): a token is *drawn* (core/seeded_draw.py);
-the loop over a batch's tokens *decodes* (core/decoding.py's own loop, or transformers' generate); rows' completions
-are *sampled*, sharded over the ranks (Sampler.sample, sample_scored); a sequence's log-prob is *scored*
+The words, one per level (docs/architecture.md#the-words-of-generation): a token is *drawn* (generation/seeded_draw.py);
+the loop over a batch's tokens *decodes* (generation/decoding.py's own loop, or transformers' generate); rows'
+completions are *sampled*, sharded over the ranks (Sampler.sample, sample_scored); a sequence's log-prob is *scored*
 (Sampler.score). A completion drawn from its seed is the same whatever completions share its batch and however many
 ranks share the prompts (SeededSampling), so a result does not depend on batching or ranks."""
 
@@ -15,10 +15,10 @@ import torch
 import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from core.decoding import decode, is_sharded, own_loop_problem
 from core.layouts import left_padded_prompts, to_device
-from core.prompt_groups import prompt_scorer, scores_by_prompt
-from core.seeded_draw import drawn_log_probs, probs_draw, seeded_draw, tempered_probs
+from generation.decoding import decode, is_sharded, own_loop_problem
+from generation.prompt_groups import prompt_scorer, scores_by_prompt
+from generation.seeded_draw import drawn_log_probs, probs_draw, seeded_draw, tempered_probs
 from modeling.placement import root_gathered
 from modeling.vision import unpack_images
 from utils import UserError
@@ -94,9 +94,9 @@ class Sampler:
         """Completions of rows of prompts (token ids; images: each prompt's, or None), row i sampled from seeds[i] at
         its temperature (`temperatures`: one for every row, or one per row) from the nucleus `top_p`, or greedy
         where seeds is None. A row is a function of its prompt, seed and temperature alone: the same in any batch,
-        on any number of ranks. Sharded over the ranks and gathered. Where core.decoding's own loop serves the model,
-        rows of one prompt share its prefill and finished rows leave the batch; else transformers' generate decodes
-        one temperature's rows at a time."""
+        on any number of ranks. Sharded over the ranks and gathered. Where generation.decoding's own loop serves the
+        model, rows of one prompt share its prefill and finished rows leave the batch; else transformers' generate
+        decodes one temperature's rows at a time."""
         if seeds is None:
             model.eval()
             images = images or [b""] * len(prompts)
@@ -187,8 +187,9 @@ class Sampler:
         return torch.stack([torch.rand(self.max_new_tokens, generator=generator) for generator in generators])
 
     def decode_own(self, model, prompts, seeds: list[int], temperatures: list[float], top_p: float, scored: bool):
-        """One batch's (completion, log-prob or None) by core.decoding's own loop, each token drawn as SeededSampling
-        draws it; where scored, each completion's float32 log-prob at its temperature, summed as it is drawn."""
+        """One batch's (completion, log-prob or None) by generation.decoding's own loop, each token drawn as
+        SeededSampling draws it; where scored, each completion's float32 log-prob at its temperature, summed as it is
+        drawn."""
         uniforms = self.uniforms(seeds)
         one = len(set(temperatures)) == 1  # a number, as SeededSampling divides by it
         temperature = torch.tensor(temperatures, dtype=torch.float32)[:, None]
@@ -213,7 +214,7 @@ class Sampler:
               temperatures: float | list[float]) -> list[float]:  # fmt: skip
         """Each completion's float32 log-probability under `model` sampling at its temperature (one per completion,
         or one for all): its logits divided by it, the distribution a completion sampled at that temperature, with
-        top_p 1, was drawn from. Each prompt is computed once for all its completions (core/prompt_groups.py);
+        top_p 1, was drawn from. Each prompt is computed once for all its completions (generation/prompt_groups.py);
         sharded over the ranks and gathered."""
         model.eval()
         n = len(prompts)
@@ -304,7 +305,7 @@ def per_row(temperatures, n: int) -> list:
 
 def prompt_batches(rows: list[int], prompts: list[list[int]], n_prompts: int) -> list[list[int]]:
     """The rows in batches of the rows of n_prompts distinct prompts each, the prompts in order of length: each
-    prompt is prefilled once for all its rows (core.decoding), and prompts of similar lengths pad little. A row's
+    prompt is prefilled once for all its rows (generation.decoding), and prompts of similar lengths pad little. A row's
     completion does not depend on its batch, so any grouping draws the same completions. (A batch of a prompt
     sampled at 4 temperatures holds 4 rows: more rows per weight read, which bounds a CPU's decode step.)"""
     by_prompt: dict[tuple, list[int]] = {}

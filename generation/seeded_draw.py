@@ -1,7 +1,7 @@
 """The seeded draw: the token each row of logits draws at a temperature from the nucleus (Holtzman et al. 2020) with a
 uniform of its own, by the inverse CDF over the probabilities sorted by falling value (equal ones in token-id order).
-core.sampling's SeededSampling and core.decoding's loop draw every sampled token with it, so a completion is a
-function of its seed, temperature and prompt alone. On a CPU it reads the HEAD largest probabilities of every row
+generation.sampling's SeededSampling and generation.decoding's loop draw every sampled token with it, so a completion
+is a function of its seed, temperature and prompt alone. On a CPU it reads the HEAD largest probabilities of every row
 first, then the PREFIX largest of a row whose draw may fall past them, and sorts the whole row only where the draw may
 fall past those; on other devices it sorts stably."""
 

@@ -1,8 +1,8 @@
 """Judges: which of two completions of a prompt is better. A judge answers, for each prompt and two completions of
-it, in both orders: a reward (a reward model's, or a function's: core/rewards.py) by comparing the two rewards; a
+it, in both orders: a reward (a reward model's, or a function's: judging/rewards.py) by comparing the two rewards; a
 pairwise LLM judge by asking an instruct model and reading its next-token probabilities of "A" and "B" (a verdict that
 flips with the order is a tie: Zheng et al. 2023, arXiv:2306.05685). Every judge is a `Judge`; `load_judge` makes
-one of `judge=`, `check_judge` checks it before a run starts. evaluate.py, the trainer's win rate (core/evaluation.py)
+one of `judge=`, `check_judge` checks it before a run starts. evaluate.py, the trainer's win rate (judging/held_out.py)
 and the benchmarks judge with them."""
 
 import re
@@ -14,7 +14,7 @@ import torch
 import tqdm
 
 from core.layouts import left_padded_prompts
-from core.rewards import ModelReward, check_reward, load_reward
+from judging.rewards import ModelReward, check_reward, load_reward
 from modeling.model_dirs import is_reward_model_dir, resolve_model_dir
 from utils import REPO_ROOT, UserError, first_line
 
@@ -61,7 +61,7 @@ def sign(x: float) -> int:
 
 
 class RewardJudge:
-    """A reward (core.rewards: a reward model's directory, or module:function) as a judge: the completion with the
+    """A reward (judging.rewards: a reward model's directory, or module:function) as a judge: the completion with the
     higher reward is better, equal rewards tie."""
 
     kind = "reward"
@@ -76,7 +76,7 @@ class RewardJudge:
                   progress: tqdm.tqdm | None = None) -> list[Judgement]:  # fmt: skip
         """The Judgement of each pair (first, second) of lists of completions of the prompts. Each distinct
         completion of a prompt is rewarded once, and all of a prompt's together: a reward model reads each prompt
-        once for all of them (core.prompt_groups), and a baseline judged against several candidates or at several
+        once for all of them (generation.prompt_groups), and a baseline judged against several candidates or at several
         temperatures is read once. progress: a bar of judged pairs of completions, advanced as their prompts are
         rewarded."""
         distinct = [list(dict.fromkeys(side[j] for pair in pairs for side in pair)) for j in range(len(prompts))]

@@ -1,4 +1,4 @@
-"""Our own decode loop for seeded sampling (core.sampling.Sampler), in place of model.generate where it can serve:
+"""Our own decode loop for seeded sampling (generation.sampling.Sampler), in place of model.generate where it can serve:
 each distinct prompt of a batch prefilled once, its KV cache copied to every row drawn from it (rows = prompt x
 temperature x sample, each row its own temperature and uniforms), and a row that finished (its EOS, or
 max_new_tokens) leaving the batch, so that the next steps compute only the live rows. A row's tokens are drawn as

@@ -2,7 +2,7 @@
 function of the prompt's and the completion's text returning a number, or a directory holding a
 sequence-classification reward model with one output (its logit is the reward; a vision-language reward model's, of
 the prompt's images too). Either way a reward is called on lists of prompts, completions and the prompts' images,
-and returns one finite float each. `brevity` below is one to start from: rounds.reward=core.rewards:brevity."""
+and returns one finite float each. `brevity` below is one to start from: rounds.reward=judging.rewards:brevity."""
 
 import importlib
 import math
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from core.prompt_groups import prompt_scorer, scores_by_prompt
+from generation.prompt_groups import prompt_scorer, scores_by_prompt
 from modeling import weights
 from modeling.distributed import Topology
 from modeling.vision import Vision, unpack_images
@@ -97,7 +97,7 @@ class FunctionReward:
 
 class ModelReward:
     """A sequence-classification model's one output on prompt + completion, in float32, computed as training computes
-    it (core.prompt_groups: the completions of one prompt in one packed segment, where the model allows it): the
+    it (generation.prompt_groups: the completions of one prompt in one packed segment, where the model allows it): the
     prompt's and the completion's ids tokenized apart and joined as training joins them, read at the completion's
     last token, the prompt's start cut where the two exceed max_length. A vision-language reward model (Gemma 3's)
     sees each prompt's images as training shows them: the prompt's text holds each image's tokens as the policy's

@@ -1,6 +1,6 @@
 """Scores of many completions of few prompts, each prompt computed once for all of its completions: the sampled KL's
-log-probs at each completion's temperature (core.sampling.Sampler.score), and a reward model's rewards
-(core.rewards.ModelReward, a judge's or a round's).
+log-probs at each completion's temperature (generation.sampling.Sampler.score), and a reward model's rewards
+(judging.rewards.ModelReward, a judge's or a round's).
 
 An evaluation samples each prompt at 4 temperatures x S samples, and a judge reads each prompt with two completions;
 scored one row per completion, each prompt was computed 4 S (or 2) times, padded to the longest row of its batch,
