@@ -280,6 +280,23 @@ def tree_bytes(path: Path) -> int:
     return sum(item.stat().st_size for item in path.rglob("*") if item.is_file())
 
 
+def check_writable(directory: Path, advice: str | None = None) -> None:
+    """Stop with WriteFailed(directory) unless a file can be written, synced and removed in the existing `directory`:
+    tried, since neither its mode (root writes anywhere) nor statvfs tells of every mount, quota or full disk."""
+    probe = temporary_name(Path(directory) / "write-probe")
+    with writing(directory, advice=advice):
+        try:
+            descriptor = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                os.write(descriptor, b"\n")  # a full disk refuses the first block, not the name
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+        finally:
+            if os.path.lexists(probe):
+                probe.unlink()
+
+
 def require_space(directory: Path, needed: int, what: str) -> None:
     """Stop before writing `needed` bytes of `what` under `directory` when its filesystem has less free."""
     free = free_bytes(directory)

@@ -201,11 +201,13 @@ def check_directory(base: DictConfig, directory: Path) -> None:
 
 
 def create_directory(directory: Path) -> None:
-    """The sweep directory, created now: where it cannot be (a file in its path, a read-only filesystem), one line
-    says so, as a single run's would, before Hydra's sweeper tries to write its multirun.yaml there."""
+    """The sweep directory, created now and written to once: where it cannot be (a file in its path, a read-only
+    filesystem, a full disk; an existing directory too), one line says so, as a single run's would, before Hydra's
+    sweeper tries to write its multirun.yaml there."""
     check_writable_dir("local_run_dir", str(directory))
     with storage.writing(directory, advice="choose a writable local_run_dir"):
         directory.mkdir(parents=True, exist_ok=True)
+    storage.check_writable(directory, advice="choose a writable local_run_dir")
 
 
 def main(args: list[str], start: Start, run: Callable[[DictConfig], None]) -> None:
@@ -253,9 +255,22 @@ def sweep(plan: Plan, start: Start, run: Callable[[DictConfig], None]) -> None:
     check_sweeper(plan, basic)
     check_direction(config, plan.objective, basic)
     task = functools.partial(job, start, run, plan.objective, not basic, plan.swept)
-    hydra_internals.multirun(
-        app, config, task, lambda launcher: CheckedLauncher(launcher, app.config_loader, config, plan)
-    )
+    launchers = []
+
+    def checked(launcher) -> CheckedLauncher:
+        launchers.append(CheckedLauncher(launcher, app.config_loader, config, plan))
+        return launchers[-1]
+
+    try:
+        hydra_internals.multirun(app, config, task, checked)
+    except OSError as error:
+        if any(launcher.batches for launcher in launchers):
+            raise
+        # Before its first batch, Hydra's sweeper writes only its record of the sweep, with OmegaConf.save (no
+        # storage helper): a disk that filled since create_directory's check fails there, without a filename
+        # where the write rather than the open failed.
+        where = Path(error.filename) if error.filename else plan.directory / "multirun.yaml"
+        raise storage.failed(where, error) from None
 
 
 def check_sweeper(plan: Plan, basic: bool) -> None:
@@ -307,8 +322,10 @@ class CheckedLauncher:
     def __init__(self, launcher, loader: ConfigLoader, config: DictConfig, plan: Plan):
         self.launcher, self.loader, self.config = launcher, loader, config
         self.objective, self.swept = plan.objective, plan.swept
+        self.batches = 0  # handed over by the sweeper: from the first on, an error is no longer the sweeper's own
 
     def launch(self, job_overrides, initial_job_idx: int):
+        self.batches += 1
         batch = []
         for number, overrides in enumerate(job_overrides, initial_job_idx):
             try:

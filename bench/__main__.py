@@ -1,6 +1,7 @@
 """`python -m bench [FLAGS]`: the flags, and the campaign they select (the package's docstring lists them)."""
 
 import argparse
+import sys
 from pathlib import Path
 
 import bench
@@ -21,7 +22,7 @@ from bench import (
     vision,
     window,
 )
-from utils import REPO_ROOT
+from utils import REPO_ROOT, UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,6 +152,12 @@ def main(argv: list[str] | None = None) -> None:
             f"--rounds {args.rounds}: a number of rounds of at least 1, and only with --versus, --vllm, --vision or "
             "--async-save"
         )
+    if args.vllm:
+        try:
+            generate.check_vllm_python(args.vllm)
+        except UserError as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
     run(args)
 
 

@@ -24,7 +24,7 @@ import transformers
 from bench.common import code_at, hh_like_rows, smollm2_dir
 from bench.reward import hh_pairs, tiny_model_dir
 from modeling.precision import cpu_flags, cpu_matmul_flops, cpu_name
-from utils import REPO_ROOT
+from utils import REPO_ROOT, UserError
 
 WORKER = REPO_ROOT / "bench" / "generate_worker.py"
 VLLM_WORKER = REPO_ROOT / "bench" / "vllm_worker.py"
@@ -45,6 +45,31 @@ def run_worker(root: Path, result_file: str, **kwargs) -> dict:
     )
     subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL, cwd=root)
     return json.loads(Path(result_file).read_text())
+
+
+# `import vllm` loads the torch it pins (seconds on a small CPU); the limit keeps a hung import from hanging the bench.
+VLLM_IMPORT_SECONDS = 180
+
+
+def check_vllm_python(python: str) -> None:
+    """UserError (one line, naming --vllm's PYTHON) unless `python` is an executable that imports vllm: checked before
+    any model loads, since the float32 half of the bench runs before vLLM is first started."""
+    found = shutil.which(python)
+    if found is None:
+        if os.sep not in python:
+            raise UserError(f"--vllm {python}: no such command on PATH")
+        if not os.path.exists(python):
+            raise UserError(f"--vllm {python}: no such file; give the python of an environment with vLLM")
+        raise UserError(f"--vllm {python}: {'a directory' if os.path.isdir(python) else 'not executable'}")
+    try:
+        done = subprocess.run([found, "-c", "import vllm"], capture_output=True, text=True, timeout=VLLM_IMPORT_SECONDS)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"--vllm {python}: `import vllm` did not finish in {VLLM_IMPORT_SECONDS} s") from None
+    except OSError as error:  # executable, but no program the system can start (a text file without #!)
+        raise UserError(f"--vllm {python}: cannot be run ({error.strerror})") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise UserError(f"--vllm {python}: cannot import vllm ({last}); give the python of an environment with vLLM")
 
 
 def run_vllm(python: str, result_file: str, **settings) -> dict:

@@ -99,8 +99,11 @@ def test_a_cache_written_with_bf16_kernels_is_not_read_where_they_are_limited_aw
     assert len(entries) == 2, entries  # two keys: one per kernel set
     avx2 = next(rates for key, rates in entries.items() if "capability AVX2" in key and "oneDNN AVX2" in key)
     assert avx2["bfloat16"] < avx2["float32"] and emulated == "None"  # bf16 emulated through float32: slower
-    if "avx512_bf16" in precision.cpu_flags() or "amx_bf16" in precision.cpu_flags():
-        assert native == "torch.bfloat16"  # native bf16 dot products: several times float32
+    # The native choice follows the native entry's own measurement, not the CPU's flags: a Xeon listing avx512_bf16
+    # measured bfloat16 at 0.53x float32 (issue 70), and `auto` rightly chose float32 there.
+    [own] = [rates for rates in entries.values() if rates is not avx2]
+    fast = own["bfloat16"] / own["float32"] >= precision.REQUIRED_SPEEDUP
+    assert native == ("torch.bfloat16" if fast else "None"), own
 
 
 @pytest.mark.parametrize(
