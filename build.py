@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from core.attention import model_class
 from core.examples import Examples
 from core.liger import liger_line
+from core.loss_scale import LossScale, ScaleSettings
 from core.losses import LOSSES
 from core.objective import build_objective
 from core.optim import build_optimizer, build_scheduler
@@ -81,6 +82,7 @@ class RunParts:
     flops: ModelFlops
     peak_flops: PeakRate
     accumulation: int  # micro-batches a step: gradient_accumulation_steps, or more where micro_batch_memory chooses
+    loss_scale: LossScale | None  # a float16 policy's dynamic loss scale (None: no float16 gradients to scale)
 
 
 def load_data(
@@ -220,6 +222,11 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     if config.fsdp_cpu_offload:
         print(offload_line(policy, config.optimizer))
     scheduler = build_scheduler(optimizer, config.warmup_steps)
+    loss_scale = None
+    if precision.loss_scaled:
+        settings = ScaleSettings(**OmegaConf.to_container(config.loss_scale))
+        loss_scale = LossScale(settings, topology.device, distributed=topology.world_size > 1)
+        print(f"loss scale: dynamic, from {settings.init:g} (loss_scale.*), for the policy's float16 compute")
     max_lengths = (config.max_length, config.max_prompt_length)
     batch_loss = BatchLoss(
         objective, scorer, policy, precision.policy_compute, reference, topology, max_lengths, routers
@@ -229,7 +236,7 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     evaluator = Evaluator(config, topology, tokenizer, data.eval_batches, batch_loss, accumulation, sampler)
     return RunParts(
         config, topology, tokenizer, objective, precision, data, policy, scorer, reference, reference_model,
-        optimizer, scheduler, batch_loss, evaluator, sampler, flops, peak, accumulation,
+        optimizer, scheduler, batch_loss, evaluator, sampler, flops, peak, accumulation, loss_scale,
     )  # fmt: skip
 
 

@@ -31,7 +31,14 @@ from configuration.checks import (
 )
 from configuration.composition import CONFIG_DIR, explain, group_options, normalized, register, selected_options
 from configuration.messages import as_override, did_you_mean, expect
-from configuration.sections import GenerationConfig, ModelConfig, PlanConfig, RoundsConfig, WandbConfig
+from configuration.sections import (
+    GenerationConfig,
+    LossScaleConfig,
+    ModelConfig,
+    PlanConfig,
+    RoundsConfig,
+    WandbConfig,
+)
 from modeling.adapters import LoraSettings
 from modeling.distributed import TRAINERS, mesh_shape, planned_world_size
 from pairs.chat_templates import template_kwargs_problem
@@ -75,6 +82,7 @@ class Config:
     micro_batch_memory: Optional[str] = MISSING  # auto, a number of GiB, or null (reporting.micro_batches)
     max_grad_norm: float = ranged(Range(0, low_open=True, infinite="to clip nothing"))
     max_nonfinite_steps: int = ranged(POSITIVE)
+    loss_scale: LossScaleConfig = MISSING
     max_length: int = ranged(POSITIVE)
     max_prompt_length: int = ranged(POSITIVE)
     n_epochs: Optional[int] = ranged(Range(0, low_open=True, null="to train by n_examples"))

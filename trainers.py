@@ -47,7 +47,7 @@ class Trainer:
         self.config, self.topology, self.run_dir = parts.config, parts.topology, run_dir
         self.tokenizer, self.objective, self.data = parts.tokenizer, parts.objective, parts.data
         self.policy, self.reference_model = parts.policy, parts.reference_model
-        self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
+        self.optimizer, self.scheduler, self.loss_scale = parts.optimizer, parts.scheduler, parts.loss_scale
         self.scorer, self.batch_loss, self.evaluator = parts.scorer, parts.batch_loss, parts.evaluator
         self.sampler = parts.sampler  # the run's: its evals' win rate and samples, and a run of rounds, sample with it
         self.flops, self.peak_flops, self.precision = parts.flops, parts.peak_flops, parts.precision
@@ -96,18 +96,29 @@ class Trainer:
         # Randomness in a step (LoRA's adapter dropout) is drawn from the step's own seed: a resumed run draws what
         # the uninterrupted one did, and tensor-parallel ranks draw alike.
         torch.manual_seed(self.config.seed + self.batch_counter)
-        sizes = (self.config.batch_size, self.accumulation)
-        names, gathered = self.batch_loss.over_micro_batches(examples, "train", *sizes, backward=True)
+        sizes, scaled = (self.config.batch_size, self.accumulation), self.loss_scale
+        names, gathered = self.batch_loss.over_micro_batches(
+            examples, "train", *sizes, backward=True, scale=scaled and scaled.scale
+        )
+        if scaled:  # once per step, whatever the micro-batches: clipping must see the true gradients
+            scaled.unscale(self.optimizer)
         with torch.profiler.record_function("clip gradients"):  # named for python -m bench --profile
             grad_norm = clip_grad_norm(self.policy.parameters(), self.config.max_grad_norm)  # the same on every rank
         metrics, finite = on_host(names, gathered, grad_norm, len(examples))
         metrics["lr"] = [self.scheduler.get_last_lr()[0]]  # the rate this step uses
+        # a float16 gradient overflow above the scale's floor is the scale's, which halves: not the run's failure
+        overflow = scaled is not None and not scaled.at_floor and all(map(math.isfinite, metrics["loss/train"]))
         if finite:  # else the update would spoil the weights: it is skipped, and the run stops if that keeps happening
             self.objective.observe(metrics)
+        if scaled:  # the optimizer's step where finite, then the scale's update
+            scaled.finish(self.optimizer, finite)
+            metrics["loss_scale"], metrics["counters/skipped_steps"] = [scaled.value], [float(scaled.skipped)]
+        elif finite:
             self.optimizer.step()
+        if finite:  # after the optimizer: this step ran at the rate logged above
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.nonfinite.count(finite, self.batch_counter + 1, self.checkpoints.last)
+        self.nonfinite.count(finite or overflow, self.batch_counter + 1, self.checkpoints.last, scaled)
         return metrics
 
     def train(self, data: Data | None = None, round_start: int | None = None) -> None:
@@ -201,11 +212,11 @@ class Trainer:
         """A record of metrics (a round's) logged at the current step."""
         self.log.metrics(metrics, *self.counters())
 
-    def sample(self, prompts: list[list[int]], images: list[bytes], seeds: list[int] | None) -> list[list[int]]:
+    def sample(self, prompts: list[list[int]], images: list[bytes], seeds, keep_end=None) -> list[list[int]]:
         """The policy's completions of `prompts`, which sees their `images` (pack_images; b"": none), sampled as
-        generation.* says from `seeds` (greedy where None), gathered in order on every rank."""
+        generation.* says from `seeds` (greedy where None), gathered in order on every rank (keep_end: Sampler's)."""
         g = self.config.generation
-        return self.sampler.sample(self.policy, prompts, images, seeds, g.temperature, g.top_p)
+        return self.sampler.sample(self.policy, prompts, images, seeds, g.temperature, g.top_p, keep_end)
 
     def use_cached_reference(self, data: Data, directory: Path, digest: str | None = None) -> str | None:
         """The reference from here on: the cached log-probs of data's pairs and eval batches under the policy's
@@ -281,14 +292,23 @@ class NonfiniteSteps:
     allowed: int
     in_a_row: int = 0
 
-    def count(self, finite: bool, step: int, last_checkpoint: Path | None) -> None:
+    def count(self, finite: bool, step: int, last_checkpoint: Path | None, loss_scale=None) -> None:
+        """finite: the step updated the weights, or a float16 run's scale (loss_scale) overflowed above its floor."""
         self.in_a_row = 0 if finite else self.in_a_row + 1
-        if self.in_a_row >= self.allowed:
-            raise UserError(
-                f"{self.in_a_row} optimizer steps in a row had a non-finite loss or gradient norm and were skipped "
-                f"(max_nonfinite_steps={self.allowed}), the last at step {step}; stopping. The last checkpoint is "
-                f"{last_checkpoint or 'none (none was written yet)'}; lower lr or check the data"
+        if self.in_a_row < self.allowed:
+            return
+        cause = "lower lr or check the data"
+        if loss_scale is not None:  # at the floor, scaling cannot help: float16's range is what overflows
+            cause = (
+                f"the loss scale is at its floor ({loss_scale.value:g}, loss_scale.min_scale), so float16's range "
+                "(65,504) overflows in the forward or backward itself: compute in bfloat16 or float32 "
+                "(model.fsdp_policy_mp), or lower lr"
             )
+        raise UserError(
+            f"{self.in_a_row} optimizer steps in a row had a non-finite loss or gradient norm and were skipped "
+            f"(max_nonfinite_steps={self.allowed}), the last at step {step}; stopping. The last checkpoint is "
+            f"{last_checkpoint or 'none (none was written yet)'}; {cause}"
+        )
 
 
 @dataclass(frozen=True)

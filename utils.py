@@ -116,7 +116,10 @@ def metric_mean(name: str, values: list[float]) -> float:
     """The mean of a per-example metric. On labelled completions the rewards and log-probs of desirable examples go
     under .../chosen and those of the others under .../rejected, NaN for the examples of the other label: these are
     averaged over the values that are not NaN (NaN when none is). Every other metric keeps its NaN (a NaN loss
-    shows). A metric named *_std is the standard deviation of its values instead (a reward model's rewards)."""
+    shows). A metric named *_std is the standard deviation of its values instead (a reward model's rewards); one
+    named counters/* is a count over the whole run, its last value (a float16 run's skipped steps)."""
+    if name.startswith("counters/"):
+        return values[-1]
     if name.startswith(("rewards_", "logps_")) and name.endswith(("/chosen", "/rejected")):
         values = [value for value in values if not math.isnan(value)]
         if not values:

@@ -28,16 +28,32 @@ class ModelConfig:
     freeze_vision: bool = True  # a vision-language model's vision tower trains (false) or stays as loaded (true)
 
     def __post_init__(self):
-        for key in ("policy_dtype", "fsdp_policy_mp"):  # the dtypes gradients flow through
-            if getattr(self, key) == "float16":
-                raise UserError(
-                    f"model.{key}=float16 would train without loss scaling, so small gradients underflow to zero: "
-                    "use bfloat16 (GPUs from Ampere on, CPUs with AVX512-BF16) or float32"
-                )
+        if self.policy_dtype == "float16":  # the master weights: the optimizer's updates would round away
+            raise UserError(
+                "model.policy_dtype=float16 would keep the trained weights in float16, where most optimizer updates "
+                "round away: keep float32 weights and compute in float16 with model.fsdp_policy_mp=float16 (loss "
+                "scaled: loss_scale.*)"
+            )
         parse_dtype(self.policy_dtype, "model.policy_dtype")
         parse_dtype(self.fsdp_reduce_dtype, "model.fsdp_reduce_dtype")
         for key in ("reference_dtype", "fsdp_policy_mp"):
             parse_dtype(getattr(self, key), f"model.{key}", allow_auto=True)
+
+
+@dataclass
+class LossScaleConfig:
+    """Dynamic loss scaling, applied where the policy computes in float16 (core/loss_scale.py)."""
+
+    init: float = ranged(Range(1), expected="1 or more")
+    growth_interval: int = ranged(POSITIVE)
+    growth_factor: float = ranged(Range(1, low_open=True), expected="above 1")
+    backoff_factor: float = ranged(Range(0, 1, low_open=True, high_open=True), expected="between 0 and 1")
+    min_scale: float = ranged(Range(1), expected="1 or more: a scale below 1 shrinks gradients towards zero")
+
+    def __post_init__(self):
+        check_ranges(self, "loss_scale.")
+        if self.min_scale > self.init:
+            raise UserError(f"loss_scale.min_scale={self.min_scale:g} is above loss_scale.init={self.init:g}")
 
 
 @dataclass
@@ -75,9 +91,13 @@ class RoundsConfig:
                 f"rounds.n={self.n} scores each round's completions: set rounds.reward=module:function (a Python "
                 "function of prompt and completion text) or rounds.reward=DIR (a sequence-classification reward model)"
             )
-        for key in ("reward", "prompts", "server"):  # set for rounds that would not run
-            if not self.n and getattr(self, key) is not None:
-                raise UserError(f"rounds.{key}={getattr(self, key)} sets iterative rounds, but rounds.n=0 runs none")
+        # keys set for rounds that would not run, every one named: a sweep's rounds.n=0 job keeps the rounds.reward
+        # its other jobs need, and its line must name rounds.server too, not the first key alone
+        unread = ("reward", "prompts", "server") if not self.n else ()
+        given = [f"rounds.{key}={getattr(self, key)}" for key in unread if getattr(self, key) is not None]
+        if given:
+            verb = "sets" if len(given) == 1 else "set"
+            raise UserError(f"{' and '.join(given)} {verb} iterative rounds, but rounds.n=0 runs none")
         if self.reward is not None:
             check_reward(self.reward)
         missing = [field for field in ("{model}", "{port}") if self.server is not None and field not in self.server]

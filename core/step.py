@@ -7,6 +7,7 @@ once per micro-batch and once per batch; build.py makes them."""
 import contextlib
 import functools
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,13 +131,20 @@ class BatchLoss:
         self.reference = reference
 
     def over_micro_batches(
-        self, examples: list[dict], split: str, batch_size: int, accumulation: int, backward: bool = False
+        self,
+        examples: list[dict],
+        split: str,
+        batch_size: int,
+        accumulation: int,
+        backward: bool = False,
+        scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[list[str], torch.Tensor]:
         """The loop of a training step and of a held-out batch alike: this rank's share of the batch `examples` in
         `accumulation` equal micro-batches (Topology.micro_batches), what the loss reads of the whole batch coupled
         first, each micro-batch laid out once and its loss computed (backward: its share of the batch's mean loss
-        backpropagated, and the positions it computed counted as perf/computed_tokens). Returns the metrics' names
-        and their values [metrics, len(examples)] gathered over the ranks, still on the device."""
+        backpropagated, multiplied by `scale` where a float16 run scales it (core.loss_scale.LossScale.scale), and
+        the positions it computed counted as perf/computed_tokens). Returns the metrics' names and their values
+        [metrics, len(examples)] gathered over the ranks, still on the device."""
         columns = defaultdict(list)
         micro_batches, _ = self.topology.micro_batches(examples, batch_size, accumulation)
         coupled = self.couple(examples, batch_size, accumulation)
@@ -145,7 +153,8 @@ class BatchLoss:
             loss, metrics = self(micro_batch, split, batch, coupled and coupled.part(index))
             if backward:
                 # Each rank's loss is the mean over its share; averaging gradients over ranks gives the batch mean.
-                (loss / accumulation).backward()
+                share = loss / accumulation
+                (scale(share) if scale else share).backward()
                 # the positions this micro-batch computed, shared out over its examples: they add up over ranks
                 n = len(micro_batch)
                 metrics["perf/computed_tokens"] = torch.full((n,), batch.n_tokens / n, device=loss.device)

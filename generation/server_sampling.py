@@ -2,14 +2,18 @@
 candidate. It is sent prompt token ids, a temperature, top_p, how many completions and max tokens, and answers token
 ids; everything after sampling (the KL's log-probs, judging, win rates, figures) stays ours, so the numbers do not
 depend on the server's kernels. The served model is checked first: its name or path (`/v1/models`) and its
-vocabulary (`/tokenize` of a probe text against our tokenizer's ids). Every failure is one line naming the URL.
+vocabulary (`/tokenize` of a probe text against our tokenizer's ids). Every failure is one line naming the URL. The
+URL is a base one (`http://host:8000`), or as OpenAI clients take it (`http://host:8000/v1`), or as `vllm serve`
+prints it (`localhost:8000`: http:// is added, and said).
 
 The server's draws are its own: not reproducible from our seeds (a per-request seed fails on vLLM's CPU backend),
 which is why the own loop stays the default."""
 
+import http.client
 import json
 import socket
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,29 +32,59 @@ class ServerSampler:
     """Completions of prompts from the model an OpenAI-compatible server at `url` serves (check() first)."""
 
     def __init__(self, url: str, tokenizer, max_new_tokens: int, timeout: float, topology, setting: str = "server"):
-        self.url, self.tokenizer, self.topology = url.rstrip("/"), tokenizer, topology
+        self.url, self.tokenizer, self.topology = self.check_url(setting, url), tokenizer, topology
+        if "://" not in url and topology.is_main:
+            print(f"{setting}={url} names no scheme: asking {self.url}")
         self.max_new_tokens, self.timeout = max_new_tokens, timeout
         self.setting = setting  # the key that asked for the server (evaluate.py's server, rounds.server), for errors
         self.model_id: str | None = None
 
+    @staticmethod
+    def check_url(key: str, url: str | None) -> str | None:
+        """The base URL of the server that key=url names (None for none), to which the routes are appended: http://
+        added where it names no scheme (urllib takes `localhost:8000`'s host for one), a trailing /v1 and slash
+        left out. One line where it is no http(s) URL of a host."""
+        if url is None:
+            return None
+        parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+        try:
+            usable = parts.scheme in ("http", "https") and parts.hostname and parts.port != 0
+        except ValueError:  # a port that is no number, or out of range
+            usable = False
+        if not usable or parts.query or parts.fragment:
+            raise UserError(f"{key}={url} is not an http(s):// URL of a host; give e.g. {key}=http://localhost:8000")
+        return urllib.parse.urlunsplit(parts._replace(path=parts.path.rstrip("/").removesuffix("/v1")))
+
     def request(self, path: str, payload: dict | None = None) -> dict:
         """The JSON answer to a GET (payload None) or a POST of `payload` at path; one line for any failure."""
         where = f"generation server {self.url}{path}"
+        late = f"{where} gave no answer within {self.timeout:g} s ({self.setting}_timeout)"
         data = None if payload is None else json.dumps(payload).encode()
         request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                body = response.read()
+            response = urllib.request.urlopen(request, timeout=self.timeout)
         except urllib.error.HTTPError as error:
-            detail = " ".join(error.read().decode(errors="replace").split())[:200]
+            try:
+                detail = " ".join(error.read().decode(errors="replace").split())[:200]
+            except (http.client.HTTPException, OSError):  # an error page cut short: its status says enough
+                detail = ""
             raise UserError(f"{where} answered HTTP {error.code}: {detail or error.reason}") from None
         except (TimeoutError, socket.timeout):
-            raise UserError(f"{where} gave no answer within {self.timeout:g} s ({self.setting}_timeout)") from None
-        except (urllib.error.URLError, ConnectionError, OSError) as error:
+            raise UserError(late) from None
+        except http.client.HTTPException as error:  # e.g. BadStatusLine: something else listens there
+            raise UserError(f"{where} answered no HTTP ({error!r:.200}); is it an OpenAI-compatible server?") from None
+        except (urllib.error.URLError, OSError) as error:
             reason = getattr(error, "reason", error)
             if isinstance(reason, (TimeoutError, socket.timeout)):
-                raise UserError(f"{where} gave no answer within {self.timeout:g} s ({self.setting}_timeout)") from None
-            raise UserError(f"{where} is unreachable ({reason}); start it, or set {self.setting}=null") from None
+                raise UserError(late) from None
+            raise UserError(f"{where} is unreachable ({reason!s:.200}); start it, or set {self.setting}=null") from None
+        with response:
+            try:
+                body = response.read()
+            except (TimeoutError, socket.timeout):
+                raise UserError(late) from None
+            except (http.client.HTTPException, OSError) as error:  # e.g. IncompleteRead: it stopped mid-answer
+                raise UserError(f"{where} broke off its answer ({error!r:.200}); did it stop or crash?") from None
         try:
             return json.loads(body)
         except ValueError:

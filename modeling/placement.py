@@ -159,11 +159,23 @@ def apply_fsdp(
         # per image, and FSDP2 warns at each forward that an in-place op on a view of the root's output would skip
         # its hook: nothing reads that output, let alone changes it in place.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
+    if compute_dtype == torch.float16:
+        shard_norms_in_float32(model, placement)
     for block in find_blocks(model, block_name):
         fully_shard(block, **placement)
     # The root (embeddings, final norm, head) reshards after each forward too, unlike FSDP2's default: evals,
     # sampling and the reference run forwards without a backward, which would leave it gathered.
     return fully_shard(model, **placement, reshard_after_forward=True)
+
+
+def shard_norms_in_float32(model: nn.Module, placement: dict) -> None:
+    """Under float16 compute, each normalisation layer an FSDP unit of its own, gathered and computed in float32 and
+    handing float16 on: its statistics and scale keep float32's range and precision, as they do under autocast
+    (the other trainers), which runs normalisation in float32. A few small all-gathers more per block."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=torch.float16)
+    for module in list(model.modules()):
+        if type(module).__name__.endswith("Norm") and any(True for _ in module.parameters(recurse=False)):
+            fully_shard(module, **{**placement, "mp_policy": policy})
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ import storage
 from utils import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # bfloat16 must beat float32 by this factor: the probe only has to tell ~4x faster from ~100x slower.
 REQUIRED_SPEEDUP = 1.5
 PROBE_SIZE = 512  # smaller matmuls time too noisily here (256: 1.6-3.0x on one AVX512-BF16 CPU; 512: 2.2-2.5x)
@@ -136,12 +137,19 @@ def cpu_matmul_flops(cache_dir: Path, again: bool = False) -> dict[str, float]:
 
 
 def choose_compute_dtype(device: torch.device, cache_dir: Path) -> tuple[torch.dtype | None, str]:
-    """(bfloat16, why) where `device` runs bfloat16 fast, else (None, why): None means float32 compute."""
+    """(the compute dtype, why) for `auto`: None means float32 compute. A GPU computes in bfloat16 where it runs it
+    natively (compute capability 8.0 on: Ampere, Hopper, Blackwell), else in float16 with loss scaling where its
+    tensor cores run float16 (7.x: V100, T4, whose float32 is 8-15x slower), else in float32 (older GPUs have no
+    tensor cores); a CPU in bfloat16 where the probe measures it fast (float16 is never faster than float32 there)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
+        major, minor = torch.cuda.get_device_capability(device)
+        gpu = f"{name} (compute capability {major}.{minor})"
         if torch.cuda.is_bf16_supported(including_emulation=False):
-            return torch.bfloat16, f"{name} supports bfloat16"
-        return None, f"{name} has no native bfloat16 support (emulated bfloat16 runs slower than float32)"
+            return torch.bfloat16, f"{gpu} runs bfloat16 natively"
+        if major >= 7:
+            return torch.float16, f"{gpu} has float16 tensor cores but no native bfloat16; the loss is scaled"
+        return None, f"{gpu} has neither native bfloat16 nor float16 tensor cores"
     rates = cpu_matmul_flops(cache_dir)
     speedup = rates["bfloat16"] / rates["float32"]
     cache_file = cache_dir / "precision_probe.json"
@@ -155,9 +163,8 @@ def auto_compute_dtype(topology, cache_dir: Path, autocast: bool) -> torch.dtype
     dtype, why = topology.run_on_main(lambda: choose_compute_dtype(topology.device, cache_dir)) or (None, None)
     dtype, why = topology.broadcast((dtype, why))
     how = "float32 weights under autocast" if autocast else "FSDP mixed precision over float32 shards"
-    print(
-        f"precision: {f'bfloat16 compute ({how})' if dtype else 'float32'}, because {why} (model.fsdp_policy_mp=auto)"
-    )
+    what = f"{DTYPE_NAMES[dtype]} compute ({how})" if dtype else "float32"
+    print(f"precision: {what}, because {why} (model.fsdp_policy_mp=auto)")
     return dtype
 
 
@@ -173,7 +180,7 @@ def slow_precision_note(setting: str | None, precision: "Precision", device: tor
     if setting == "auto":
         return None
     compute = precision.policy_compute or precision.policy_weights
-    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(compute)
+    name = DTYPE_NAMES.get(compute)
     if device.type == "cuda":
         if compute == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
             gpu = torch.cuda.get_device_name(device)
@@ -182,7 +189,7 @@ def slow_precision_note(setting: str | None, precision: "Precision", device: tor
                 "float32; model.fsdp_policy_mp=auto computes in float32 here"
             )
         return None
-    if name is None:  # float16 on a CPU: not probed
+    if name not in ("float32", "bfloat16"):  # float16 on a CPU: not probed (a test's choice, never auto's)
         return None
     rates = cpu_matmul_flops(cache_dir)
     auto = "bfloat16" if rates["bfloat16"] / rates["float32"] >= REQUIRED_SPEEDUP else "float32"
@@ -207,6 +214,11 @@ class Precision:
     reference_compute: torch.dtype | None
     reference_like_policy: bool  # model.reference_dtype=auto: loaded and computed exactly like the policy
     autocast: bool  # the compute dtype is applied by torch.autocast (else by FSDP's mixed precision)
+
+    @property
+    def loss_scaled(self) -> bool:
+        """Whether the policy's gradients flow through float16, whose range needs the loss scaled (loss_scale.*)."""
+        return self.policy_compute == torch.float16
 
 
 def decide_precision(model, autocast: bool, auto_compute: Callable[[], torch.dtype | None]) -> Precision:

@@ -33,7 +33,8 @@ from modeling.adapters import logical_numel
 from modeling.precision import cpu_matmul_flops, cpu_name
 from modeling.reward_head import reward_head
 
-# NVIDIA datasheet dense bfloat16 tensor-core peaks, TFLOP/s (sparsity excluded), matched on the device name in order.
+# NVIDIA datasheet dense bfloat16 tensor-core peaks, TFLOP/s (sparsity excluded), matched on the device name in order;
+# float16's are the same on these GPUs.
 GPU_BFLOAT16_TFLOPS = (
     (r"H100.*PCIe", 756),
     (r"H100.*NVL", 835),
@@ -46,6 +47,8 @@ GPU_BFLOAT16_TFLOPS = (
     (r"A10\b", 125),
     (r"A30\b", 165),
 )
+# float16 tensor-core peaks of the GPUs without native bfloat16 (compute capability 7.x), from the same datasheets.
+GPU_FLOAT16_ONLY_TFLOPS = ((r"V100.*PCIe", 112), (r"V100", 125), (r"\bT4\b", 65), (r"TITAN V", 110))
 
 
 @dataclass(frozen=True)
@@ -151,11 +154,12 @@ def peak_flops(device: torch.device, dtype: torch.dtype, cache_dir: Path) -> Pea
     """The peak FLOP/s of one device computing in `dtype`, and where the number comes from."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for pattern, tflops in GPU_BFLOAT16_TFLOPS if dtype == torch.bfloat16 else ():
+        half = {torch.bfloat16: GPU_BFLOAT16_TFLOPS, torch.float16: GPU_BFLOAT16_TFLOPS + GPU_FLOAT16_ONLY_TFLOPS}
+        for pattern, tflops in half.get(dtype, ()):
             if re.search(pattern, name):
-                return PeakRate(tflops * 1e12, f"{name}'s datasheet bfloat16 peak")
+                return PeakRate(tflops * 1e12, f"{name}'s datasheet {str(dtype).removeprefix('torch.')} peak")
         return PeakRate(measured_matmul_flops(device, dtype), f"a measured {dtype} matmul on {name}")
-    name = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    name = "bfloat16" if dtype == torch.bfloat16 else "float32"  # float16 on a CPU (tests): float32's rate
     rate = cpu_matmul_flops(cache_dir)[name]
     return PeakRate(rate, f"the precision probe's {name} matmul on {cpu_name()}", cache_dir, name)
 

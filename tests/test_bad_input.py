@@ -209,8 +209,9 @@ ERRORS = [
     ("layout=padded packed_attention=dense", "packed_attention=dense sets the attention of layout=packed"),
     ("save_async=true debug=true", "save_async=true writes checkpoints in the background, but debug=true writes"),
     ("pack_row_tokens=0", "pack_row_tokens=0 must be a positive number of tokens, or null"),
-    ("model.fsdp_policy_mp=float16", "model.fsdp_policy_mp=float16 would train without loss scaling"),
-    ("model.policy_dtype=float16", "model.policy_dtype=float16 would train without loss scaling"),
+    ("model.policy_dtype=float16", "model.policy_dtype=float16 would keep the trained weights in float16"),
+    ("loss_scale.min_scale=0", "loss_scale.min_scale=0.0 must be 1 or more"),
+    ("loss_scale.growth_interval=0", "loss_scale.growth_interval=0 must be positive"),
     ("model.fsdp_reduce_dtype=fp8", "model.fsdp_reduce_dtype=fp8 is not a dtype"),
     ("model.fsdp_reduce_dtype=bfloat16", "model.fsdp_reduce_dtype=bfloat16 sets how FSDPTrainer reduces gradients"),
     # dry_run=true planning for other machines (plan.*)

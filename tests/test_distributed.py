@@ -574,3 +574,55 @@ def test_a_moving_reference_matches_basic_trainer_across_processes(tmp_path, pai
     launch(resumed, pairs_file, "trainer=BasicTrainer", f"resume_from={tmp_path / 'run' / 'step-24'}", *sync)
     assert_same_metrics([r for r in basic if r["step"] > 24], read_jsonl(resumed / "metrics.jsonl"))
     assert_same_weights(tmp_path / "basic", resumed)
+
+
+def overflow_on_rank_1_at_step_2(trainer, rank: int) -> dict:
+    """Three float16 steps on one FSDP rank, an inf put into one of rank 1's gradient shards at step 2 before the
+    scale comes off; the dtypes a normalisation layer's and a linear layer's weights compute in; whether step 2
+    left this rank's shards bit-unchanged; the scales after each step."""
+    shards = lambda: [p.to_local().detach().clone() for p in trainer.policy.parameters()]  # noqa: E731
+    seen, unscale = {"dtypes": set(), "scales": []}, trainer.loss_scale.unscale
+
+    def injecting(optimizer):
+        if trainer.batch_counter + 1 == 2:
+            seen["before"] = shards()
+            if rank == 1:
+                next(p for p in trainer.policy.parameters() if p.grad is not None).grad.to_local().view(-1)[0] = (
+                    math.inf
+                )
+        unscale(optimizer)
+
+    trainer.loss_scale.unscale = injecting
+    for name, module in trainer.policy.named_modules():
+        if name.endswith(("input_layernorm", "self_attn.q_proj")):
+            module.register_forward_hook(
+                lambda m, args, out: seen["dtypes"].add((type(m).__name__, str(m.weight.dtype)))
+            )
+    for indices in trainer.data.schedule[:3]:
+        trainer.train_step(trainer.data.train_examples.take(indices))
+        trainer.batch_counter += 1
+        seen["scales"].append(trainer.loss_scale.value)
+        if trainer.batch_counter == 2:
+            seen["unchanged"] = all(torch.equal(a, b) for a, b in zip(seen.pop("before"), shards()))
+    return {"dtypes": sorted(seen["dtypes"]), "scales": seen["scales"], "unchanged": seen["unchanged"]}
+
+
+def test_fsdp_float16_skips_a_step_that_overflowed_on_one_rank_on_every_rank(make_config, tmp_path):
+    # The sharded scaler all-reduces "found inf": an inf in one of rank 1's gradient shards skips step 2 on both
+    # ranks (rank 0's shards bit-unchanged too) and halves the scale on both. Normalisation layers gather and compute
+    # in float32 (their own FSDP units), linear layers in float16.
+    config = make_config("trainer=FSDPTrainer", "model.fsdp_policy_mp=float16", "loss_scale.init=1024")
+    seen = run_fsdp_ranks(config, overflow_on_rank_1_at_step_2, tmp_path)
+    assert seen["unchanged"] and seen["scales"] == [1024, 512, 512]
+    assert seen["dtypes"] == [["FSDPLlamaRMSNorm", "torch.float32"], ["Linear", "torch.float16"]]
+
+
+def test_fsdp_float16_trains_close_to_float32(basic_run, tmp_path, launch):
+    basic_dir, pairs_file = basic_run
+    launch(tmp_path / "run", pairs_file, "trainer=FSDPTrainer", "model.fsdp_policy_mp=float16")
+    float32, float16 = read_jsonl(basic_dir / "metrics.jsonl"), read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    differences = [
+        abs(h[name] - f[name]) for f, h in zip(float32, float16) for name in ("loss/train", "loss/eval") if name in f
+    ]
+    assert all(map(math.isfinite, differences)) and 1e-6 < max(differences) < 1e-3, differences
+    assert [r["loss_scale"] for r in float16 if "loss_scale" in r] == [65536.0] * 5  # no overflow, window 1000

@@ -21,6 +21,8 @@ def checkpoint_parts(parts: RunParts) -> dict:
         "scheduler": parts.scheduler,
         "objective": parts.objective,
     }
+    if parts.loss_scale is not None:  # a float16 run's scale and growth tracker: a resumed run scales alike
+        held["loss_scale"] = parts.loss_scale
     if isinstance(parts.reference, SyncedReference):  # the moved reference's weights
         held["reference"] = ChosenWeights(parts.reference.owner, parts.reference.state)
     return held
