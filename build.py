@@ -222,11 +222,7 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
     if config.fsdp_cpu_offload:
         print(offload_line(policy, config.optimizer))
     scheduler = build_scheduler(optimizer, config.warmup_steps)
-    loss_scale = None
-    if precision.loss_scaled:
-        settings = ScaleSettings(**OmegaConf.to_container(config.loss_scale))
-        loss_scale = LossScale(settings, topology.device, distributed=topology.world_size > 1)
-        print(f"loss scale: dynamic, from {settings.init:g} (loss_scale.*), for the policy's float16 compute")
+    loss_scale = run_loss_scale(config, precision, topology)
     max_lengths = (config.max_length, config.max_prompt_length)
     batch_loss = BatchLoss(
         objective, scorer, policy, precision.policy_compute, reference, topology, max_lengths, routers
@@ -250,6 +246,16 @@ def offload_line(policy: torch.nn.Module, optimizer: str) -> str:
         f"fsdp_cpu_offload: {len(host)} of {len(shards)} parameter shards in host memory ({pinned / GIB:.2f} GiB "
         f"pinned), with their gradients and {optimizer} state; the optimizer steps on the host"
     )
+
+
+def run_loss_scale(config: DictConfig, precision: Precision, topology: Topology) -> LossScale | None:
+    """A float16 policy's dynamic loss scale (loss_scale.*), said in one line; None where no gradient is float16.
+    Across ranks the sharded scaler: gradients are sharded, and one rank may hold the only overflow."""
+    if not precision.loss_scaled:
+        return None
+    settings = ScaleSettings(**OmegaConf.to_container(config.loss_scale))
+    print(f"loss scale: dynamic, from {settings.init:g} (loss_scale.*), for the policy's float16 compute")
+    return LossScale(settings, topology.device, distributed=topology.world_size > 1)
 
 
 def run_precision(config: DictConfig, topology: Topology, cache_dir: Path, autocast: bool) -> Precision:

@@ -20,6 +20,7 @@ from pathlib import Path
 import tqdm
 
 from build import RunParts
+from core.loss_scale import LossScale
 from core.optim import clip_grad_norm
 from core.step import Data
 from judging.held_out import HeldOutWinRate
@@ -96,29 +97,18 @@ class Trainer:
         # Randomness in a step (LoRA's adapter dropout) is drawn from the step's own seed: a resumed run draws what
         # the uninterrupted one did, and tensor-parallel ranks draw alike.
         torch.manual_seed(self.config.seed + self.batch_counter)
-        sizes, scaled = (self.config.batch_size, self.accumulation), self.loss_scale
-        names, gathered = self.batch_loss.over_micro_batches(
-            examples, "train", *sizes, backward=True, scale=scaled and scaled.scale
-        )
+        step, scaled = (examples, "train", self.config.batch_size, self.accumulation), self.loss_scale
+        names, gathered = self.batch_loss.over_micro_batches(*step, backward=True, scale=scaled and scaled.scale)
         if scaled:  # once per step, whatever the micro-batches: clipping must see the true gradients
             scaled.unscale(self.optimizer)
         with torch.profiler.record_function("clip gradients"):  # named for python -m bench --profile
             grad_norm = clip_grad_norm(self.policy.parameters(), self.config.max_grad_norm)  # the same on every rank
         metrics, finite = on_host(names, gathered, grad_norm, len(examples))
         metrics["lr"] = [self.scheduler.get_last_lr()[0]]  # the rate this step uses
-        # a float16 gradient overflow above the scale's floor is the scale's, which halves: not the run's failure
-        overflow = scaled is not None and not scaled.at_floor and all(map(math.isfinite, metrics["loss/train"]))
         if finite:  # else the update would spoil the weights: it is skipped, and the run stops if that keeps happening
             self.objective.observe(metrics)
-        if scaled:  # the optimizer's step where finite, then the scale's update
-            scaled.finish(self.optimizer, finite)
-            metrics["loss_scale"], metrics["counters/skipped_steps"] = [scaled.value], [float(scaled.skipped)]
-        elif finite:
-            self.optimizer.step()
-        if finite:  # after the optimizer: this step ran at the rate logged above
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.nonfinite.count(finite or overflow, self.batch_counter + 1, self.checkpoints.last, scaled)
+        failed = step_optimizer(self.optimizer, self.scheduler, scaled, finite, metrics)
+        self.nonfinite.count(not failed, self.batch_counter + 1, self.checkpoints.last, scaled)
         return metrics
 
     def train(self, data: Data | None = None, round_start: int | None = None) -> None:
@@ -258,6 +248,22 @@ def on_host(names: list[str], gathered: torch.Tensor, grad_norm: torch.Tensor, n
     finite = math.isfinite(host[-1]) and all(map(math.isfinite, metrics["loss/train"]))
     metrics["nonfinite_steps"] = [0.0 if finite else 1.0]
     return metrics, finite
+
+
+def step_optimizer(optimizer, scheduler, loss_scale: LossScale | None, finite: bool, metrics: dict) -> bool:
+    """The optimizer's step and then the schedule's where the step was finite (so that it ran at the rate logged), a
+    float16 run's through its loss scale, which updates after every step and logs itself into `metrics`; the
+    gradients cleared. Whether the step failed the run's way (max_nonfinite_steps): not finite, unless it was a
+    float16 gradient overflow above the scale's floor, which is the scale's to fix (it halves), not the run's."""
+    failed = not finite
+    if loss_scale is not None:
+        failed = loss_scale.finish(optimizer, finite, metrics)
+    elif finite:
+        optimizer.step()
+    if finite:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return failed
 
 
 class Evals:

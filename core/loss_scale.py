@@ -12,10 +12,12 @@ ShardedGradScaler across ranks, which all-reduces the "found inf" flag so that e
 floor; `min_scale` is ours, as DeepSpeed's dynamic scaler has one: a scale below 1 would shrink gradients instead.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -50,14 +52,17 @@ class LossScale:
         return self.scaler.scale(loss)
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
-        """The gradients divided by the scale, in place, and whether any is inf or NaN recorded (all-reduced over
-        the ranks by the sharded scaler)."""
-        self.scaler.unscale_(optimizer)
+        """The optimizer's gradients divided by the scale, in place, and whether any is inf or NaN recorded
+        (all-reduced over the ranks by the sharded scaler)."""
+        self.scaler.unscale_(LocalGradients(optimizer))
 
-    def finish(self, optimizer: torch.optim.Optimizer, finite: bool) -> None:
+    def finish(self, optimizer: torch.optim.Optimizer, finite: bool, metrics: dict[str, list[float]]) -> bool:
         """The optimizer's step where the step was finite (its weights, moments and step count untouched where not),
         then the scale's update: halved after an overflow, floored at min_scale; doubled after growth_interval
-        finite steps. `finite` is the trainer's verdict on the loss and the clipped norm, the same on every rank."""
+        finite steps. `finite` is the trainer's verdict on the loss and the clipped norm, the same on every rank;
+        `metrics` (the step's) gain the scale and the run's skipped steps. Whether the step failed in a way the scale
+        cannot fix: its loss not finite (the forward overflowed), or its gradients at the scale's floor."""
+        failed = not finite and (self.at_floor or not all(map(math.isfinite, metrics["loss/train"])))
         if finite:  # not scaler.step: the gradients are unscaled already, and the verdict is taken
             optimizer.step()
         else:
@@ -65,6 +70,8 @@ class LossScale:
         self.scaler.update()
         if self.scaler.get_scale() < self.min_scale:
             self.scaler.update(new_scale=self.min_scale)
+        metrics["loss_scale"], metrics["counters/skipped_steps"] = [self.value], [float(self.skipped)]
+        return failed
 
     @property
     def value(self) -> float:
@@ -81,3 +88,22 @@ class LossScale:
     def load_state_dict(self, state: dict) -> None:
         self.scaler.load_state_dict(state["scaler"])
         self.skipped = state["skipped"]
+
+
+class LocalGradients:
+    """What torch's scaler reads of an optimizer (`param_groups` of objects with a `.grad`), each gradient as this
+    rank's own tensor: tensor parallelism leaves some gradients plain beside the DTensors, and the scaler's one
+    foreach call per device refuses the mix. Its unscaling in place reaches the DTensors' local tensors, which are
+    their storage; the "found inf" flag is then this rank's alone, which the sharded scaler all-reduces."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
+        self.param_groups = [{"params": [holding(grad) for grad in local]}]
+
+
+def holding(grad: torch.Tensor) -> torch.Tensor:
+    """A tensor whose .grad is `grad`, as the scaler takes a parameter: a view of the gradient itself (no copy)."""
+    stand_in = grad.detach()
+    stand_in.grad = grad
+    return stand_in

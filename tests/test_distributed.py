@@ -617,9 +617,11 @@ def test_fsdp_float16_skips_a_step_that_overflowed_on_one_rank_on_every_rank(mak
     assert seen["dtypes"] == [["FSDPLlamaRMSNorm", "torch.float32"], ["Linear", "torch.float16"]]
 
 
-def test_fsdp_float16_trains_close_to_float32(basic_run, tmp_path, launch):
+@pytest.mark.parametrize("trainer", ["FSDPTrainer", "TensorParallelTrainer"])
+def test_float16_on_two_ranks_trains_close_to_float32(basic_run, tmp_path, launch, trainer):
+    # FSDP's float16 mixed precision and tensor parallelism's float16 autocast, each with the sharded scaler
     basic_dir, pairs_file = basic_run
-    launch(tmp_path / "run", pairs_file, "trainer=FSDPTrainer", "model.fsdp_policy_mp=float16")
+    launch(tmp_path / "run", pairs_file, f"trainer={trainer}", "model.fsdp_policy_mp=float16")
     float32, float16 = read_jsonl(basic_dir / "metrics.jsonl"), read_jsonl(tmp_path / "run" / "metrics.jsonl")
     differences = [
         abs(h[name] - f[name]) for f, h in zip(float32, float16) for name in ("loss/train", "loss/eval") if name in f

@@ -4,6 +4,7 @@ whole and halves the scale, the scale grows after its window, a resumed run scal
 and float16 trains as float32 does within float16's rounding. `auto`'s choice on each GPU generation."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,6 +136,17 @@ def test_float16_trains_as_float32_does_within_its_rounding(make_config, tmp_pat
     differences = [abs(a - b) for a, b in zip(losses["float32"], losses["float16"])]
     assert 1e-6 < max(differences) < 1e-3, differences
     assert losses["float16"][-1] < losses["float16"][0] - 0.2
+
+
+def test_lora_trains_in_float16_with_its_adapters_scaled(make_config):
+    # The adapters' float32 gradients flow through float16 autocast like the full model's: scaled, unscaled, stepped.
+    import train
+
+    config = make_config("lora.enabled=true", "lora.rank=4", "model.fsdp_policy_mp=float16", "loss_scale.init=512")
+    train.run(config)
+    train = records(Path(config.local_run_dir), "train")
+    assert train[0]["loss/train"] == pytest.approx(math.log(2), abs=1e-6) and train[-1]["loss/train"] < 0.6
+    assert [r["loss_scale"] for r in train] == [512] * 5 and train[-1]["counters/skipped_steps"] == 0
 
 
 @pytest.mark.parametrize(
