@@ -42,7 +42,7 @@ from modeling.distributed import (
     leave_process_group,
     reported_errors,
 )
-from modeling.precision import choose_compute_dtype
+from modeling.precision import DTYPE_NAMES, choose_compute_dtype
 from pairs.chat_templates import template_kwargs_problem
 from persistence.tokenized import Tokenization, first_of_each_group, load_examples
 from reporting import evaluation_report
@@ -109,6 +109,7 @@ class EvaluateConfig:
             raise UserError(f"chat_template_kwargs={as_override(self.chat_template_kwargs)} {problem}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise UserError(f"dtype={self.dtype} must be auto, float32 or bfloat16")
+        ServerSampler.check_url("server", self.server)
         for i, directory in enumerate(self.local_dirs):
             check_writable_dir(f"local_dirs[{i}]", directory)
         if self.output_dir is not None:
@@ -183,13 +184,14 @@ def held_out_prompts(config: DictConfig, data: DataSettings, tokenizer, cache_di
 
 def compute_dtype(name: str, topology: Topology, cache_dir: Path) -> torch.dtype:
     """The models' dtype: float32 or bfloat16 as given; auto as training's model.fsdp_policy_mp=auto decides it
-    (modeling.precision.choose_compute_dtype: bfloat16 on a GPU that runs it natively, and on a CPU whose measured
-    bfloat16 matmuls are fast enough (AVX512-BF16, AMX); else float32), decided on rank 0 for every rank and said in
-    one line, as training says it."""
+    (modeling.precision.choose_compute_dtype: bfloat16 on a GPU that runs it natively, float16 on one with float16
+    tensor cores only (V100, T4: no gradient here, so nothing to scale), bfloat16 on a CPU whose measured bfloat16
+    matmuls are fast enough (AVX512-BF16, AMX); else float32), decided on rank 0 for every rank and said in one line,
+    as training says it."""
     if name != "auto":
         return getattr(torch, name)
     dtype, why = topology.broadcast(topology.run_on_main(lambda: choose_compute_dtype(topology.device, cache_dir)))
-    print(f"precision: {'bfloat16' if dtype else 'float32'}, because {why} (dtype=auto; dtype=float32 for float32)")
+    print(f"precision: {DTYPE_NAMES[dtype or torch.float32]}, because {why} (dtype=auto; dtype=float32 for float32)")
     return dtype or torch.float32
 
 
@@ -208,6 +210,7 @@ class CompletionStore:
         s = config.samples_per_prompt
         self.prompt_ids = [ex["prompt"] for ex in prompts for _ in range(s)]
         self.images = [ex.get("images", b"") for ex in prompts for _ in range(s)]
+        self.keep_end = [ex["keep_end"] for ex in prompts for _ in range(s)]  # a prompt cut as training cuts it
         self.completions: dict[tuple[str, str], dict[float, list[list[int]]]] = {}  # by (side, model)
         self.own_logps: dict[str, dict[float, list[float]]] = {}
         self.reference_logps: dict[str, dict[float, list[float]]] = {}
@@ -234,16 +237,17 @@ class CompletionStore:
         order = [(t, i) for i in range(n) for t in temperatures]  # prompt-major: a prompt's rows in one batch
         rows = ([self.prompt_ids[i] for _, i in order], [self.images[i] for _, i in order],
                 [seeds[t][i] for t, i in order], [t for t, _ in order])  # fmt: skip
+        keep_end = [self.keep_end[i] for _, i in order]
         start = time.time()
         if self.server and side == "candidate":  # the server's draws, scored by ours (below)
             drawn = self.server.sample(rows[0], rows[3], top_p=1.0)
         elif kl and self.dtype == torch.float32:
-            drawn, logps = self.sampler.sample_scored(model, *rows)
+            drawn, logps = self.sampler.sample_scored(model, *rows, keep_end=keep_end)
             self.own_logps[name] = {t: [None] * n for t in temperatures}
             for (t, i), logp in zip(order, logps):
                 self.own_logps[name][t][i] = logp
         else:
-            drawn = self.sampler.sample(model, *rows)
+            drawn = self.sampler.sample(model, *rows, keep_end=keep_end)
         self.seconds += time.time() - start
         self.tokens += sum(map(len, drawn))
         self.completions[side, name] = {t: [None] * n for t in temperatures}
@@ -259,6 +263,7 @@ class CompletionStore:
         logps = self.sampler.score(
             model, self.prompt_ids * len(temperatures), [c for t in temperatures for c in completions[t]],
             self.images * len(temperatures), [t for t in temperatures for _ in range(n)],
+            self.keep_end * len(temperatures),  # each prompt cut as it was sampled
         )  # fmt: skip
         return {t: logps[k * n : (k + 1) * n] for k, t in enumerate(temperatures)}
 

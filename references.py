@@ -96,6 +96,7 @@ def reference_computation(
         f"{n_responses} responses an example"
         + (", compiled blocks" if config.compile_blocks else "")
         + (", Liger-Kernel" if config.liger_kernel else "")
+        + (f", float8 {config.model.get('fp8')}" if precision.reference_like_policy and config.model.get("fp8") else "")
     )
 
 

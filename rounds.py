@@ -75,9 +75,10 @@ class Rounds:
         self.prompts = prompts.select(np.random.default_rng(self.config.seed).permutation(len(prompts)))
         self.eval_batches = trainer.data.eval_batches
         held_out = distinct_prompts(self.eval_batches, self.settings.eval_prompts)
-        self.eval_prompts, self.eval_images = (
+        self.eval_prompts, self.eval_images, self.eval_keep_end = (
             [ex["prompt"] for ex in held_out],
             [ex.get("images", b"") for ex in held_out],
+            [ex["keep_end"] for ex in held_out],  # a prompt cut as training cuts it
         )
         c = self.config
         if self.settings.server and getattr(trainer.tokenizer, "vision", None) is not None:
@@ -169,7 +170,8 @@ class Rounds:
             completions = sample_served(self.settings, self.directory, round_index, trainer.policy, trainer.tokenizer,
                                         self.topology, rows, g.max_new_tokens)  # fmt: skip
         else:
-            completions = self.trainer.sample(*repeated, seeds)
+            keep_end = [bool(end) for end in examples.keep_end for _ in range(k)]  # each prompt cut as training cuts it
+            completions = self.trainer.sample(*repeated, seeds, keep_end)
         groups = examples.groups.tolist()
         return self.topology.broadcast(
             self.topology.run_on_main(lambda: self.score(round_index, prompts, images, groups, completions))
@@ -211,7 +213,7 @@ class Rounds:
 
     def heldout_reward(self) -> float:
         """The mean reward of the policy's greedy completions of the held-out prompts."""
-        completions = self.trainer.sample(self.eval_prompts, self.eval_images, None)
+        completions = self.trainer.sample(self.eval_prompts, self.eval_images, None, self.eval_keep_end)
 
         def mean_reward() -> float:
             prompt_texts, completion_texts = reward_texts(self.trainer.tokenizer, self.eval_prompts, completions)

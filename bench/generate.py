@@ -35,6 +35,22 @@ SIZES = {  # prompts, batch, max_new_tokens, temperatures
 }
 
 
+# the label of this tree's own decode loop (decoding.decode, Sampler.static_loop off), timed beside the static loop
+OWN_LOOP = "own loop"
+
+
+def loops(totals: dict, completions: dict) -> None:
+    """The static decode loop against the own loop, both this tree's: tokens/s and identical completions."""
+    static, own = totals["this tree"]["sampler"], totals[OWN_LOOP]["sampler"]
+    same = sum(a == b for side in ("candidate", "baseline") for t in completions[OWN_LOOP][side]
+               for a, b in zip(completions[OWN_LOOP][side][t], completions["this tree"][side][t]))  # fmt: skip
+    rows = sum(len(rows) for side in completions[OWN_LOOP].values() for rows in side.values())
+    print(
+        f"static decode loop / {OWN_LOOP}: sampler {sum(static) / sum(own):.2f}x tokens/s; completions identical: "
+        f"{same} of {rows}"
+    )
+
+
 def run_worker(root: Path, result_file: str, **kwargs) -> dict:
     """generate_worker(**kwargs) in a fresh process, importing the project's modules from `root`."""
     code = (
@@ -168,18 +184,23 @@ def bench_generate(smoke: bool, ref: str | None, rounds: int, vllm: str | None =
             f"{decode_flops_per_token(model_dir, round(context)) / 1e6:.1f} MFLOP a decode token = {bound:.0f} "
             f"tokens/s; {rounds} round(s), each version in a fresh process, alternating"
         )
-        versions = [(ref, old), ("this tree", REPO_ROOT)] if ref else [("this tree", REPO_ROOT)]
+        # this tree twice: its static decode loop (the Sampler's default) and its own loop (decoding.decode)
+        versions = [(ref, old)] if ref else []
+        versions += [("this tree", REPO_ROOT), (OWN_LOOP, REPO_ROOT)]
         totals = {label: {"sampler": [], "evaluation": []} for label, _ in versions}
         completions, values, own = {}, {}, []
         for _ in range(rounds):
             for label, root in versions:
                 result_file = str(Path(tmp) / "result.json")
-                result = run_worker(root, result_file, plain=label == "this tree", **settings)
+                result = run_worker(root, result_file, plain=label == "this tree", static=label != OWN_LOOP,
+                                    **settings)  # fmt: skip
                 completions[label] = {side: result[side + "_completions"] for side in ("candidate", "baseline")}
                 values[label] = {part: result[part]["values"] for part in ("logps", "judge")}
-                own.append(result["logps"].get("while drawing"))
+                if label == "this tree":
+                    own.append(result["logps"].get("while drawing"))
                 for key, value in report(label, result, bound).items():
                     totals[label][key].append(value)
+        loops(totals, completions)
         if ref:
             mine, theirs = totals["this tree"], totals[ref]
             sampler = sum(mine["sampler"]) / sum(theirs["sampler"])
@@ -225,15 +246,18 @@ def bench_against_vllm(smoke: bool, rounds: int, python: str) -> None:
             f"{n} HH prompts (mean {sum(map(len, prompts)) / n:.0f} tokens) x {len(temperatures)} temperatures, "
             f"{new_tokens} new tokens, our batch {batch} prompts; vLLM ignores EOS; {rounds} round(s), alternating"
         )
-        ours = {dtype: {"sampler": [], "evaluation": []} for dtype in DTYPES}
+        ours = {key: {"sampler": [], "evaluation": []} for dtype in DTYPES for key in (dtype, f"{dtype} {OWN_LOOP}")}
         theirs = {dtype: [] for dtype in DTYPES}
         for _ in range(rounds):
             for dtype in DTYPES:
                 context = sum(map(len, prompts)) / len(prompts) + new_tokens / 2
                 bound = rates[dtype] / decode_flops_per_token(model_dir, round(context))
-                result = run_worker(REPO_ROOT, str(Path(tmp) / "ours.json"), plain=False, dtype=dtype, **settings)
-                for key, value in report(f"ours {dtype}", result, bound).items():
-                    ours[dtype][key].append(value)
+                for static in (True, False):  # the static loop (the default), then the own loop beside it
+                    result = run_worker(REPO_ROOT, str(Path(tmp) / "ours.json"), plain=False, dtype=dtype,
+                                        static=static, **settings)  # fmt: skip
+                    label = f"ours {dtype}" + ("" if static else f" ({OWN_LOOP})")
+                    for key, value in report(label, result, bound).items():
+                        ours[dtype if static else f"{dtype} {OWN_LOOP}"][key].append(value)
                 engine = run_vllm(python, str(Path(tmp) / "vllm.json"), model_dir=model_dir, dtype=dtype,
                                   prompts_file=settings["prompts_file"], temperatures=temperatures,
                                   max_new_tokens=new_tokens)  # fmt: skip
@@ -243,7 +267,8 @@ def bench_against_vllm(smoke: bool, rounds: int, python: str) -> None:
         mean = lambda values: sum(values) / len(values)  # noqa: E731
         for dtype in DTYPES:
             ratio = mean(ours[dtype]["sampler"]) / mean(theirs[dtype])
+            own = mean(ours[f"{dtype} {OWN_LOOP}"]["sampler"])
             print(f"{dtype}: ours {mean(ours[dtype]['sampler']):.1f} tokens/s, vLLM {mean(theirs[dtype]):.1f}: "
-                  f"{ratio:.2f}x")  # fmt: skip
+                  f"{ratio:.2f}x; {OWN_LOOP} {own:.1f} tokens/s, {own / mean(theirs[dtype]):.2f}x")  # fmt: skip
         whole = mean(ours["float32"]["evaluation"]) / mean(ours["bfloat16"]["evaluation"])
         print(f"the whole evaluation (sampling both sides, the KL's log-probs, judging): bfloat16 {whole:.2f}x float32")

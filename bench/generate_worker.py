@@ -140,10 +140,11 @@ def time_logps(sampler, model, prompts: list[list[int]], completions: dict[float
 
 
 def generate_worker(result_file: str, model_dir: str, judge_dir: str, prompts_file: str, batch: int,
-                    max_new_tokens: int, temperatures: list[float], plain: bool,
-                    dtype: str = "float32") -> None:  # fmt: skip
+                    max_new_tokens: int, temperatures: list[float], plain: bool, dtype: str = "float32",
+                    static: bool = True) -> None:  # fmt: skip
     """Every timing of one version's code into result_file (JSON), the models in `dtype` as evaluate.py's dtype= loads
-    them (in bfloat16 the KL's first term scored after sampling, as evaluate.py scores it there)."""
+    them (in bfloat16 the KL's first term scored after sampling, as evaluate.py scores it there); static: this tree's
+    static decode loop (its default), else its own loop (Sampler.static_loop; versions before have the own loop)."""
     RewardJudge, Sampler = module("judges").RewardJudge, module("sampling").Sampler
     from judging.rewards import ModelReward
     from modeling.distributed import Topology
@@ -154,6 +155,7 @@ def generate_worker(result_file: str, model_dir: str, judge_dir: str, prompts_fi
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     topology = Topology.create("BasicTrainer")
     sampler = Sampler(tokenizer, topology, max_new_tokens, batch)
+    sampler.static_loop = static
     clock = ForwardClock(model)
     sampler.sample(model, prompts[:2], None, [1, 2], 1.0)  # warm-up
     result = {"threads": torch.get_num_threads()}

@@ -1,9 +1,12 @@
-"""The GPU campaign's sampling stage (gpu.py): evaluate.py's sampling (generation.sampling.Sampler, our decode loop, the
+"""The GPU campaign's sampling stage (gpu.py): evaluate.py's sampling (generation.sampling.Sampler: its static decode
+loop, a CUDA graph per batch bucket, the default; and its own loop, decoding.decode, Sampler.static_loop off; the
 candidate's log-probs summed while drawing) against plain model.generate(do_sample=True) on as many rows of the same
 prompts (at T = 1: generate takes one temperature a call), on the campaign's random model in bfloat16 on a GPU
-(float32 on a CPU, as evaluate.py's dtype=auto chooses). Our rows are evaluate.py's: each prompt at every temperature.
-A random model's next token is close to uniform over the vocabulary, so rows rarely draw their EOS and both run to
-max_new_tokens: the stage times decode steps, not completions' lengths."""
+(float32 on a CPU, as evaluate.py's dtype=auto chooses). The forward hooks that split prefill from decode time do not
+run when a graph replays, so the static loop's split counts only the steps that ran eagerly. Our rows are
+evaluate.py's: each prompt at every temperature. A random model's next token is close to uniform over the
+vocabulary, so rows rarely draw their EOS and all run to max_new_tokens: the stage times decode steps, not
+completions' lengths."""
 
 import json
 from pathlib import Path
@@ -37,9 +40,11 @@ def sampling_worker(result_file: str, model_dir: str, n_prompts: int, temperatur
     clock = ForwardClock(model)
     sampler.sample(model, prompts[:2], None, [1, 2], [1.0, 1.0])  # warm-up: the kernels' first launches
     time_generate(model, tokenizer, prompts[:2], 2, 2, [1.0])
-    ours, _, _ = time_sampler(sampler, model, clock, prompts, temperatures)  # prompt-major rows, as evaluate.py's
+    ours, static_drawn, _ = time_sampler(sampler, model, clock, prompts, temperatures)  # prompt-major, as evaluate.py's
+    sampler.static_loop = False
+    own, own_drawn, _ = time_sampler(sampler, model, clock, prompts, temperatures)
     plain = time_generate(model, tokenizer, [p for p in prompts for _ in temperatures], rows, max_new_tokens, [1.0])
-    for timing in (ours, plain):
+    for timing in (ours, own, plain):
         timing["tokens_per_second"] = timing["tokens"] / timing["seconds"]
         timing["ms_per_step"] = 1000 * timing["seconds"] / max_new_tokens
     result = {
@@ -51,8 +56,11 @@ def sampling_worker(result_file: str, model_dir: str, n_prompts: int, temperatur
         "max_new_tokens": max_new_tokens,
         "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
         "ours": ours,
+        "own loop": own,
         "generate": plain,
         "speedup": ours["tokens_per_second"] / plain["tokens_per_second"],
+        "over own loop": ours["tokens_per_second"] / own["tokens_per_second"],
+        "identical": sum(static_drawn[t] == own_drawn[t] for t in temperatures),  # completion lists of a temperature
     }
     Path(result_file).write_text(json.dumps(result))
 
@@ -66,13 +74,16 @@ def render_sampling(stage: dict) -> list[str]:
         "",
         f"{r['rows']} rows ({r['prompts']} prompts x temperatures {r['temperatures']}, {r['mean_prompt_tokens']:.0f} "
         f"prompt tokens on average), {r['max_new_tokens']} new tokens, {r['dtype']} on {r['device']}: ours "
-        f"{r['speedup']:.2f}x plain generate (ours: forward passes {r['ours']['prefill']:.2f} s prefilling and "
-        f"{r['ours']['decode']:.2f} s decoding, as the host timed them).",
+        f"{r['speedup']:.2f}x plain generate and {r['over own loop']:.2f}x its own loop (the own loop: forward passes "
+        f"{r['own loop']['prefill']:.2f} s prefilling and {r['own loop']['decode']:.2f} s decoding, as the host timed "
+        f"them); the two loops' completions identical at {r['identical']} of {len(r['temperatures'])} temperatures.",
         "",
         "| sampler | tokens | seconds | tokens/s | ms a step, prefill included |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]
-    for name, key in (("ours (evaluate.py's Sampler)", "ours"), ("plain generate(do_sample=True)", "generate")):
+    for name, key in (("ours: the static loop, graphed (evaluate.py's Sampler)", "ours"),
+                      ("ours: the own loop (decoding.decode)", "own loop"),
+                      ("plain generate(do_sample=True)", "generate")):  # fmt: skip
         t = r[key]
         lines.append(f"| {name} | {t['tokens']} | {t['seconds']:.2f} | {t['tokens_per_second']:.0f} | "
                      f"{t['ms_per_step']:.1f} |")  # fmt: skip

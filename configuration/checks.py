@@ -15,6 +15,7 @@ from core.losses import LOSSES
 from core.optim import build_optimizer
 from judging.judges import check_judge
 from modeling.distributed import TRAINERS
+from modeling.float8 import float8_problem
 from reporting.micro_batches import micro_batch_gib
 from utils import UserError, first_line
 
@@ -106,11 +107,14 @@ def check_winrate(config) -> None:
 
 
 def check_speed_levers(config) -> None:
-    """micro_batch_memory's value, and compute_weight_copies and liger_kernel where the run can take them."""
+    """micro_batch_memory's value, and compute_weight_copies, liger_kernel and model.fp8 where the run can take them."""
     micro_batch_gib(config.micro_batch_memory)
     if config.compute_weight_copies:
         check_weight_copies(config)
     problem = liger_problem(torch.cuda.is_available()) if config.liger_kernel else None
+    tensor_parallel = config.trainer == "TensorParallelTrainer" or (config.tensor_parallel_size or 1) > 1
+    lora = config.lora.enabled, bool(config.lora.quantize)
+    problem = problem or float8_problem(config.model.fp8, tensor_parallel, *lora)
     if problem:
         raise UserError(problem)
 

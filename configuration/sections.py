@@ -26,6 +26,7 @@ class ModelConfig:
 
     fsdp_reduce_dtype: Optional[str] = MISSING
     freeze_vision: bool = True  # a vision-language model's vision tower trains (false) or stays as loaded (true)
+    fp8: Optional[str] = None  # tensorwise or rowwise: the policy's linear layers in float8 (modeling/float8.py)
 
     def __post_init__(self):
         if self.policy_dtype == "float16":  # the master weights: the optimizer's updates would round away

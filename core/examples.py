@@ -20,6 +20,7 @@ PER_EXAMPLE = (
     "groups",
     "labels",
     "margins",
+    "keep_end",
     "image_offsets",
     "image_lengths",
 )  # the arrays besides the token ids and the images
@@ -38,6 +39,8 @@ class Examples:
     groups:       [n] int64, a digest of the prompt's text: a prompt's pairs are held out together, SFT takes one
     labels:       [n] int8, a labelled completion's label (1 desirable, 0 not); -1 for a pair
     margins:      [n] float32, a pair's margin from the data (a `margin` column, which reward models read; 0 without)
+    keep_end:     [n] bool, which end a cut prompt keeps: its end (HH's format, from_ids' pairs) or its start (every
+                  other format); sampling cuts a prompt too long for a model's positions the same way
     image_parts:  uint8, the prompts' images (modeling.vision.pack_images), flat: one array per token part
     image_offsets: [n] int64, where its prompt's images start in its part's image array
     image_lengths: [n] int64, their bytes (0: a prompt without images)
@@ -52,6 +55,7 @@ class Examples:
     groups: np.ndarray
     labels: np.ndarray
     margins: np.ndarray
+    keep_end: np.ndarray
     image_parts: list[np.ndarray] | None = None  # None: text only, no image in any part
     image_offsets: np.ndarray | None = None
     image_lengths: np.ndarray | None = None
@@ -67,14 +71,16 @@ class Examples:
         return len(self.part)
 
     def __getitem__(self, i: int) -> dict:
-        """{"prompt": ids, "responses": [ids, ...], "key": 16 bytes, and "margin": float for a pair or "label": bool
-        for a labelled completion}: an example as the layouts take it."""
+        """{"prompt": ids, "responses": [ids, ...], "key": 16 bytes, "keep_end": bool (which end a cut prompt keeps),
+        and "margin": float for a pair or "label": bool for a labelled completion}: an example as the layouts take
+        it."""
         lengths = self.lengths[i].tolist()
         start = int(self.offsets[i])
         ids = self.token_parts[self.part[i]][start : start + sum(lengths)].tolist()
         bounds = list(itertools.accumulate(lengths, initial=0))
         prompt, *responses = [ids[a:b] for a, b in zip(bounds, bounds[1:])]
-        example = {"prompt": prompt, "responses": responses, "key": self.keys[i : i + 1].tobytes()}
+        example = {"prompt": prompt, "responses": responses, "key": self.keys[i : i + 1].tobytes(),
+                   "keep_end": bool(self.keep_end[i])}  # fmt: skip
         if self.image_lengths[i]:
             start = int(self.image_offsets[i])
             example["images"] = self.image_parts[self.part[i]][start : start + int(self.image_lengths[i])].tobytes()
@@ -129,7 +135,7 @@ class Examples:
     def empty(n_responses: int) -> "Examples":
         lengths = np.zeros((0, 1 + n_responses), np.int32)
         nothing = (np.zeros(0, np.int32), np.zeros(0, np.int64), lengths, lengths, empty_keys(0), no_groups())
-        return Examples([], *nothing, np.zeros(0, np.int8), np.zeros(0, np.float32))
+        return Examples([], *nothing, np.zeros(0, np.int8), np.zeros(0, np.float32), np.zeros(0, bool))
 
     @staticmethod
     def concatenate(parts: Sequence["Examples"], n_responses: int) -> "Examples":
@@ -203,10 +209,10 @@ def from_ids(
     images: list[bytes] | None = None,
 ) -> Examples:
     """Examples of prompts and responses given as token ids (KTO's mismatched examples; a round's generated pairs,
-    rounds.py), truncated by the tokenization's rule with the prompt's end kept (nearest the responses) and keyed
-    like every example (example_keys). groups: [n] each prompt's group (persistence.tokenized.text_group); images:
-    each prompt's packed images (b"": none), which a prompt keeps: the caller makes sure such prompts are not cut
-    (step.check_kto_prompts)."""
+    rounds.py), truncated by the tokenization's rule with the prompt's end kept (nearest the responses; keep_end)
+    and keyed like every example (example_keys). groups: [n] each prompt's group (persistence.tokenized.text_group);
+    images: each prompt's packed images (b"": none), which a prompt keeps: the caller makes sure such prompts are not
+    cut (step.check_kto_prompts)."""
     width = 1 + (len(responses[0]) if responses else 2)  # no examples: of a pair's width
     full = np.array([[len(prompt), *map(len, rs)] for prompt, rs in zip(prompts, responses)], np.int32)
     full = full.reshape(len(prompts), width)
@@ -223,5 +229,5 @@ def from_ids(
     labels, margins = np.full(len(prompts), -1, np.int8), np.zeros(len(prompts), np.float32)
     return Examples(
         [tokens], np.zeros(len(prompts), np.int32), offsets, kept, full, keys, groups, labels, margins,
-        *image_arrays(images),
+        np.ones(len(prompts), bool), *image_arrays(images),
     )  # fmt: skip

@@ -18,7 +18,8 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from core.layouts import left_padded_prompts, to_device
 from generation.decoding import decode, is_sharded, own_loop_problem
 from generation.prompt_groups import prompt_scorer, scores_by_prompt
-from generation.seeded_draw import drawn_log_probs, probs_draw, seeded_draw, tempered_probs
+from generation.seeded_draw import RowDraws, seeded_draw
+from generation.static_decoding import graphs_problem, static_decode, static_loop_problem
 from modeling.placement import root_gathered
 from modeling.vision import unpack_images
 from utils import UserError
@@ -48,11 +49,15 @@ class PositionFit:
         self.tokenizer, self.max_new_tokens, self.is_main = tokenizer, max_new_tokens, is_main
         self.said = False
 
-    def __call__(self, model, prompts: list[list[int]], completions: list[list[int]] | None = None) -> list[list[int]]:
+    def __call__(
+        self, model, prompts: list[list[int]], completions: list[list[int]] | None = None,
+        keep_end: list[bool] | None = None,
+    ) -> list[list[int]]:  # fmt: skip
         """The prompts cut to the room the model's positions leave before max_new_tokens (or a longer completion
-        being scored), each keeping its last tokens, as training keeps a prompt's end (nearest the response); one
-        line says so, once. Uncut, a model with learned positions would index past its table (an IndexError in the
-        prefill), a rotary one would read positions it never trained on."""
+        being scored), each as training cuts it (keep_end: each row's Examples.keep_end; None: every row keeps its
+        end, nearest the response): its last tokens, or its first; one line says so, once. Uncut, a model with
+        learned positions would index past its table (an IndexError in the prefill), a rotary one would read
+        positions it never trained on."""
         limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         after = [max(self.max_new_tokens, len(c)) for c in completions] if completions else [self.max_new_tokens]
         if limit is None or max(map(len, prompts), default=0) + max(after) <= limit:
@@ -61,20 +66,37 @@ class PositionFit:
             what = f"max_new_tokens={self.max_new_tokens}" if max(after) == self.max_new_tokens else "a completion"
             raise UserError(f"{what} leaves no room for a prompt in the model's {limit} positions")
         rooms = [limit - tokens for tokens in (after if completions else after * len(prompts))]
-        cut = len({tuple(prompt) for prompt, room in zip(prompts, rooms) if len(prompt) > room})  # distinct ones
+        keep_end = [True] * len(prompts) if keep_end is None else keep_end
+        cut: dict[tuple, int] = {}  # the distinct cut prompts, each by its end kept, and the least room it has
+        for prompt, room, end in zip(prompts, rooms, keep_end):
+            if len(prompt) > room:
+                cut[tuple(prompt), end] = min(room, cut.get((tuple(prompt), end), room))
         if cut and getattr(self.tokenizer, "vision", None) is not None:
             raise UserError(
-                f"{cut} prompts with images do not fit the model's {limit} positions with max_new_tokens="
+                f"{len(cut)} prompts with images do not fit the model's {limit} positions with max_new_tokens="
                 f"{self.max_new_tokens}, and cutting one would cut its images' tokens: lower max_new_tokens"
             )
         if cut and not self.said and self.is_main:
+            distinct = len(set(zip(map(tuple, prompts), keep_end)))
             print(
-                f"sampling: {cut} of {len(set(map(tuple, prompts)))} prompts do not fit the model's {limit} positions "
-                f"with max_new_tokens={self.max_new_tokens}: each keeps its last {min(rooms)} tokens, as training "
-                "keeps a prompt's end"
+                f"sampling: {len(cut)} of {distinct} prompts do not fit the model's {limit} positions with "
+                f"max_new_tokens={self.max_new_tokens}: {kept_ends(cut)}, as training cuts them"
             )
         self.said = self.said or bool(cut)
-        return [prompt[max(len(prompt) - room, 0) :] for prompt, room in zip(prompts, rooms)]
+        return [prompt[max(len(prompt) - room, 0) :] if end else prompt[:room]
+                for prompt, room, end in zip(prompts, rooms, keep_end)]  # fmt: skip
+
+
+def kept_ends(cut: dict[tuple, int]) -> str:
+    """What the cut prompts ({(prompt, keep_end): room}) keep, in words: how many their last tokens and how many
+    their first, as training cuts HH's format and every other format, and at least how many tokens."""
+    said = []
+    for end, words in ((True, "keep their last {} tokens (keep_end: HH's format)"),
+                       (False, "keep their first {} tokens (keep_start)")):  # fmt: skip
+        rooms = [room for (_, kept_end), room in cut.items() if kept_end == end]
+        if rooms:
+            said.append(f"{len(rooms)} {words.format(min(rooms))}")
+    return ", ".join(said)
 
 
 class Sampler:
@@ -90,38 +112,40 @@ class Sampler:
         self.fitted = PositionFit(tokenizer, max_new_tokens, topology.is_main)  # prompts cut to the positions
         self.said: set[str] = set()  # the lines on which path samples (say_path), each said once
 
-    def sample(self, model, prompts, images, seeds: list[int] | None, temperatures=1.0, top_p=1.0) -> list[list[int]]:
+    def sample(self, model, prompts, images, seeds, temperatures=1.0, top_p=1.0, keep_end=None) -> list[list[int]]:
         """Completions of rows of prompts (token ids; images: each prompt's, or None), row i sampled from seeds[i] at
         its temperature (`temperatures`: one for every row, or one per row) from the nucleus `top_p`, or greedy
-        where seeds is None. A row is a function of its prompt, seed and temperature alone: the same in any batch,
-        on any number of ranks. Sharded over the ranks and gathered. Where generation.decoding's own loop serves the
-        model, rows of one prompt share its prefill and finished rows leave the batch; else transformers' generate
-        decodes one temperature's rows at a time."""
+        where seeds is None; a prompt too long cut as training cut it (keep_end: PositionFit's). A row is a function
+        of its prompt, seed and temperature alone: the same in any batch, on any number of ranks. Sharded over the
+        ranks and gathered. Where generation.decoding's own loop serves the model, rows of one prompt share its
+        prefill and finished rows leave the batch; else transformers' generate decodes one temperature's rows at a
+        time."""
         if seeds is None:
             model.eval()
             images = images or [b""] * len(prompts)
             greedy = lambda rows: self.decode_generate(  # noqa: E731
-                model, [prompts[i] for i in rows], [images[i] for i in rows], do_sample=False
-            )
+                model, [prompts[i] for i in rows], [images[i] for i in rows], keep_end and [keep_end[i] for i in rows],
+                do_sample=False,
+            )  # fmt: skip
             return self.sharded(prompts, greedy)
         temperatures = per_row(temperatures, len(prompts))
-        return [completion for completion, _ in self.sampled(model, prompts, images, seeds, temperatures, top_p, False)]
+        return [c for c, _ in self.sampled(model, prompts, images, seeds, temperatures, top_p, False, keep_end)]
 
-    def sample_scored(self, model, prompts, images, seeds: list[int], temperatures, top_p=1.0):
+    def sample_scored(self, model, prompts, images, seeds: list[int], temperatures, top_p=1.0, keep_end=None):
         """`sample`'s completions and each one's log-prob under `model` at its temperature, as `score` gives it (the
         sampled KL's first term): summed while drawing where the own loop serves (the logits each token was drawn
-        from are the ones it is scored by), else scored after sampling."""
+        from are the ones it is scored by), else scored after sampling, each prompt cut as it was sampled."""
         temperatures = per_row(temperatures, len(prompts))
-        sampled = self.sampled(model, prompts, images, seeds, temperatures, top_p, True)
+        sampled = self.sampled(model, prompts, images, seeds, temperatures, top_p, True, keep_end)
         completions, logps = [completion for completion, _ in sampled], [logp for _, logp in sampled]
         if None in logps:
-            logps = self.score(model, prompts, completions, images, temperatures)
+            logps = self.score(model, prompts, completions, images, temperatures, keep_end)
         return completions, logps
 
-    def sampled(self, model, prompts, images, seeds, temperatures, top_p, scored: bool) -> list[tuple]:
+    def sampled(self, model, prompts, images, seeds, temperatures, top_p, scored: bool, keep_end) -> list[tuple]:
         """(completion, log-prob or None) of every row: the log-prob where scored and the own loop serves."""
         images = images or [b""] * len(prompts)
-        prompts = self.fitted(model, prompts)
+        prompts = self.fitted(model, prompts, keep_end=keep_end)
         vision = getattr(self.tokenizer, "vision", None)
         problem = own_loop_problem(model, vision)
         self.say_path(problem)
@@ -186,39 +210,37 @@ class Sampler:
         generators = (torch.Generator().manual_seed(seed) for seed in seeds)
         return torch.stack([torch.rand(self.max_new_tokens, generator=generator) for generator in generators])
 
+    static_loop = True  # decode_own's loop where it serves: the static one (the bench sets False to time the other)
+
     def decode_own(self, model, prompts, seeds: list[int], temperatures: list[float], top_p: float, scored: bool):
-        """One batch's (completion, log-prob or None) by generation.decoding's own loop, each token drawn as
-        SeededSampling draws it; where scored, each completion's float32 log-prob at its temperature, summed as it is
-        drawn."""
-        uniforms = self.uniforms(seeds)
-        one = len(set(temperatures)) == 1  # a number, as SeededSampling divides by it
-        temperature = torch.tensor(temperatures, dtype=torch.float32)[:, None]
-        logps = torch.zeros(len(prompts), dtype=torch.float64)
-
-        def draw(logits: torch.Tensor, step: int, live: torch.Tensor) -> torch.Tensor:
-            rows = live.cpu()
-            row_temperature = temperatures[0] if one else temperature[rows].to(logits.device)
-            probs = tempered_probs(logits, row_temperature)
-            tokens, sums = probs_draw(probs, uniforms[rows, step].to(logits.device), top_p)
-            if scored:
-                logps[rows] += drawn_log_probs(probs, tokens, sums).cpu()
-            return tokens
-
-        pad_token_id, eos_token_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        """One batch's (completion, log-prob or None) by generation.static_decoding's loop where it serves the model
+        (one line says which loop, and why), else generation.decoding's, each token drawn as SeededSampling draws it
+        (RowDraws); where scored, each completion's float32 log-prob at its temperature, summed as it is drawn."""
+        device = self.topology.device
+        draws = RowDraws(self.uniforms(seeds), temperatures, top_p, scored, device)
+        problem = static_loop_problem(model) if self.static_loop else "Sampler.static_loop is off"
+        graphs = graphs_problem(model, device)
+        line = f"sampling: static decode steps, {f'eager ({graphs})' if graphs else 'a CUDA graph per batch bucket'}"
+        if problem is not None:
+            line = f"sampling: decode steps without a static cache: {problem}"
+        if line not in self.said and self.topology.is_main:
+            print(line)
+        self.said.add(line)
         with root_gathered(model), self.computing():
-            completions = decode(model, prompts, draw, self.max_new_tokens, pad_token_id, eos_token_id,
-                                 self.topology.device)  # fmt: skip
-        return list(zip(completions, logps.tolist() if scored else [None] * len(prompts)))
+            completions = (decode if problem else static_decode)(model, prompts, draws, self.max_new_tokens,
+                                                                  self.tokenizer.pad_token_id,
+                                                                  self.tokenizer.eos_token_id, device)  # fmt: skip
+        return list(zip(completions, draws.logps[:-1].tolist() if scored else [None] * len(prompts)))
 
     def score(self, model, prompts: list[list[int]], completions: list[list[int]], images: list[bytes] | None,
-              temperatures: float | list[float]) -> list[float]:  # fmt: skip
+              temperatures: float | list[float], keep_end: list[bool] | None = None) -> list[float]:  # fmt: skip
         """Each completion's float32 log-probability under `model` sampling at its temperature (one per completion,
         or one for all): its logits divided by it, the distribution a completion sampled at that temperature, with
-        top_p 1, was drawn from. Each prompt is computed once for all its completions (generation/prompt_groups.py);
-        sharded over the ranks and gathered."""
+        top_p 1, was drawn from; a prompt too long cut as `sample` cut it (keep_end). Each prompt is computed once
+        for all its completions (generation/prompt_groups.py); sharded over the ranks and gathered."""
         model.eval()
         n = len(prompts)
-        prompts = self.fitted(model, prompts, completions)
+        prompts = self.fitted(model, prompts, completions, keep_end)
         temperatures = [float(t) for t in per_row(temperatures, n)]
         images = images or [b""] * n
         vision = getattr(self.tokenizer, "vision", None)
@@ -229,13 +251,14 @@ class Sampler:
 
     @torch.no_grad()
     def decode_generate(
-        self, model: torch.nn.Module, prompts: list[list[int]], images: list[bytes] | None = None, **settings
-    ) -> list[list[int]]:
-        """One batch of prompts decoded by transformers' generate: the new ids, ending with the EOS where a completion
-        stopped; settings: generate's (do_sample, temperature, top_p, logits_processor). Every rank calls it with as
-        many prompts (synced_gpus, for a sharded model: ranks done early join the forward passes of the others)."""
+        self, model: torch.nn.Module, prompts: list[list[int]], images: list[bytes] | None = None,
+        keep_end: list[bool] | None = None, **settings,
+    ) -> list[list[int]]:  # fmt: skip
+        """One batch of prompts (a prompt too long cut by keep_end: PositionFit) decoded by transformers' generate: the
+        new ids, ending with the EOS where a completion stopped; settings: generate's (do_sample, temperature, top_p,
+        logits_processor). Every rank calls it with as many prompts (synced_gpus: ranks done early join the others)."""
         pad_token_id, eos_token_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-        prompts = self.fitted(model, prompts)
+        prompts = self.fitted(model, prompts, keep_end=keep_end)
         prompt_ids, attention_mask = left_padded_prompts([{"prompt": p} for p in prompts], pad_token_id)
         vision = getattr(self.tokenizer, "vision", None)
         if vision is not None:  # the prompts' images, and their tokens marked where the model reads marks

@@ -143,3 +143,31 @@ def stable_sorted_draw(probs: torch.Tensor, uniforms: torch.Tensor, top_p: float
     target = uniforms[:, None] * cdf[:, -1:]
     index = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[-1] - 1)
     return order.gather(-1, index).squeeze(-1)
+
+
+class RowDraws:
+    """The seeded draws of a batch's rows, as a decode loop calls them: draw(logits [S, V], step, rows [S]) -> [S]
+    tokens on the logits' device, slot s drawing with row rows[s]'s temperature and its uniform at `step` (an int, or a
+    0-d tensor on the device), and (scored) adding the drawn token's log-prob to the row's sum. Row R (one past the
+    last) stands for slots that hold no row: a uniform of 0.5, temperature 1, a sum nothing reads. On CUDA every
+    operation stays on the device, so a captured decode step draws without the host.
+
+    uniforms: [R, max_new_tokens], each row's from its seed (drawn up front); temperatures: R numbers."""
+
+    def __init__(self, uniforms: torch.Tensor, temperatures: list[float], top_p: float, scored: bool,
+                 device: torch.device):  # fmt: skip
+        self.uniforms = torch.cat([uniforms, uniforms.new_full((1, uniforms.shape[1]), 0.5)]).to(device)
+        # one temperature: a number, as SeededSampling divides by it (a division by a tensor may round otherwise)
+        self.one = temperatures[0] if len(set(temperatures)) == 1 else None
+        self.temperature = torch.tensor([*temperatures, 1.0], dtype=torch.float32, device=device)[:, None]
+        self.top_p, self.scored = top_p, scored
+        self.logps = torch.zeros(len(temperatures) + 1, dtype=torch.float64, device=device)  # [R + 1] summed
+
+    def __call__(self, logits: torch.Tensor, step, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.to(self.uniforms.device)
+        probs = tempered_probs(logits, self.one if self.one is not None else self.temperature[rows])
+        column = step.expand(len(rows)) if torch.is_tensor(step) else step  # a 0-d index would be read on the host
+        tokens, sums = probs_draw(probs, self.uniforms[rows, column], self.top_p)
+        if self.scored:
+            self.logps.index_put_((rows,), drawn_log_probs(probs, tokens, sums).to(self.logps.device), accumulate=True)
+        return tokens.to(logits.device)

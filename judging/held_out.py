@@ -47,7 +47,8 @@ class Evaluator:
         g = self.config.generation
         settings = dict(do_sample=g.do_sample, temperature=g.temperature, top_p=g.top_p)
         prompts, images = [ex["prompt"] for ex in examples], [ex.get("images", b"") for ex in examples]
-        completions = self.sampler.decode_generate(model, prompts, images, **settings)
+        keep_end = [ex["keep_end"] for ex in examples]  # a prompt cut as training cuts it
+        completions = self.sampler.decode_generate(model, prompts, images, keep_end, **settings)
         return self.tokenizer.batch_decode(completions, skip_special_tokens=True)
 
     def sample(self, policy: torch.nn.Module, reference: torch.nn.Module | None, step: int) -> list[dict]:
@@ -76,6 +77,7 @@ class HeldOutWinRate:
         self.config, self.topology, self.tokenizer, self.sampler = config, topology, tokenizer, sampler
         examples = distinct_prompts(eval_batches, config.eval_winrate_prompts)
         self.prompts, self.images = [ex["prompt"] for ex in examples], [ex.get("images", b"") for ex in examples]
+        self.keep_end = [ex["keep_end"] for ex in examples]  # a prompt cut as training cuts it
         self.seeds = [sample_seed(ex["key"], config.seed, "winrate") for ex in examples]
         c, cache_dir = config, get_local_dir(config.local_dirs)
         self.judge = topology.run_on_main(
@@ -86,7 +88,9 @@ class HeldOutWinRate:
         g = self.config.generation
         sampling = (g.temperature, g.top_p)
         completions = [
-            self.sampler.sample(model, self.prompts, self.images, self.seeds if g.do_sample else None, *sampling)
+            self.sampler.sample(
+                model, self.prompts, self.images, self.seeds if g.do_sample else None, *sampling, keep_end=self.keep_end
+            )
             for model in (policy, reference)
         ]
 

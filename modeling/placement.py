@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from modeling import weights
 from modeling.distributed import Topology
+from modeling.float8 import convert_float8
 from modeling.models import InitialWeights
 from modeling.precision import ComputeWeights, parse_dtype
 from modeling.sequence_parallel import check_sequence_parallel
@@ -244,6 +245,7 @@ class Placement:
     cpu_offload: bool = False
     compile_blocks: bool = False
     compute_weight_copies: bool = False
+    fp8: str | None = None  # model.fp8: the policy's linear layers in float8 (modeling/float8.py)
 
     @classmethod
     def of_run(cls, config) -> "Placement":
@@ -256,6 +258,7 @@ class Placement:
             cpu_offload=config.get("fsdp_cpu_offload", False),
             compile_blocks=config.get("compile_blocks", False),
             compute_weight_copies=config.get("compute_weight_copies", False),
+            fp8=config.model.get("fp8"),
         )
 
 
@@ -273,6 +276,8 @@ def place(
     checkpointing = is_policy and placement.activation_checkpointing
     kept = weights.real_tensors(model) if initial is not None else {}  # buffers, LoRA adapters: placed, then put back
     offload = placement.cpu_offload
+    if is_policy and placement.fp8:  # before sharding: FSDP then gathers the float8 layers' weights as float8
+        convert_float8(model, placement.fp8, topology.device, topology.fsdp)
     model = parallelize(
         model, topology, compute, placement.block_name, checkpointing, placement.reduce_dtype, offload,
         placement.compile_blocks,

@@ -44,8 +44,9 @@ from pairs.sources import Source, dataset_sources, file_digest
 from preference_datasets import RowCounts, data_lines, eval_split, iter_pairs, nothing_to_train_on
 from utils import UserError, first_line, release_free_memory
 
-FORMAT = 6  # 3: margins; 4: conversational rows rendered as TRL renders them, tools; 5: the prompts' images;
-# 6: a prompt's images expanded as one prompt's list (LLaVA-OneVision: several without tiles)
+FORMAT = 7  # 3: margins; 4: conversational rows rendered as TRL renders them, tools; 5: the prompts' images;
+# 6: a prompt's images expanded as one prompt's list (LLaVA-OneVision: several without tiles);
+# 7: each example's keep_end (which end a cut prompt keeps), by which sampling cuts a prompt as training does
 CHUNK_PAIRS = 2048  # pairs per batch call to the tokenizer, and the text a build holds at a time
 # tokenizer_config.json entries that say where a tokenizer was loaded from, not what it is
 LOADED_FROM = ("name_or_path", "is_local", "local_files_only", "_commit_hash")
@@ -149,7 +150,7 @@ def tokenize_chunk(pairs: list[PreferencePair], encode, eos_id: int, settings: T
     eos_count = np.array([int(pair.append_eos) for pair in pairs], np.int64)
     full[:, 1:] += eos_count[:, None]  # EOS ends each response, unless a chat template ended it
     kept = truncated(full, settings.max_length, settings.max_prompt_length)
-    keep_end = np.array([pair.truncation_mode == "keep_end" for pair in pairs])
+    keep_end = np.array([pair.truncation_mode == "keep_end" for pair in pairs], bool)
     # gathered in order: the prompt's kept ids, then per response its kept ids and, unless cut, its EOS
     segments = [(text_starts[which[:, 0]] + np.where(keep_end, full[:, 0] - kept[:, 0], 0), kept[:, 0])]
     for r in range(1, which.shape[1]):
@@ -174,7 +175,7 @@ def tokenize_chunk(pairs: list[PreferencePair], encode, eos_id: int, settings: T
     labels = np.array([getattr(pair, "label", -1) for pair in pairs], dtype=np.int8)
     margins = np.array([getattr(pair, "margin", 0.0) for pair in pairs], dtype=np.float32)
     return Examples(
-        [tokens], np.zeros(len(pairs), np.int32), offsets, kept, full, keys, groups, labels, margins,
+        [tokens], np.zeros(len(pairs), np.int32), offsets, kept, full, keys, groups, labels, margins, keep_end,
         *image_arrays(images),
     )  # fmt: skip
 

@@ -628,3 +628,13 @@ def test_float16_on_two_ranks_trains_close_to_float32(basic_run, tmp_path, launc
     ]
     assert all(map(math.isfinite, differences)) and 1e-6 < max(differences) < 1e-3, differences
     assert [r["loss_scale"] for r in float16 if "loss_scale" in r] == [65536.0] * 5  # no overflow, window 1000
+
+
+def test_fsdp_float8_starts_at_ln_2_and_trains(basic_run, tmp_path, launch):
+    # FSDP2 over the emulated float8 layers (their weights gathered in float32 here: gloo has no float8), the cached
+    # reference the converted initial policy's own: step one at ln 2, and the run learns.
+    pytest.importorskip("torchao.float8", reason="torchao (requirements-dev.txt) emulates float8 on a CPU")
+    _, pairs_file = basic_run
+    launch(tmp_path / "run", pairs_file, "trainer=FSDPTrainer", "model.fp8=rowwise")
+    train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss/train" in r]
+    assert train[0]["loss/train"] == pytest.approx(math.log(2), abs=1e-6) and train[-1]["loss/train"] < 0.5

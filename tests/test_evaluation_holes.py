@@ -9,7 +9,7 @@ import transformers
 
 import config as configuration
 import evaluate
-from conftest import read_jsonl, save_tiny_lm, write_jsonl
+from conftest import build_trainer, read_jsonl, save_tiny_lm, write_jsonl
 from judging.judges import load_judge
 from modeling.distributed import Topology
 from utils import UserError
@@ -168,21 +168,89 @@ def short_model(tmp_path_factory):
     return save_tiny_lm(tmp_path_factory.mktemp("positions") / "gpt2", "gpt2", max_position_embeddings=32)
 
 
-def test_prompts_longer_than_the_models_positions_keep_their_end_and_are_said_once(tmp_path, short_model, capsys):
-    rows = [{"prompt": f"Q: {'word ' * (40 + i)}{i}?\nA:", "chosen": " yes", "rejected": " no"} for i in range(16)]
+def test_prompts_longer_than_the_models_positions_keep_the_end_training_keeps_and_are_said_once(
+    tmp_path, short_model, capsys
+):
+    rows = [{"prompt": f"Q{i}: {'word ' * (40 + i)}?\nA:", "chosen": " yes", "rejected": " no"} for i in range(16)]
     data = write_jsonl(tmp_path / "long.jsonl", rows)
     args = evaluation(tmp_path, short_model, data, f"baseline={short_model}", "max_new_tokens=8", "n_prompts=4")
     summary, lines = run(args)
     printed = capsys.readouterr().out
-    line = ("sampling: 4 of 4 prompts do not fit the model's 32 positions with max_new_tokens=8: each keeps its last "
-            "24 tokens, as training keeps a prompt's end")  # fmt: skip
+    line = ("sampling: 4 of 4 prompts do not fit the model's 32 positions with max_new_tokens=8: 4 keep their first "
+            "24 tokens (keep_start), as training cuts them")  # fmt: skip
     assert printed.count("prompts do not fit the model") == 1 and line in printed  # once: sampling, scoring
-    assert abs(summary["results"][str(short_model)]["1.0"]["kl"]["value"]) < 1e-5  # its own reference: scored alike
+    # its own reference: scored alike, each prompt cut as it was sampled (summed while drawing, then scored)
+    assert abs(summary["results"][str(short_model)]["1.0"]["kl"]["value"]) < 1e-5
     with pytest.raises(UserError, match=r"^max_new_tokens=40 leaves no room for a prompt in the model's 32 positions$"):
         run(evaluation(tmp_path, short_model, data, "max_new_tokens=40"))
 
 
-def test_a_cut_prompt_keeps_its_last_tokens():
+def test_a_held_out_prompt_is_sampled_from_the_ids_training_kept_of_it(tmp_path, short_model, capsys):
+    """A prompt too long for the model's positions reaches the model cut as training cuts it (issue 70): any format
+    but HH's keeps its first tokens, an HH dialogue its last; the two formats in one batch."""
+    from generation.sampling import Sampler
+    from persistence.tokenized import Tokenization, load_examples
+
+    question = "word " * 60
+    explicit = [{"prompt": f"Q{i}: {question}?", "chosen": " yes", "rejected": " no"} for i in range(6)]
+    dialogue = [f"\n\nHuman: {question} {i}?\n\nAssistant:" for i in range(6)]
+    hh = [{"chosen": f"{prompt} yes", "rejected": f"{prompt} no"} for prompt in dialogue]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(short_model)
+    settings = Tokenization(max_length=64, max_prompt_length=48, sft=False)
+    held_out = {}
+    for name, rows in (("explicit", explicit), ("hh", hh)):
+        test = load_examples([str(write_jsonl(tmp_path / f"{name}.jsonl", rows))], tokenizer, settings, 0, 2, tmp_path)
+        held_out[name] = test["test"].take(range(len(test["test"])))
+        assert len(held_out[name]) == 2 and all(len(ex["prompt"]) == 48 for ex in held_out[name])  # cut in training
+    examples = held_out["explicit"] + held_out["hh"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(short_model)
+    seen = []
+
+    def prefilled(module, args, kwargs):
+        ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+        if ids.shape[1] > 1:  # a prefill, not a decode step's one token
+            seen.extend(row[kept.bool()].tolist() for row, kept in zip(ids, mask))
+
+    model.register_forward_pre_hook(prefilled, with_kwargs=True)
+    sampler = Sampler(tokenizer, Topology.create("BasicTrainer"), max_new_tokens=8, batch_size=4)
+    prompts, keep_end = [ex["prompt"] for ex in examples], [ex["keep_end"] for ex in examples]
+    sampler.sample(model, prompts, None, [0, 1, 2, 3], 1.0, keep_end=keep_end)
+    starts = [ex["prompt"][:24] for ex in held_out["explicit"]]  # 32 positions less max_new_tokens=8
+    ends = [ex["prompt"][-24:] for ex in held_out["hh"]]
+    assert sorted(seen) == sorted(starts + ends)
+    assert all(tokenizer.decode(start).startswith("Q") for start in starts)
+    assert all(tokenizer.decode(end).endswith("?\n\nAssistant:") for end in ends)
+    assert ("2 keep their last 24 tokens (keep_end: HH's format), 2 keep their first 24 tokens (keep_start), as "
+            "training cuts them") in capsys.readouterr().out  # fmt: skip
+
+
+def test_the_win_rate_the_evals_samples_and_rounds_cut_prompts_as_training_did(make_config, monkeypatch, tmp_path):
+    """Each sampler a training run has hands PositionFit its prompts' keep_end (Examples'): the tiny run's explicit
+    pairs keep their start, so a prompt too long for the positions would keep its start there too (issue 70)."""
+    from generation.sampling import PositionFit
+    from rounds import Rounds
+    from test_rounds import ROUNDS
+
+    given, fit = [], PositionFit.__call__
+
+    def noting(self, model, prompts, completions=None, keep_end=None):
+        given.append(keep_end)
+        return fit(self, model, prompts, completions, keep_end)
+
+    monkeypatch.setattr(PositionFit, "__call__", noting)
+    trainer = build_trainer(make_config("eval_winrate_prompts=2", f"judge={JUDGE}", "sample_during_eval=true",
+                                        "n_eval_model_samples=2", "generation.max_new_tokens=4"))  # fmt: skip
+    trainer.evaluate()  # the win rate's sampling (policy, reference) and the samples' (policy, reference)
+    assert given == [[False] * 2] * 4
+    given.clear()
+    settings = ("rounds.n=1", "rounds.prompts=2", "rounds.completions=2", "rounds.eval_prompts=2")
+    rounds = Rounds(build_trainer(make_config(*ROUNDS, *settings, f"local_run_dir={tmp_path / 'rounds'}")))
+    rounds.sample_round(0)
+    rounds.heldout_reward()
+    assert given == [[False] * 4, [False] * 2]  # a round's 2 prompts x 2 completions, then the held-out greedy
+
+
+def test_a_cut_prompt_keeps_the_end_training_keeps(capsys):
     from generation.sampling import Sampler
 
     class Model:
@@ -192,3 +260,18 @@ def test_a_cut_prompt_keeps_its_last_tokens():
     prompts = [list(range(3)), list(range(100, 108)), list(range(6))]
     assert sampler.fitted(Model(), prompts) == [[0, 1, 2], [102, 103, 104, 105, 106, 107], list(range(6))]
     assert sampler.fitted(Model(), prompts, [[1] * 2, [1] * 7, [1] * 3]) == [[0, 1, 2], [105, 106, 107], list(range(6))]
+    # each row as its example's format is cut in training (Examples.keep_end): HH's end, any other format's start
+    capsys.readouterr()
+    sampler = Sampler(None, Topology.create("BasicTrainer"), max_new_tokens=4, batch_size=2)
+    prompts, keep_end = [*prompts, list(range(200, 208)), list(range(300, 308))], [True, True, False, False, False]
+    assert sampler.fitted(Model(), prompts, keep_end=keep_end) == [
+        [0, 1, 2], [102, 103, 104, 105, 106, 107], list(range(6)), list(range(200, 206)), list(range(300, 306))
+    ]  # fmt: skip
+    assert capsys.readouterr().out == (
+        "sampling: 3 of 5 prompts do not fit the model's 10 positions with max_new_tokens=4: 1 keep their last 6 "
+        "tokens (keep_end: HH's format), 2 keep their first 6 tokens (keep_start), as training cuts them\n"
+    )
+    completions = [[1] * 2, [1] * 7, [1] * 3, [1] * 7, [1] * 2]  # scored: cut as sampled, to a longer completion's room
+    assert sampler.fitted(Model(), prompts, completions, keep_end) == [
+        [0, 1, 2], [105, 106, 107], list(range(6)), [200, 201, 202], list(range(300, 306))
+    ]  # fmt: skip

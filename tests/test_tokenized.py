@@ -17,7 +17,7 @@ import transformers
 from ballast import fill
 
 from conftest import REPO_ROOT, TINY_DIR, arithmetic_pairs, labelled_completions, write_jsonl
-from core.examples import truncated
+from core.examples import from_ids, truncated
 from core.step import mismatched
 from pairs.formats import PreferencePair
 from persistence import tokenized
@@ -121,8 +121,8 @@ def test_mismatched_examples_pair_each_prompt_with_the_next_responses(tiny_token
     pairs = [PreferencePair("Same prompt:", f" chosen {i}", f" rejected {i}", "", "keep_start") for i in range(3)]
     examples = tokenize_pairs(pairs, tiny_tokenizer, settings).take(range(3))
     kl = mismatched(examples, settings.max_length, settings.max_prompt_length)
-    for i, example in enumerate(kl):  # one prompt: each mismatched example is the next tokenized one, key and all
-        assert example == examples[(i + 1) % 3]
+    for i, example in enumerate(kl):  # one prompt: each mismatched example is the next tokenized one, key and all,
+        assert example == {**examples[(i + 1) % 3], "keep_end": True}  # but for the end it keeps, from_ids' own
     long = PreferencePair("Fifteen chars!!", " x", " y", "", "keep_start")
     short = PreferencePair("Q", " a response 12", " no", "", "keep_start")
     a, b = tokenize_pairs([long, short], tiny_tokenizer, settings).take(range(2))
@@ -227,6 +227,24 @@ def test_cached_equals_uncached_equals_one_call_per_text_in_every_format(tmp_pat
             assert as_lists(built[split]) == as_lists(again[split]) == as_lists(in_memory), name
             np.testing.assert_array_equal(built[split].full_lengths, in_memory.full_lengths)
         assert built["train"].lengths.sum() < built["train"].full_lengths.sum() or name in ("shp", "se"), name
+
+
+def test_each_example_keeps_its_formats_prompt_end_through_the_cache(tmp_path, tiny_tokenizer, capsys):
+    """keep_end, the end sampling keeps of a prompt too long for a model's positions, is the end training keeps:
+    HH's dialogues their end, every other format its start; built, then mapped back from the cache, alike, and carried
+    through concatenation and the held-out split. from_ids' pairs keep their end."""
+    formats = write_formats(tmp_path / "data")
+    names = [str(formats["hh"]), str(formats["explicit"]), str(formats["shp"])]
+    for said in ("(tokenized, cached in", "(tokenized earlier:"):
+        splits = load_examples(names, tiny_tokenizer, PAIRS, 0, 4, tmp_path / "cache")
+        assert capsys.readouterr().out.count(said) == 3
+        for split, n_hh in (("train", 8), ("test", 4)):  # 12 rows a format, 4 held out
+            examples = splits[split]
+            keep_end = [example["keep_end"] for example in examples.take(range(len(examples)))]
+            assert keep_end == [True] * n_hh + [False] * (len(examples) - n_hh) and len(examples) > n_hh
+            assert examples.keep_end.tolist() == keep_end
+    made = from_ids([[1, 2, 3]], [[[4], [5]]], np.zeros(1, np.int64), max_length=8, max_prompt_length=4)
+    assert made[0]["keep_end"] is True
 
 
 def test_a_hub_dataset_is_cached_by_its_fingerprint(monkeypatch, tmp_path, tiny_tokenizer, capsys):
