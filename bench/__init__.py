@@ -15,6 +15,9 @@ One module per campaign:
   configuration at 256 x 4, first step (compilation) and steady state. --lora: LoRA (the preset, rank 16 on every
   linear layer) against full fine-tuning on the default configuration at 256 x 4: seconds per step and peak RSS,
   alternating, each in a fresh process.
+- precision.py: --precision [--rounds N]: float32, bfloat16, float16 with dynamic loss scaling and FP8 (torchao's
+  float8 layers; emulated on a CPU) on the levers' workload at 256 x 4: pairs/s, peak RSS, each step's loss against
+  float32's, the loss scale and its skipped steps; each in a fresh process, alternating.
 - fsdp.py: --fsdp: FSDP1 (`FullyShardedDataParallel`) vs FSDP2 (`fully_shard`) on 2 processes (gloo on the CPU, NCCL
   with 2+ GPUs), both sharding per Llama block: training step time, and the largest parameter difference from one
   process training on the same batches (decides which FSDP FSDPTrainer uses). --fsdp-reduce: FSDP2's gradient error

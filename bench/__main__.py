@@ -15,6 +15,7 @@ from bench import (
     kernels,
     levers,
     long,
+    precision,
     profile,
     reward,
     scale,
@@ -36,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--fsdp-reduce", action="store_true", help="FSDP2's gradient error reducing in bfloat16 vs float32"
     )
     parser.add_argument("--levers", action="store_true", help="only benchmark the training step's speed levers")
+    parser.add_argument(
+        "--precision", action="store_true", help="float32, bfloat16, float16 + loss scaling and FP8 side by side"
+    )
     parser.add_argument(
         "--compile", action="store_true", help="only benchmark torch.compile on the default configuration"
     )
@@ -64,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--rounds",
         type=int,
-        help="--versus, --vllm, --vision, --async-save: rounds of the configurations alternating (default 2; "
-        "--generate 1)",
+        help="--versus, --vllm, --vision, --async-save, --precision: rounds of the configurations alternating "
+        "(default 2; --generate and --precision 1)",
     )
     parser.add_argument(
         "--profile", nargs="*", metavar="KEY=VALUE", help="where a training step's time goes (train.py overrides)"
@@ -108,6 +112,8 @@ def run(args: argparse.Namespace) -> None:
         return fsdp.bench_fsdp_reduce()
     if args.levers:
         return levers.bench_levers(args.warmup, args.steps)
+    if args.precision:
+        return precision.bench_precision(args.warmup, args.steps, args.rounds or 1)
     if args.compile:
         return levers.bench_compile(args.warmup, args.steps)
     if args.lora:
@@ -146,11 +152,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--vllm PYTHON goes with --generate on SmolLM2: vLLM's CPU attention takes no tiny model's heads")
     if args.only and not args.gpu:
         parser.error("--only TEXT chooses among the stages of --gpu's campaign")
-    alternating = args.versus or args.vllm or args.vision or args.async_save
+    alternating = args.versus or args.vllm or args.vision or args.async_save or args.precision
     if args.rounds is not None and (not alternating or args.rounds < 1):
         parser.error(
-            f"--rounds {args.rounds}: a number of rounds of at least 1, and only with --versus, --vllm, --vision or "
-            "--async-save"
+            f"--rounds {args.rounds}: a number of rounds of at least 1, and only with --versus, --vllm, --vision, "
+            "--async-save or --precision"
         )
     if args.vllm:
         try:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from bench.common import HH_FILE, images_encoded, peak_memory_gib, worker_subprocess
+from modeling.precision import DTYPE_NAMES
 
 
 def bench_trainer(overrides: list[str], data_file: str = str(HH_FILE), n_rows: int | None = 48):
@@ -101,7 +102,7 @@ def lever_worker(
         "mfu": rates.get("perf/mfu", float("nan")),  # absent where the peak was exceeded (PeakRate.mfu)
         "peak_memory_gib": peak_memory_gib(trainer.topology.device.type == "cuda"),
         "training_rss_gib": step_rss[0],
-        "precision": "bfloat16" if trainer.precision.policy_compute == torch.bfloat16 else "float32",
+        "precision": DTYPE_NAMES[trainer.precision.policy_compute or torch.float32],
         "layout": trainer.scorer.describe(),
         "fallbacks": list(trainer.scorer.fallbacks),
         "setup_seconds": setup_seconds,

@@ -180,7 +180,7 @@ def test_rounds_is_refused_without_versus_or_below_one(capsys):
         assert exit.value.code == 2, flags
         stderr = capsys.readouterr().err
         assert stderr.splitlines()[-1].endswith(
-            "at least 1, and only with --versus, --vllm, --vision or --async-save"
+            "at least 1, and only with --versus, --vllm, --vision, --async-save or --precision"
         ), stderr
 
 

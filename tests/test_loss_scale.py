@@ -86,6 +86,22 @@ def test_the_scale_grows_after_its_window_of_finite_steps(float16_config, tmp_pa
     assert [r["loss_scale"] for r in records(trainer.run_dir, "train")] == [256, 512, 512, 1024, 1024]
 
 
+def test_accumulated_micro_batches_are_scaled_each_and_unscaled_once_a_step(float16_config, tmp_path):
+    # 8 pairs a step in 4 micro-batches against one: the same scales, and every step's loss equal to float16's
+    # rounding of the micro-batches' layouts (measured: under 2e-4); a scale taken off after each micro-batch, or
+    # once per micro-batch, would leave the gradients 4x or 2^-16x off and the losses apart from step 2 on.
+    import train
+
+    runs = {}
+    for accumulation in (1, 4):
+        run_dir = tmp_path / f"ga{accumulation}"
+        train.run(float16_config(f"local_run_dir={run_dir}", f"gradient_accumulation_steps={accumulation}"))
+        runs[accumulation] = records(run_dir, "train")
+    assert [r["loss_scale"] for r in runs[1]] == [r["loss_scale"] for r in runs[4]] == [65536.0] * 5
+    differences = [abs(a["loss/train"] - b["loss/train"]) for a, b in zip(runs[1], runs[4])]
+    assert max(differences) < 1e-3, differences
+
+
 def test_a_scale_at_its_floor_that_keeps_overflowing_stops_the_run_naming_float16(float16_config):
     trainer = build_trainer(float16_config("loss_scale.init=2", "loss_scale.min_scale=2", "max_nonfinite_steps=2"))
     unscale = trainer.loss_scale.unscale
