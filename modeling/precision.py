@@ -50,18 +50,20 @@ def cpu_name() -> str:
 
 
 def probe_cpu_matmul_flops(rounds: int = 10, emulated_seconds: float = 0.05) -> dict[str, float]:
-    """FLOP/s of a PROBE_SIZE square matmul on this CPU, by dtype name (float32, bfloat16): the best time of each,
-    the two dtypes alternating round by round, so that other processes on a shared machine slow both alike rather
+    """FLOP/s of a PROBE_SIZE square matmul on this CPU, by dtype name (float32, bfloat16, float16): the best time of
+    each, the dtypes alternating round by round, so that other processes on a shared machine slow them alike rather
     than one of them (the best, because load only ever slows a matmul down). float32 takes about 3 ms at 0.1
-    TFLOP/s; bfloat16 where it is emulated takes about 0.2 s, so it stops after half the rounds once its best is
-    slower than emulated_seconds (the answer is clear by then)."""
-    operands = {dtype: torch.randn(PROBE_SIZE, PROBE_SIZE).to(dtype) for dtype in (torch.float32, torch.bfloat16)}
+    TFLOP/s; a 16-bit dtype where it is emulated takes about 0.2 s, so it stops after half the rounds once its best
+    is slower than emulated_seconds (the answer is clear by then). float16 is measured for the line that says a
+    configured dtype runs slowly (slow_precision_note) and for MFU, never for `auto`'s choice."""
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    operands = {dtype: torch.randn(PROBE_SIZE, PROBE_SIZE).to(dtype) for dtype in dtypes}
     best = dict.fromkeys(operands, float("inf"))
     for a in operands.values():
         a @ a  # warm-up: kernel selection and first-touch
     for index in range(rounds):
         for dtype, a in operands.items():
-            if dtype == torch.bfloat16 and index >= rounds // 2 and best[dtype] > emulated_seconds:
+            if dtype != torch.float32 and index >= rounds // 2 and best[dtype] > emulated_seconds:
                 continue
             start = time.perf_counter()
             a @ a
@@ -122,13 +124,13 @@ def cpu_matmul_flops(cache_dir: Path, again: bool = False) -> dict[str, float]:
         cached = {}
     cached = cached if isinstance(cached, dict) else {}
     rates = cached.get(machine)
-    valid = isinstance(rates, dict) and all(
+    valid = isinstance(rates, dict) and all(  # float16's rate came later: a file without it stands
         isinstance(rates.get(name), (int, float)) for name in ("float32", "bfloat16")
     )
     if valid and not again:
         return rates
     measured = probe_cpu_matmul_flops()
-    rates = {name: max(rate, rates[name]) for name, rate in measured.items()} if valid else measured
+    rates = {name: max(rate, rates.get(name, 0.0)) for name, rate in measured.items()} if valid else measured
     try:
         storage.write_text(cache_file, json.dumps({**cached, machine: rates}, indent=1))
     except storage.WriteFailed as error:  # the answer stands; it is measured again next time
@@ -183,15 +185,15 @@ def slow_precision_note(setting: str | None, precision: "Precision", device: tor
     name = DTYPE_NAMES.get(compute)
     if device.type == "cuda":
         if compute == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
-            gpu = torch.cuda.get_device_name(device)
+            gpu, auto = torch.cuda.get_device_name(device), choose_compute_dtype(device, cache_dir)[0]
             return (
                 f"precision: bfloat16 compute, as configured, is emulated on {gpu} (no native bfloat16), slower than "
-                "float32; model.fsdp_policy_mp=auto computes in float32 here"
+                f"float32; model.fsdp_policy_mp=auto computes in {DTYPE_NAMES[auto or torch.float32]} here"
             )
         return None
-    if name not in ("float32", "bfloat16"):  # float16 on a CPU: not probed (a test's choice, never auto's)
-        return None
     rates = cpu_matmul_flops(cache_dir)
+    if name not in rates:  # float16 in a probe file written before it was measured
+        return None
     auto = "bfloat16" if rates["bfloat16"] / rates["float32"] >= REQUIRED_SPEEDUP else "float32"
     ratio = rates[auto] / rates[name]
     if ratio < SLOW_FACTOR:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from modeling.adapters import logical_numel
-from modeling.precision import cpu_matmul_flops, cpu_name
+from modeling.precision import DTYPE_NAMES, cpu_matmul_flops, cpu_name
 from modeling.reward_head import reward_head
 
 # NVIDIA datasheet dense bfloat16 tensor-core peaks, TFLOP/s (sparsity excluded), matched on the device name in order;
@@ -159,8 +159,9 @@ def peak_flops(device: torch.device, dtype: torch.dtype, cache_dir: Path) -> Pea
             if re.search(pattern, name):
                 return PeakRate(tflops * 1e12, f"{name}'s datasheet {str(dtype).removeprefix('torch.')} peak")
         return PeakRate(measured_matmul_flops(device, dtype), f"a measured {dtype} matmul on {name}")
-    name = "bfloat16" if dtype == torch.bfloat16 else "float32"  # float16 on a CPU (tests): float32's rate
-    rate = cpu_matmul_flops(cache_dir)[name]
+    rates = cpu_matmul_flops(cache_dir)
+    name = DTYPE_NAMES.get(dtype, "float32") if DTYPE_NAMES.get(dtype) in rates else "float32"
+    rate = rates[name]
     return PeakRate(rate, f"the precision probe's {name} matmul on {cpu_name()}", cache_dir, name)
 
 

@@ -1,5 +1,6 @@
 import functools
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -143,6 +144,20 @@ def test_a_dry_run_in_bfloat16_on_an_avx2_cpu_says_how_slow(run_main, tmp_path, 
         f"({precision.cpu_name()}: 0.00135 against 0.176 TFLOP/s, {tmp_path / 'precision_probe.json'}); "
         "model.fsdp_policy_mp=auto computes in float32 here"
     ]
+
+
+def test_float16_on_a_cpu_whose_probe_measured_it_slow_says_so_and_an_older_probe_file_says_nothing(tmp_path):
+    # The probe measures float16 too (the line for a configured dtype, and MFU); a probe file written before it did
+    # holds no float16 rate, and stands: no line rather than a new probe.
+    chosen = precision.decide_precision(
+        SimpleNamespace(policy_dtype="float32", fsdp_policy_mp="float16", reference_dtype="auto"), True, lambda: None
+    )
+    (tmp_path / "precision_probe.json").write_text(json.dumps({machine_key(): {"float32": 1e11, "bfloat16": 3e11}}))
+    assert precision.slow_precision_note("float16", chosen, torch.device("cpu"), tmp_path) is None
+    rates = {"float32": 1e11, "bfloat16": 3e11, "float16": 1e10}
+    (tmp_path / "precision_probe.json").write_text(json.dumps({machine_key(): rates}))
+    note = precision.slow_precision_note("float16", chosen, torch.device("cpu"), tmp_path)
+    assert note.startswith("precision: float16 compute, as configured, runs matmuls 30x slower than bfloat16 on")
 
 
 def test_weight_copies_are_cast_once_per_change_of_the_weights_and_compute_as_autocast():
