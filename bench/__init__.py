@@ -16,7 +16,7 @@ One module per campaign:
   linear layer) against full fine-tuning on the default configuration at 256 x 4: seconds per step and peak RSS,
   alternating, each in a fresh process.
 - precision.py: --precision [--rounds N]: float32, bfloat16, float16 with dynamic loss scaling and FP8 (torchao's
-  float8 layers; emulated on a CPU) on the levers' workload at 256 x 4: pairs/s, peak RSS, each step's loss against
+  float8 layers; emulated on a CPU) on SmolLM2 and HH pairs at 128 x 2: pairs/s, peak RSS, each step's loss against
   float32's, the loss scale and its skipped steps; each in a fresh process, alternating.
 - fsdp.py: --fsdp: FSDP1 (`FullyShardedDataParallel`) vs FSDP2 (`fully_shard`) on 2 processes (gloo on the CPU, NCCL
   with 2+ GPUs), both sharding per Llama block: training step time, and the largest parameter difference from one

@@ -1,8 +1,10 @@
-"""--precision [--rounds N]: the compute precisions side by side on the training step of SmolLM2-135M-Instruct on the
-first 48 HH pairs at max_length 256 x 4 pairs (DPO, beta 0.1, AdamW, the default levers): float32, bfloat16
-autocast, float16 autocast with dynamic loss scaling, and FP8 matmuls (torchao's float8 layers; on a CPU emulated,
-for correctness only). Each configuration in a fresh process, in turn, `rounds` times: pairs/s, peak RSS, the loss
-scale's skipped steps, and how far each step's loss lies from float32's on the same batches."""
+"""--precision [--rounds N] [--warmup N] [--steps N]: the compute precisions side by side on the training step of
+SmolLM2-135M-Instruct on HH pairs at max_length 128 x 2 pairs (DPO, beta 0.1, AdamW, the default levers): float32,
+bfloat16 autocast, float16 autocast with dynamic loss scaling, and FP8 matmuls (torchao's float8 layers; on a CPU
+emulated, for correctness only). A small workload, and only the pairs the steps read (their reference pass is setup):
+a CPU without float16 kernels runs it some 50x slower than float32. Each configuration in a fresh process, in turn,
+`rounds` times: pairs/s, peak RSS, the loss scale's skipped steps, and how far each step's loss lies from float32's on
+the same batches. The GPU rows are the GPU campaign's (gpu.py)."""
 
 import json
 import tempfile
@@ -29,17 +31,22 @@ PRECISIONS = {
 }
 
 
+WORKLOAD = (128, 2)  # max_length, pairs a step
+
+
 def precision_worker(overrides: list[str], warmup: int, steps: int, result_file: str) -> None:
     """One precision in this fresh process: every step's mean loss, the timed steps' pairs/s, peak memory, the
     loss scale at the end and the steps it skipped (float16)."""
     from bench.step import bench_trainer
 
-    trainer, _ = bench_trainer(overrides)
+    trainer, _ = bench_trainer(overrides, n_rows=WORKLOAD[1] * (warmup + steps) + 1)
     losses, seconds, pairs = [], 0.0, 0
     for step, indices in enumerate(trainer.data.schedule[: warmup + steps]):
         examples = trainer.data.train_examples.take(indices)
         start = time.perf_counter()
         metrics = trainer.train_step(examples)  # ends with the step's one transfer from the device: synchronised
+        if metrics is None:  # sync_free_steps (bfloat16): read at once, as float16's loss scale reads each step
+            metrics = trainer.deferred.resolve()[-1].metrics
         trainer.batch_counter += 1
         if step >= warmup:
             seconds, pairs = seconds + time.perf_counter() - start, pairs + len(examples)
@@ -57,13 +64,14 @@ def precision_worker(overrides: list[str], warmup: int, steps: int, result_file:
 
 def bench_precision(warmup: int, steps: int, rounds: int) -> None:
     model_dir = smollm2_dir()
-    print(f"CPU: {cpu_name()}; torch {torch.__version__}; SmolLM2-135M-Instruct, first 48 pairs of {HH_FILE.name}")
-    print(f"max_length 256 x 4 pairs a step, {warmup} warm-up + {steps} timed steps, {rounds} round(s), alternating")
+    print(f"CPU: {cpu_name()}; torch {torch.__version__}; SmolLM2-135M-Instruct, pairs of {HH_FILE.name}")
+    print(f"max_length {WORKLOAD[0]} x {WORKLOAD[1]} pairs a step, {warmup} warm-up + {steps} timed steps, "
+          f"{rounds} round(s), alternating")  # fmt: skip
     results = {name: [] for name in PRECISIONS}
     for _ in range(rounds):
         for name, precision in PRECISIONS.items():
             with tempfile.TemporaryDirectory() as tmp:
-                overrides = [*workload_overrides(model_dir, with_machine_rates(tmp), 256, 4), *precision]
+                overrides = [*workload_overrides(model_dir, with_machine_rates(tmp), *WORKLOAD), *precision]
                 results[name].append(worker_subprocess(precision_worker, str(Path(tmp) / "r.json"),
                                                        overrides=overrides, warmup=warmup, steps=steps))  # fmt: skip
     reference = results["float32"][0]["losses"]
