@@ -51,7 +51,7 @@ from persistence.checkpoint_loading import preflight
 from persistence.tokenized import Tokenization, first_of_each_group, load_examples, tokenize_pairs
 from preference_datasets import batch_schedule
 from references import build_reference, live_reference_model
-from reporting.data_report import data_report
+from reporting.data_report import data_report, shape_report
 from reporting.fit_check import fit_verdict
 from reporting.hardware import GIB, Hardware
 from reporting.memory_plan import Workload
@@ -208,6 +208,8 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
         policy, ScoringSettings.of_run(config), tokenizer.pad_token_id, topology, autocast, precision.policy_compute,
         objective.tail_weight, reward_eos, tokenizer.vision,
     )  # fmt: skip
+    if scorer.buckets and topology.is_main:  # the padding they cost, now that the layout is known
+        print(shape_report(data.train_examples.lengths, data.schedule, accumulation * topology.dp_size, scorer))
 
     reference, reference_model = build_reference(
         config, topology, data, objective, precision, policy, scorer, cache_dir, initial_weights, accumulation

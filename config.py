@@ -99,8 +99,10 @@ class Config:
     optimizer: str = MISSING
     optimizer_kwargs: dict[str, Any] = MISSING
     warmup_steps: int = ranged(NON_NEGATIVE)
+    sync_free_steps: str = MISSING  # auto, true or false (training/device_steps.py)
     activation_checkpointing: bool = MISSING
-    compile_blocks: bool = MISSING
+    compile_blocks: str = MISSING  # auto, true or false (modeling.placement.lever_on)
+    shape_buckets: str = MISSING  # auto, true or false
     compute_weight_copies: bool = MISSING
     liger_kernel: bool = MISSING
     layout: str = MISSING

@@ -16,7 +16,7 @@ from core.step import Data, mismatched
 from modeling.adapters import AdaptersDisabled, ReferenceAdapter, is_adapted
 from modeling.distributed import Topology
 from modeling.models import prepare_model
-from modeling.placement import Placement, place
+from modeling.placement import Placement, lever_on, place
 from modeling.precision import Precision, device_key
 from modeling.reference_sync import SyncedReference, schedule_line
 from persistence import reference_cache
@@ -94,7 +94,7 @@ def reference_computation(
         f"{weights} weights, {compute or 'no'} {how} compute, {scorer.describe()}, {topology.describe()}, "
         f"micro-batches of {micro[0]} and {micro[1]}, seed {config.seed}, on {device_key(topology.device)}, "
         f"{n_responses} responses an example"
-        + (", compiled blocks" if config.compile_blocks else "")
+        + (", compiled blocks" if lever_on(config.compile_blocks, topology.device.type) else "")
         + (", Liger-Kernel" if config.liger_kernel else "")
         + (f", float8 {config.model.get('fp8')}" if precision.reference_like_policy and config.model.get("fp8") else "")
     )

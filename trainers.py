@@ -30,6 +30,7 @@ from references import round_reference
 from reporting.plots import write_plots
 from reporting.telemetry import Throughput, step_amounts
 from training.checkpointer import Checkpointer, checkpoint_parts
+from training.device_steps import FinishedStep, device_steps
 from training.run_log import RunLog
 from training.stop_signals import StopSignals
 from utils import UserError
@@ -49,6 +50,7 @@ class Trainer:
         self.tokenizer, self.objective, self.data = parts.tokenizer, parts.objective, parts.data
         self.policy, self.reference_model = parts.policy, parts.reference_model
         self.optimizer, self.scheduler, self.loss_scale = parts.optimizer, parts.scheduler, parts.loss_scale
+        self.deferred = device_steps(parts)  # None: each step waits for its verdict on the host
         self.scorer, self.batch_loss, self.evaluator = parts.scorer, parts.batch_loss, parts.evaluator
         self.sampler = parts.sampler  # the run's: its evals' win rate and samples, and a run of rounds, sample with it
         self.flops, self.peak_flops, self.precision = parts.flops, parts.peak_flops, parts.precision
@@ -90,9 +92,10 @@ class Trainer:
         self.resumed_final, self.resumed_loop = marker.get("final", False), loop
         self.log.truncate(step, evaluated=self.last_eval_at == step)
 
-    def train_step(self, examples: list[dict]) -> dict[str, list[float]]:
-        """One optimizer step over a global batch, in `accumulation` equal micro-batches. The step
-        waits for the device once, at its end: for its gathered metrics and gradient norm, in one transfer."""
+    def train_step(self, examples: list[dict]) -> dict[str, list[float]] | None:
+        """One optimizer step over a global batch, in `accumulation` equal micro-batches. The step waits for the device
+        once, at its end, for its metrics and gradient norm in one transfer; with sync_free_steps (self.deferred) not
+        at all: the optimizer steps on the device, the metrics wait for the log interval's end (None here)."""
         self.policy.train()
         # Randomness in a step (LoRA's adapter dropout) is drawn from the step's own seed: a resumed run draws what
         # the uninterrupted one did, and tensor-parallel ranks draw alike.
@@ -103,6 +106,8 @@ class Trainer:
             scaled.unscale(self.optimizer)
         with torch.profiler.record_function("clip gradients"):  # named for python -m bench --profile
             grad_norm = clip_grad_norm(self.policy.parameters(), self.config.max_grad_norm)  # the same on every rank
+        if self.deferred is not None:
+            return self.deferred.step(names, gathered, grad_norm, examples, self.batch_counter + 1)
         metrics, finite = on_host(names, gathered, grad_norm, len(examples))
         metrics["lr"] = [self.scheduler.get_last_lr()[0]]  # the rate this step uses
         if finite:  # else the update would spoil the weights: it is skipped, and the run stops if that keeps happening
@@ -131,35 +136,26 @@ class Trainer:
                 start = time.time()
                 examples = self.data.train_examples.take(indices)
                 step_metrics = self.train_step(examples)
-                computed = sum(step_metrics.pop("perf/computed_tokens"))
-                amounts = step_amounts(examples, time.time() - start, computed, self.flops, self.live_reference)
-                self.speed.add(**amounts)
+                if step_metrics is not None:
+                    tally(self, [FinishedStep(step_metrics, True, examples, 0, time.time() - start)], progress)
                 self.example_counter += len(examples)
                 self.batch_counter += 1
                 progress.update()
-                progress.set_postfix(loss=f"{self.log.add_step(step_metrics, amounts):.4f}")
                 stopping = self.topology.any(stop.asked or self.log.failure is not None or self.checkpoints.failed())
                 # Metrics of every step count: they are averaged over the interval, not sampled at its end. The
                 # interval also closes where a checkpoint may follow, so the log holds every step up to it.
                 round_end = self.batch_counter == self.round_start + len(schedule)
                 boundary = self.cadence.boundary(self.example_counter) or round_end
                 if time.time() - last_log >= c.minimum_log_interval_secs or stopping or boundary:
+                    tally(self, self.deferred.resolve() if self.deferred else [], progress)
                     self.log.close_interval(*self.counters())
                     last_log = time.time()
-                if self.synced is not None and self.synced.due(self.batch_counter):  # TR-DPO's update of the
-                    self.synced.update()  # reference, before this step's checkpoint, which holds the moved one
-                    self.log.metrics({"reference/updates": self.synced.updates}, *self.counters())
-                    print(f"reference: update {self.synced.updates} after step {self.batch_counter}, alpha "
-                          f"{self.synced.alpha:g}")  # fmt: skip
+                if self.synced is not None and self.synced.due(self.batch_counter):
+                    move_reference(self)
                 if stopping:
                     self.log.check(self.topology, self.stopped)
                     self.checkpoint_now(wait=True)  # of the last finished step (an earlier one's failure stops here)
                     raise stop.interrupted(self.example_counter, self.checkpoints.last, self.run_dir)
-
-    @property
-    def live_reference(self) -> bool:
-        """Whether a step runs the reference's forward pass (its FLOPs count in MFU)."""
-        return self.batch_loss.reference is not None and self.batch_loss.reference.live
 
     def finish(self) -> None:
         """The run's end: a final eval, checkpoint (LATEST, with the export) and summary; a signal now lets it end.
@@ -237,6 +233,34 @@ class Trainer:
     def stopped(self, error: UserError) -> UserError:
         """A write failure's line, with where the run stopped, what is safe and how to go on."""
         return self.checkpoints.stopped(error, self.example_counter)
+
+
+def tally(trainer: Trainer, steps: list[FinishedStep], progress=None) -> None:
+    """Finished steps into the trainer's throughput and the log's interval (a step deferred by sync_free_steps
+    counted as finite or not here, in order); the progress bar's loss."""
+    for step in steps:
+        if trainer.deferred is not None:
+            trainer.nonfinite.count(step.finite, step.number, trainer.checkpoints.last)
+        computed = sum(step.metrics.pop("perf/computed_tokens"))
+        amounts = step_amounts(step.examples, step.seconds, computed, trainer.flops, live_reference(trainer))
+        trainer.speed.add(**amounts)
+        loss = trainer.log.add_step(step.metrics, amounts)
+        if progress is not None:
+            progress.set_postfix(loss=f"{loss:.4f}")
+
+
+def live_reference(trainer: Trainer) -> bool:
+    """Whether a step runs the reference's forward pass (its FLOPs count in MFU)."""
+    reference = trainer.batch_loss.reference
+    return reference is not None and reference.live
+
+
+def move_reference(trainer: Trainer) -> None:
+    """TR-DPO's update of the reference, before this step's checkpoint, which holds the moved one; logged."""
+    synced = trainer.synced
+    synced.update()
+    trainer.log.metrics({"reference/updates": synced.updates}, *trainer.counters())
+    print(f"reference: update {synced.updates} after step {trainer.batch_counter}, alpha {synced.alpha:g}")
 
 
 def on_host(names: list[str], gathered: torch.Tensor, grad_norm: torch.Tensor, n: int) -> tuple[dict, bool]:

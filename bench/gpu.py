@@ -13,7 +13,8 @@ one folder (campaign.json, campaign.md, campaign.log, profile-trace.json.gz):
    TRL's DPOTrainer (trl.py) without and with use_liger_kernel: pairs/s, real and computed tokens/s, MFU, peak memory;
    between the 1024-token workloads and the 4096-token one, sampling (sampling.py): evaluate.py's Sampler against
    plain model.generate(do_sample=True) on the same model, 16 prompts x 4 temperatures (64 rows) x 64 new tokens in
-   bfloat16, tokens/s.
+   bfloat16, tokens/s; the precisions: float16 with loss scaling, FP8 tensorwise and rowwise against bfloat16 at each
+   workload, TRL with fp16=True, and FP8 against bfloat16 on a random ~3B Llama at 2048 x 16, where FP8 pays.
 
 --gpu --smoke runs it at tiny sizes on any device, as the test suite does (without CUDA: no cuda tests, background
 saves, block mask or Liger, each stage saying so)."""
@@ -66,13 +67,33 @@ CAMPAIGN_WORKLOADS = {
     "smoke": ((64, 4, False, 2, 1, 1, 120),),
 }
 # Our configurations (train.py overrides on the campaign's own); run in the order of CONFIGURATIONS, TRL's included
+# The default on CUDA: shape buckets, compiled blocks and sync-free steps (issue 73), each taken away in a row of
+# its own; "as campaign v2" is the default before them.
 OURS = {
     "packed, block mask (default)": [],
+    "packed, block mask as campaign v2": ["shape_buckets=false", "compile_blocks=false", "sync_free_steps=false"],
+    "packed, block mask, eager": ["compile_blocks=false"],
+    "packed, block mask, compiled without buckets": ["shape_buckets=false"],
+    "packed, block mask, a sync a step": ["sync_free_steps=false"],
+    # the precision issue's rows: float16 with loss scaling (what a V100 or T4 gets) and FP8 against bfloat16
+    "packed, block mask, float16 + loss scaling": ["model.fsdp_policy_mp=float16"],
+    "packed, block mask, FP8 tensorwise": ["model.fp8=tensorwise"],
+    "packed, block mask, FP8 rowwise": ["model.fp8=rowwise"],
     "padded": ["layout=padded"],
     "packed, dense mask": ["layout=packed", "packed_attention=dense"],
 }
-CONFIGURATIONS = ("packed, block mask (default)", "TRL", "TRL + Liger", "padded", "packed, dense mask")
-TABLE_ORDER = ("padded", "packed, dense mask", "packed, block mask (default)", "TRL", "TRL + Liger")
+BLOCK_MASK_ROWS = tuple(name for name in OURS if name.startswith("packed, block mask"))
+TRL_ROWS = ("TRL", "TRL + Liger", "TRL, fp16=True")
+CONFIGURATIONS = (
+    *BLOCK_MASK_ROWS[:2], *TRL_ROWS[:2], *BLOCK_MASK_ROWS[2:], TRL_ROWS[2], "padded", "packed, dense mask"
+)  # fmt: skip
+TABLE_ORDER = ("padded", "packed, dense mask", *BLOCK_MASK_ROWS, *TRL_ROWS)
+# Where FP8 pays: a random ~3B Llama (Llama-3.2-3B's shape, a 32k vocabulary) at 2048 tokens x 16 pairs with
+# activation checkpointing, bfloat16 against FP8 (the workload tuple as CAMPAIGN_WORKLOADS')
+FP8_MODEL = dict(CAMPAIGN_MODELS["gpu"], hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                 num_attention_heads=24, num_key_value_heads=8)  # fmt: skip
+FP8_WORKLOAD = (2048, 16, True, 4, 1, 3, 150)
+FP8_ROWS = ("packed, block mask (default)", "packed, block mask, FP8 tensorwise", "packed, block mask, FP8 rowwise")
 # (limit in seconds on a GPU, in --smoke) of the cuda tests, each background-save run and the profile
 LIMITS = {"cuda tests": (200, 60), "background saves": (90, 60), "profile": (120, 60), "sampling": (60, 60)}
 # The sampling stage's (prompts, temperatures, new tokens, the pairs' max_length its prompts are drawn for)
@@ -138,6 +159,9 @@ def bench_gpu(smoke: bool, out: Path, budget: float, only: tuple[str, ...] = ())
         run_sampling(campaign, Path(tmp), model_dir, smoke)  # one stage, before the remaining rows
         for workload in (*workloads[:1], *workloads[2:]):
             run_workload(campaign, Path(tmp), model_dir, workload)
+        if not smoke:  # FP8 at the shape where it pays: after every row of the 1.1B model
+            fp8_model = campaign_model_dir(Path(tmp) / "model-3b", FP8_MODEL)
+            run_workload(campaign, Path(tmp), fp8_model, FP8_WORKLOAD, FP8_ROWS, "3B")
     print(f"\n{render_campaign(campaign.report)}", flush=True)
 
 
@@ -220,7 +244,7 @@ def run_sampling(campaign: Campaign, tmp: Path, model_dir: Path, smoke: bool) ->
 def configuration_skip(name: str) -> str | None:
     """Why a configuration cannot run here, or None."""
     cuda = torch.cuda.is_available()
-    if name == "packed, block mask (default)" and not cuda:
+    if name in BLOCK_MASK_ROWS and not cuda:
         return "skipped: FlexAttention has no backward pass on a CPU"
     if name.startswith("TRL") and importlib.util.find_spec("trl") is None:
         return "skipped: trl is not installed"
@@ -231,13 +255,15 @@ def configuration_skip(name: str) -> str | None:
     return None
 
 
-def run_workload(campaign: Campaign, tmp: Path, model_dir: Path, workload: tuple) -> None:
-    """One workload's table: its pairs written to a file, then each configuration on them in a fresh process."""
+def run_workload(campaign: Campaign, tmp: Path, model_dir: Path, workload: tuple, names=CONFIGURATIONS,
+                 model: str = "") -> None:  # fmt: skip
+    """One workload's table: its pairs written to a file, then each configuration (`names`) on them in a fresh
+    process; `model` names a model other than the campaign's 1.1B in the stages' names."""
     max_length, pairs, checkpointing, trl_pairs, warmup, steps, limit = workload
     data_file = pairs_file(tmp, pairs * (warmup + steps), max_length)
     overrides = campaign_overrides(tmp, model_dir, data_file, workload)
-    for name in CONFIGURATIONS:
-        stage = f"{max_length} x {pairs}: {name}"
+    for name in names:
+        stage = f"{f'{model} ' if model else ''}{max_length} x {pairs}: {name}"
         if skip := configuration_skip(name):
             campaign.record(stage, skip)
         elif name in OURS:
@@ -254,7 +280,8 @@ def run_workload(campaign: Campaign, tmp: Path, model_dir: Path, workload: tuple
                 steps=steps,
                 accumulation=pairs // trl_pairs,
             )
-            campaign.worker(stage, trl_worker, tmp / "trl.json", limit, **trl, liger=name == "TRL + Liger")
+            campaign.worker(stage, trl_worker, tmp / "trl.json", limit, **trl, liger=name == "TRL + Liger",
+                            fp16=name == "TRL, fp16=True")  # fmt: skip
 
 
 def render_campaign(report: dict) -> str:
@@ -348,6 +375,7 @@ def render_table(workload: str, stages: dict) -> list[str]:
             continue
         computed = r.get("computed_tokens_per_second")
         chosen = "; ".join([r.get("layout", "TRL's padded rows"), *r.get("fallbacks", [])]).replace("|", "/")
+        chosen += f"; first step {r['first_step_seconds']:.1f} s" if "first_step_seconds" in r else ""
         computed = f"{computed:.0f}" if computed else "-"
         lines.append(
             f"| {name} | {r['pairs_per_second']:.2f} | {r['real_tokens_per_second']:.0f} | {computed} | "

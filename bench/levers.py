@@ -1,6 +1,8 @@
 """The training step's speed levers (--levers): each alone and all together against the padded float32 path, on
 SmolLM2-135M-Instruct and the first 48 HH pairs, then the log-prob computation's memory by vocabulary; and two more
-levers against the default, each its own flag: torch.compile per block (--compile) and LoRA (--lora)."""
+levers against the default, each its own flag: torch.compile per block (--compile) and LoRA (--lora). The levers
+that are on by default on CUDA only (shape buckets, compiled blocks, sync-free steps) get a row each on top of the
+default, so that the CPU's default follows what they measure here."""
 
 import os
 import tempfile
@@ -21,6 +23,11 @@ LEVERS = {  # each lever alone: the baseline with one setting changed
     "reference cache": [*BASELINE[:2], "reference_cache=true", BASELINE[3]],
     "auto precision": [*BASELINE[:3], "model.fsdp_policy_mp=auto"],
     "all (the default)": [],
+    # issue 73's levers, off on a CPU by default (auto: CUDA), each on top of the default: keep what pays here
+    "default + shape buckets": ["shape_buckets=true"],
+    "default + compiled blocks": ["compile_blocks=true"],
+    "default + both": ["shape_buckets=true", "compile_blocks=true"],
+    "default + sync-free steps": ["sync_free_steps=true"],
 }
 WORKLOADS = ((256, 4), (512, 8))
 

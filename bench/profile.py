@@ -42,6 +42,8 @@ def profile_worker(overrides: list[str], warmup: int, steps: int, result_file: s
     with profile(activities=activities) as profiler:
         for examples in batches[warmup:]:
             trainer.train_step(examples)
+        if trainer.deferred is not None:  # sync_free_steps: the steps' results, as a log interval's end reads them
+            trainer.deferred.resolve()
     seconds, usage = (time.perf_counter() - start) / steps, resource.getrusage(resource.RUSAGE_SELF)
     compute_dtype = trainer.precision.policy_compute or trainer.precision.policy_weights
     events = profiler.key_averages()
@@ -157,7 +159,9 @@ def step_profile_worker(result_file: str, overrides: list[str], warmup: int, ste
     start = time.perf_counter()
     with profile(activities=activities) as profiler:
         for examples in batches[warmup:]:
-            trainer.train_step(examples)  # ends with the step's one transfer from the device: synchronised
+            trainer.train_step(examples)  # ends with the step's one transfer from the device, unless sync-free
+        if trainer.deferred is not None:  # sync_free_steps: the steps' results, as a log interval's end reads them
+            trainer.deferred.resolve()
     seconds = (time.perf_counter() - start) / steps
     with tempfile.TemporaryDirectory() as tmp:
         profiler.export_chrome_trace(str(Path(tmp) / "trace.json"))

@@ -61,20 +61,27 @@ def sampled_rss():
 
 
 def timed_steps(trainer, warmup: int, steps: int) -> tuple[dict, float]:
-    """The throughput rates (perf/*) of `steps` training steps after `warmup`, and the first step's seconds."""
+    """The throughput rates (perf/*) of `steps` training steps after `warmup`, and the first step's seconds. With
+    sync_free_steps the warm-up steps are resolved one by one (the first one's time includes the device's) and the
+    timed ones together at the end, as one log interval resolves them."""
     from reporting.telemetry import Throughput, step_amounts
+    from trainers import live_reference
 
     speed, first_step = Throughput(trainer.peak_flops, 1, trainer.topology.device), 0.0
-    live_reference = trainer.live_reference
+    timed, finished, seconds = [], [], 0.0
     for step, indices in enumerate(trainer.data.schedule[: warmup + steps]):
         examples = trainer.data.train_examples.take(indices)
         start = time.perf_counter()
-        metrics = trainer.train_step(examples)  # ends with the step's one transfer from the device: synchronised
-        seconds = time.perf_counter() - start
-        first_step = first_step or seconds
+        metrics = trainer.train_step(examples)  # synchronised: ends with the step's one transfer from the device
+        done = [metrics] if metrics is not None else []
+        if trainer.deferred is not None and (step < warmup or step == warmup + steps - 1):
+            done = [finished_step.metrics for finished_step in trainer.deferred.resolve()]
+        elapsed = time.perf_counter() - start
+        first_step = first_step or elapsed
         if step >= warmup:
-            computed = sum(metrics["perf/computed_tokens"])
-            speed.add(**step_amounts(examples, seconds, computed, trainer.flops, live_reference))
+            seconds, timed, finished = seconds + elapsed, timed + examples, finished + done
+    computed = sum(sum(metrics["perf/computed_tokens"]) for metrics in finished)
+    speed.add(**step_amounts(timed, seconds, computed, trainer.flops, live_reference(trainer)))
     return speed.rates(), first_step
 
 

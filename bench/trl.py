@@ -42,13 +42,15 @@ def train_timed(
     live_reference=None,
     accumulation: int = 1,
     liger: bool = False,
+    fp16: bool = False,
 ) -> list[float]:
     """Each step's seconds of DPOTrainer training `model` on `rows`, `pairs` per step (float32 weights, bfloat16
     autocast on a GPU; float32 on a CPU), nothing saved or reported. processing_class: the tokenizer, or a
     vision-language model's processor (rows with an `images` column). live_reference: a reference model that scores
     each step's batch (TRL 1.16 refuses to precompute reference log-probs for images); None: they are precomputed
     before training, as our cache does. accumulation: micro-batches a step, of pairs / accumulation pairs each; liger:
-    use_liger_kernel (Liger-Kernel's layer kernels, TRL keeping its own fused head)."""
+    use_liger_kernel (Liger-Kernel's layer kernels, TRL keeping its own fused head); fp16: float16 autocast with
+    Accelerate's loss scaling instead of bfloat16 on a GPU (`fp16=True`)."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -63,7 +65,8 @@ def train_timed(
             beta=0.1,
             learning_rate=1e-6,
             max_steps=max_steps,
-            bf16=cuda,
+            bf16=cuda and not fp16,
+            fp16=cuda and fp16,
             use_cpu=not cuda,
             precompute_ref_log_probs=live_reference is None,
             gradient_checkpointing=checkpointing,
@@ -119,17 +122,18 @@ def trl_worker(
     steps: int,
     accumulation: int = 1,
     liger: bool = False,
+    fp16: bool = False,
 ) -> None:
     """TRL's DPOTrainer on the same model, data and precision recipe as ours (float32 weights, bfloat16 autocast on
     a GPU; float32 on a CPU), its reference log-probs precomputed as our cache does, timed per step; `pairs` a step
-    in `accumulation` micro-batches, with use_liger_kernel where `liger`."""
+    in `accumulation` micro-batches, with use_liger_kernel where `liger`, in float16 where `fp16` (train_timed)."""
     cuda = torch.cuda.is_available()
     rows = [json.loads(line) for line in Path(data_file).read_text().splitlines()]
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir))
     times = train_timed(
-        model, tokenizer, rows, cuda, pairs, max_length, checkpointing, warmup + steps, None, accumulation, liger
+        model, tokenizer, rows, cuda, pairs, max_length, checkpointing, warmup + steps, None, accumulation, liger, fp16
     )
     result = trl_rates(model, rows, pairs * steps / sum(times[warmup:]), cuda)
     Path(result_file).write_text(json.dumps(result))

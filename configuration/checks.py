@@ -16,8 +16,11 @@ from core.optim import build_optimizer
 from judging.judges import check_judge
 from modeling.distributed import TRAINERS
 from modeling.float8 import float8_problem
+from modeling.placement import lever_on
 from reporting.micro_batches import micro_batch_gib
 from utils import UserError, first_line
+
+LEVER_SETTINGS = ("auto", "true", "false")  # a lever on where it pays (auto: CUDA), or as set
 
 
 def check_writable_dir(key: str, path: str) -> None:
@@ -107,8 +110,12 @@ def check_winrate(config) -> None:
 
 
 def check_speed_levers(config) -> None:
-    """micro_batch_memory's value, and compute_weight_copies, liger_kernel and model.fp8 where the run can take them."""
+    """micro_batch_memory's, compile_blocks', shape_buckets' and sync_free_steps' values, and compute_weight_copies,
+    liger_kernel and model.fp8 where the run can take them."""
     micro_batch_gib(config.micro_batch_memory)
+    for key in ("compile_blocks", "shape_buckets", "sync_free_steps"):
+        value = str(getattr(config, key)).lower()
+        expect(value in LEVER_SETTINGS, key, getattr(config, key), f"one of {', '.join(LEVER_SETTINGS)}")
     if config.compute_weight_copies:
         check_weight_copies(config)
     problem = liger_problem(torch.cuda.is_available()) if config.liger_kernel else None
@@ -135,10 +142,10 @@ def check_weight_copies(config) -> None:
             f"its weights' dtype ({weights}), so there is nothing to cast or copy; set model.fsdp_policy_mp=bfloat16 "
             "or auto"
         )
-    if config.compile_blocks:
+    if lever_on(config.compile_blocks, "cuda" if torch.cuda.is_available() else "cpu"):
         raise UserError(
-            "compute_weight_copies=true with compile_blocks=true: the copies' bookkeeping (each weight's version) "
-            "would break the compiled blocks' graphs; choose one"
+            f"compute_weight_copies=true with compile_blocks={config.compile_blocks}: the copies' bookkeeping (each "
+            "weight's version) would break the compiled blocks' graphs; choose one (compile_blocks=false)"
         )
 
 

@@ -14,6 +14,7 @@ import contextlib
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
+from core.block_masks import tensor_block_mask
 from core.layouts import FULL_ATTENTION, AttentionSpan, ModelBatch, dense_mask, packed_mask_mod
 from modeling.mask_dispatch import follow_masks
 from modeling.vision import vision_tower
@@ -37,8 +38,12 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def block_mask(batch: ModelBatch, span: AttentionSpan = FULL_ATTENTION):
     """FlexAttention's BlockMask of a packed batch, from its per-token ids: fully masked 128 x 128 blocks (beyond a
-    window, too) are listed as skipped, and no [T, T] tensor is made (the compiled builder works block by block: at
-    T = 32k on a CPU, 0.5 s and no extra memory, against 18 s and 10 GB uncompiled; `python -m bench --attention`)."""
+    window, too) are listed as skipped, and no [T, T] tensor is made. Built from tensors (core.block_masks: no
+    compile per row length, nothing evaluated pair by pair); a batch with bidirectional blocks (images) through
+    torch's compiled builder, which works block by block (at T = 32k on a CPU, 0.5 s and no extra memory, against
+    18 s and 10 GB uncompiled; `python -m bench --attention`)."""
+    if batch.bidirectional_blocks is None:
+        return tensor_block_mask(batch, span, FLEX_BLOCK)
     rows, length = batch.input_ids.shape
     device = batch.input_ids.device
     mask_mod = packed_mask_mod(

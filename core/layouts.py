@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from core.shapes import Shapes
+
 LAYOUTS = ("packed", "padded")
 
 
@@ -143,9 +145,18 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def make_batch(
-    layout: str, examples: list[dict], pad_token_id: int, row_tokens: int | None = None, multiple: int = 1
+    layout: str,
+    examples: list[dict],
+    pad_token_id: int,
+    row_tokens: int | None = None,
+    multiple: int = 1,
+    bucketed: bool = False,
 ) -> ModelBatch:
-    return pack(examples, pad_token_id, row_tokens, multiple) if layout == "packed" else pad(examples, pad_token_id)
+    """The examples laid out (pack or pad); a packed batch's dimensions rounded up to shapes.Shapes' buckets where
+    bucketed (padded rows keep their own length: the reference computation)."""
+    if layout != "packed":
+        return pad(examples, pad_token_id)
+    return pack(examples, pad_token_id, row_tokens, multiple, bucketed)
 
 
 def left_padded_prompts(examples: list[dict], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,15 +182,20 @@ def scored_tokens(prompt_end: int, prompt_length: int, response: list[int], offs
 
 
 def scored_fields(
-    scored: list[tuple[int, int, int, int]], spans: list[tuple[int, int, int]], n_examples: int, n_responses: int, shape
+    scored: list[tuple[int, int, int, int]],
+    spans: list[tuple[int, int, int]],
+    n_examples: int,
+    n_responses: int,
+    shape,
+    kept_width=lambda n: n,
 ) -> dict:
     """The scored-token fields of a ModelBatch of `shape` (rows, length) from (sequence, row, position, token) and
     each sequence's (sequence, flat positions of its response's first and last tokens), sequences numbered
-    response-major."""
+    response-major; kept_width: K from the most positions a row keeps (shapes.Shapes.kept rounds it up)."""
     scored = sorted(scored, key=lambda s: s[0])  # grouped by sequence (a stable sort keeps each one's token order)
     n_rows, length = shape
     kept = [sorted({p for _, row, p, _ in scored if row == r}) or [0] for r in range(n_rows)]
-    width = max(map(len, kept))
+    width = kept_width(max(map(len, kept)))
     column = [{p: i for i, p in enumerate(positions)} for positions in kept]
     counts = [0] * (n_responses * n_examples)
     for sequence, _, _, _ in scored:
@@ -236,32 +252,39 @@ def segment_lengths(examples: list[dict]) -> list[int]:
     return [len(ex["prompt"]) + sum(map(len, ex["responses"])) for ex in examples]
 
 
-def batch_shape(layout: str, lengths, row_tokens: int | None = None, multiple: int = 1) -> tuple[int, int]:
+def batch_shape(
+    layout: str, lengths, row_tokens: int | None = None, multiple: int = 1, bucketed: bool = False
+) -> tuple[int, int]:
     """(rows, row length) of the batch `make_batch` lays out for examples of these lengths ([B, 1 + R]: prompt and
     responses), from the lengths alone."""
     lengths = [list(map(int, row)) for row in lengths]
     if layout == "padded":
         return len(lengths) * (len(lengths[0]) - 1), max(row[0] + r for row in lengths for r in row[1:])
-    segments = [sum(row) for row in lengths]
-    rows = pack_rows(segments, row_tokens or max(segments))
-    return len(rows), -(-max(sum(segments[i] for i in row) for row in rows) // multiple) * multiple
+    segments, shapes = [sum(row) for row in lengths], Shapes(bucketed, multiple)
+    rows = pack_rows(segments, row_tokens or (shapes.length(max(segments)) if bucketed else max(segments)))
+    return shapes.rows(len(rows)), shapes.length(max(sum(segments[i] for i in row) for row in rows))
 
 
-def pack(examples: list[dict], pad_token_id: int, row_tokens: int | None = None, multiple: int = 1) -> ModelBatch:
+def pack(
+    examples: list[dict], pad_token_id: int, row_tokens: int | None = None, multiple: int = 1, bucketed: bool = False
+) -> ModelBatch:
     """Segments [prompt | response_1 | response_2 ...] packed into rows of `row_tokens` (default: the longest
-    segment), the row length rounded up to a `multiple`. With a dense mask each row's attention costs T x T, so
+    segment), the row length rounded up to a `multiple`; bucketed: the rows, their length (and the budget the
+    longest segment sets) and the kept positions per row rounded up to shapes.Shapes' buckets, the extra rows empty.
+    With a dense mask each row's attention costs T x T, so
     longer rows trade padding for wasted attention: on SmolLM2 and HH pairs at max_length 256 (2-core AVX512-BF16
     CPU), budgets of 1x, 1.5x, 2x and 100x the longest segment took 3.9, 4.4, 4.6 and 4.1 s per 4-pair forward +
     backward (padded: 9.3 s). A block mask skips the masked blocks, so there one row holds the whole micro-batch
     (see scoring.Scorer.row_budget)."""
-    n_examples = len(examples)
+    n_examples, shapes = len(examples), Shapes(bucketed, multiple)
     lengths = segment_lengths(examples)
-    rows = pack_rows(lengths, row_tokens or max(lengths))
-    length = -(-max(sum(lengths[i] for i in row) for row in rows) // multiple) * multiple
-    input_ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), length), dtype=torch.long)
-    segment_ids = torch.full((len(rows), length), -1, dtype=torch.long)
-    branch_ids = torch.zeros((len(rows), length), dtype=torch.long)
+    rows = pack_rows(lengths, row_tokens or (shapes.length(max(lengths)) if bucketed else max(lengths)))
+    length = shapes.length(max(sum(lengths[i] for i in row) for row in rows))
+    n_rows = shapes.rows(len(rows))
+    input_ids = torch.full((n_rows, length), pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros((n_rows, length), dtype=torch.long)
+    segment_ids = torch.full((n_rows, length), -1, dtype=torch.long)
+    branch_ids = torch.zeros((n_rows, length), dtype=torch.long)
     scored, spans = [], []
     for row, members in enumerate(rows):
         start = 0
@@ -281,7 +304,8 @@ def pack(examples: list[dict], pad_token_id: int, row_tokens: int | None = None,
                 spans.append((r * n_examples + index, row * length + offset, row * length + offset + len(response) - 1))
                 offset += len(response)
             start += lengths[index]
-    fields = scored_fields(scored, spans, n_examples, len(examples[0]["responses"]), tuple(input_ids.shape))
+    n_responses, shape = len(examples[0]["responses"]), tuple(input_ids.shape)
+    fields = scored_fields(scored, spans, n_examples, n_responses, shape, shapes.kept)
     prompts = [index for members in rows for index in members]  # each prompt once, as the rows hold them
     return ModelBatch(input_ids, position_ids, None, segment_ids, branch_ids, **fields, prompt_examples=prompts)
 

@@ -56,7 +56,14 @@ def fused_default(optimizer: type[torch.optim.Optimizer], params: list, knobs: d
 def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
     """Linear warmup over warmup_steps optimizer steps (step s runs at (s + 1) / (warmup_steps + 1) of lr), then
     constant, as in the DPO reference."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup_steps + 1)))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_factor(step, warmup_steps))
+
+
+def warmup_factor(step, warmup_steps: int):
+    """The schedule's share of lr at optimizer step `step` (a number, or a float64 tensor of steps taken, computed on
+    its device without a host sync: the same IEEE operations, so the same value)."""
+    factor = (step + 1) / (warmup_steps + 1)
+    return factor.clamp(max=1.0) if torch.is_tensor(factor) else min(1.0, factor)
 
 
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:

@@ -15,6 +15,7 @@ from core.image_inputs import with_image_inputs
 from core.layouts import AttentionSpan, ModelBatch, make_batch, segment_lengths, sequence_slice
 from core.logprobs import IDENTITY, LogitMap
 from core.probes import block_attention_problem, packing_problem, probes_dtype, scored_head_problem, vision_problem
+from modeling.placement import lever_on
 from modeling.sequence_parallel import SequenceGroup
 from modeling.vision import Vision
 from utils import UserError
@@ -29,13 +30,14 @@ class ScoringSettings:
     packed_attention: str = "auto"
     scored_logits_only: bool = True
     pack_row_tokens: int | None = None  # a packed row's tokens (None: the layout's default)
-    compile_blocks: bool = False  # rows in multiples of FlexAttention's block, for compiled blocks' graphs
+    compile_blocks: str = "false"  # compiled blocks (modeling.placement.lever_on): rows in multiples of 128
+    shape_buckets: str = "auto"  # packed batches' dimensions in buckets (core/shapes.py): auto, true or false
 
     @classmethod
     def of_run(cls, config) -> "ScoringSettings":
         return cls(
             config.layout, config.packed_attention, config.scored_logits_only, config.pack_row_tokens,
-            config.compile_blocks,
+            config.compile_blocks, config.shape_buckets,
         )  # fmt: skip
 
 
@@ -61,6 +63,7 @@ class Scorer:
     vision: Vision | None = None  # a vision-language model's processor: the batches' image inputs
     sequence: SequenceGroup | None = None  # this rank's sp group: each rank computes a slice of every row
     row_multiple: int = 1  # packed rows' length rounded up to a multiple of this (compiled blocks: FLEX_BLOCK)
+    buckets: bool = False  # packed batches' dimensions rounded up to core.shapes' buckets (shape_buckets)
 
     @classmethod
     def create(
@@ -112,10 +115,12 @@ class Scorer:
             sequence = sequence_group(topology, layout, notes, vision)
         spans = attention_spans(model) if layout == "packed" else None
         logit_map = head_logit_map(model) if scored_head else IDENTITY
-        row_tokens, row_multiple = settings.pack_row_tokens, FLEX_BLOCK if settings.compile_blocks else 1
+        compiled = lever_on(settings.compile_blocks, device.type)
+        row_tokens, row_multiple = settings.pack_row_tokens, FLEX_BLOCK if compiled else 1
+        buckets = layout == "packed" and lever_on(settings.shape_buckets, device.type)
         scorer = cls(
             layout, attention, scored_head, pad_token_id, device, autocast, row_tokens, tail_weight, spans, logit_map,
-            reward_eos, tuple(notes), vision, sequence, row_multiple,
+            reward_eos, tuple(notes), vision, sequence, row_multiple, buckets,
         )  # fmt: skip
         for note in notes:
             print(note)
@@ -125,6 +130,7 @@ class Scorer:
     def describe(self) -> str:
         spans = describe_spans(self.spans) if self.spans else ""
         rounded = f"; rows in multiples of {self.row_multiple} tokens" if self.row_multiple > 1 else ""
+        rounded = "; shapes in buckets" if self.buckets else rounded
         attention = (
             f" ({self.attention} attention{'; ' + spans if spans else ''}{rounded})" if self.layout == "packed" else ""
         )
@@ -137,21 +143,26 @@ class Scorer:
         sequence = f", each row's tokens over {self.sequence.size} sequence-parallel ranks" if self.sequence else ""
         return f"{self.layout} layout{attention}, {head}{tails}{sequence}"
 
-    def row_budget(self, examples: list[dict]) -> int | None:
-        """Tokens per packed row: `pack_row_tokens` when set; with a block mask the whole micro-batch in one row
-        (masked blocks cost nothing, and one row has no padding but its tail); with a dense mask the longest
-        segment (each row's attention costs T x T)."""
+    def row_budget(self, segments: list[int]) -> int | None:
+        """Tokens per packed row of segments of these lengths: `pack_row_tokens` when set; with a block mask the whole
+        micro-batch in one row (masked blocks cost nothing, and one row has no padding but its tail); with a dense
+        mask the longest segment (None: each row's attention costs T x T)."""
         if self.row_tokens is not None or self.attention != "block":
             return self.row_tokens
-        return sum(segment_lengths(examples))
+        return sum(segments)
+
+    @property
+    def multiple(self) -> int:
+        """What a packed row's length is a multiple of: FlexAttention's tile (a block mask, compiled blocks), and a
+        sequence-parallel group's size (rows cut into equal slices)."""
+        multiple = FLEX_BLOCK if self.attention == "block" else self.row_multiple
+        return math.lcm(multiple, self.sequence.size) if self.sequence is not None else multiple
 
     def batch(self, examples: list[dict]) -> ModelBatch:
         """The examples in this run's layout, on this rank's device, a packed batch with its attention mask built
         (once: the policy and a live reference share it)."""
-        multiple = FLEX_BLOCK if self.attention == "block" else self.row_multiple
-        if self.sequence is not None:  # rows cut into equal slices
-            multiple = math.lcm(multiple, self.sequence.size)
-        batch = make_batch(self.layout, examples, self.pad_token_id, self.row_budget(examples), multiple)
+        budget = self.row_budget(segment_lengths(examples))
+        batch = make_batch(self.layout, examples, self.pad_token_id, budget, self.multiple, self.buckets)
         batch = with_image_inputs(batch, examples, self.vision)
         if self.sequence is not None:
             batch.sequence_part = sequence_slice(batch, self.sequence.rank, self.sequence.size)

@@ -4,6 +4,8 @@ projections by the model's own plan, activation checkpointing recomputes them, F
 
 import contextlib
 import functools
+import os
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -22,7 +24,7 @@ from modeling.models import InitialWeights
 from modeling.precision import ComputeWeights, parse_dtype
 from modeling.sequence_parallel import check_sequence_parallel
 from modeling.vision import vision_tower
-from utils import UserError
+from utils import UserError, get_local_dir
 
 
 def find_blocks(model: torch.nn.Module, block_name: str | None) -> list[torch.nn.Module]:
@@ -61,32 +63,67 @@ def checkpoint_blocks(model: torch.nn.Module, block_name: str | None) -> None:
 
 
 class CompiledGraphs:
-    """torch.compile's backend for the blocks: inductor, each graph it compiles counted and told in one line (a new
-    input shape, grad mode or dtype compiles another; the blocks of one class share theirs). One for the process:
-    the policy's and a live reference's blocks count together."""
+    """torch.compile's backend for the blocks: inductor, each graph it compiles counted, timed and told in one line (a
+    new input shape, grad mode or dtype compiles another; the blocks of one class share theirs; a graph over dynamic
+    shapes takes their sizes as inputs, and says so). One for the process: the policy's and a live reference's
+    blocks count together."""
 
     def __init__(self):
-        self.count = 0
+        self.count, self.seconds = 0, 0.0
 
     def __call__(self, graph: torch.fx.GraphModule, inputs: list):
         from torch._inductor.compile_fx import compile_fx  # imported when a graph first compiles: slow to import
 
         self.count += 1
+        start = time.perf_counter()
+        compiled = compile_fx(graph, inputs)
+        seconds = time.perf_counter() - start
+        self.seconds += seconds
         shapes = ", ".join("x".join(map(str, x.shape)) for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 1)
-        print(f"compile_blocks: graph {self.count} compiled (inputs {shapes or 'scalars'})", flush=True)
-        return compile_fx(graph, inputs)
+        dynamic = "; dynamic shapes" if any(isinstance(x, (int, torch.SymInt)) for x in inputs) else ""
+        print(f"compile_blocks: graph {self.count} compiled in {seconds:.1f} s (inputs {shapes or 'scalars'}{dynamic})")
+        return compiled
 
 
 COMPILED_GRAPHS = CompiledGraphs()
+# graphs a block's code may compile: one per bucket (core/shapes.py) and grad mode (training, the no-grad passes);
+# past dynamo's default of 8, the blocks would run eagerly
+RECOMPILE_LIMIT = 64
 
 
-def compile_blocks(model: torch.nn.Module, block_name: str | None) -> None:
+def lever_on(setting, device_type: str) -> bool:
+    """Whether a lever set to auto, true or false (a bool from an older run's config) is on here: auto on CUDA.
+    compile_blocks: a GPU step's time is kernel launches and unfused elementwise kernels (torchtitan: +16% tokens/s
+    on Llama-3.1-8B), and on a CPU it measured slower; shape_buckets (core/shapes.py): on a GPU a new shape costs
+    host time and compiled graphs, on a CPU the padding's FLOPs cost more (docs/speed.md)."""
+    setting = str(setting).lower()
+    return device_type == "cuda" if setting == "auto" else setting == "true"
+
+
+def compile_blocks(model: torch.nn.Module, block_name: str | None, static: bool = False, cache: str | None = None):
     """torch.compile each transformer block in place (nn.Module.compile: parameter names and state dicts unchanged),
     as torchtitan does: one region the size of a block, compiled once for all blocks of its class, FSDP's hooks left
-    outside it. Shapes are static at first and dynamic after a change (torch.compile's default), so that a run
-    compiles a few graphs, not one per row length; the Scorer rounds packed rows up to multiples of 128 tokens."""
+    outside it; whole (fullgraph: a graph break fails at once instead of splitting the block). static (shape
+    buckets: a few shapes, each repeated): one graph per bucket, no dynamic shapes; else torch.compile's default,
+    static at first and dynamic after a change, packed rows rounded up to multiples of 128 tokens. cache: inductor's
+    cache directory (inductor_cache), so that a second run starts warm."""
+    if cache is not None:
+        inductor_cache(cache)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
     for block in find_blocks(model, block_name):
-        block.compile(backend=COMPILED_GRAPHS)
+        block.compile(backend=COMPILED_GRAPHS, fullgraph=True, dynamic=False if static else None)
+
+
+def inductor_cache(directory: str) -> None:
+    """Inductor's on-disk cache (compiled graphs, kernels, autotuning) in `directory`, one per CPU capability limit
+    (a kernel cached under another ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA computes wrong values on the CPU),
+    unless TORCHINDUCTOR_CACHE_DIR names another than inductor's default."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # on use: inductor is slow to import
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) != default_cache_dir():
+        return
+    limits = "-".join(os.environ.get(name, "none") for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(directory, "inductor", limits)
 
 
 TENSOR_PARALLEL_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -211,11 +248,14 @@ def parallelize(
     reduce_dtype: torch.dtype | None = None,
     offload: bool = False,
     compiled: bool = False,
+    static_shapes: bool = False,
+    inductor_dir: str | None = None,
 ) -> nn.Module:
     """The model placed on this topology: tensor parallel first (FSDP then shards the tp shards), activation
-    checkpointing per block, torch.compile per block (compiled: compile_blocks), then FSDP (offload: its shards kept
-    on the host, apply_fsdp), or else moved whole to the device. A model still on the meta device (built empty,
-    weights.py) is placed as it is: only then does each rank allocate its shards (weights.materialize).
+    checkpointing per block, torch.compile per block (compiled, static_shapes, inductor_dir: compile_blocks), then
+    FSDP (offload: its shards kept on the host, apply_fsdp), or else moved whole to the device. A model still on the
+    meta device (built empty, weights.py) is placed as it is: only then does each rank allocate its shards
+    (weights.materialize).
 
     With gradient accumulation FSDP reduce-scatters after every micro-batch (FSDP2's default, kept): skipping the
     reduction until the last micro-batch would hold every block's whole unsharded gradient on every rank meanwhile
@@ -227,7 +267,7 @@ def parallelize(
     if activation_checkpointing:
         checkpoint_blocks(model, block_name)
     if compiled:
-        compile_blocks(model, block_name)
+        compile_blocks(model, block_name, static_shapes, inductor_dir)
     if topology.fsdp:
         return apply_fsdp(model, topology.fsdp_mesh, block_name, compute_dtype, reduce_dtype, offload)
     return model if weights.is_empty(model) else model.to(topology.device)
@@ -243,7 +283,9 @@ class Placement:
     reduce_dtype: torch.dtype = torch.float32
     activation_checkpointing: bool = False
     cpu_offload: bool = False
-    compile_blocks: bool = False
+    compile_blocks: str = "false"  # auto, true or false (lever_on)
+    shape_buckets: str = "false"  # the Scorer's buckets (core/shapes.py): compiled blocks then take static shapes
+    local_dirs: tuple[str, ...] = ()  # the run's: its cache directory holds inductor's cache (compile_blocks)
     compute_weight_copies: bool = False
     fp8: str | None = None  # model.fp8: the policy's linear layers in float8 (modeling/float8.py)
 
@@ -257,6 +299,8 @@ class Placement:
             activation_checkpointing=config.get("activation_checkpointing", False),
             cpu_offload=config.get("fsdp_cpu_offload", False),
             compile_blocks=config.get("compile_blocks", False),
+            shape_buckets=config.get("shape_buckets", False),
+            local_dirs=tuple(config.get("local_dirs", ())),
             compute_weight_copies=config.get("compute_weight_copies", False),
             fp8=config.model.get("fp8"),
         )
@@ -278,9 +322,11 @@ def place(
     offload = placement.cpu_offload
     if is_policy and placement.fp8:  # before sharding: FSDP then gathers the float8 layers' weights as float8
         convert_float8(model, placement.fp8, topology.device, topology.fsdp)
+    compiled, device = lever_on(placement.compile_blocks, topology.device.type), topology.device.type
+    inductor_dir = str(get_local_dir(list(placement.local_dirs))) if compiled and placement.local_dirs else None
     model = parallelize(
         model, topology, compute, placement.block_name, checkpointing, placement.reduce_dtype, offload,
-        placement.compile_blocks,
+        compiled, lever_on(placement.shape_buckets, device), inductor_dir,
     )  # fmt: skip
     if initial is not None:
         with topology.main_first():

@@ -1,10 +1,12 @@
 """What the data holds, told before training: the data report every run prints (build.load_data; a round's, rounds.py):
 token lengths of prompts and responses, how many examples were truncated, the pairs' length bias, and the first
-training example decoded token by token."""
+training example decoded token by token; with shape buckets (core/shapes.py), the shapes an epoch takes and the
+padding they cost (shape_report, printed once the Scorer has chosen the layout)."""
 
 import numpy as np
 
 from core.examples import Examples
+from core.layouts import batch_shape
 
 SHOWN_TOKENS = 24  # of a long segment, the decoded example shows this many tokens at each end
 
@@ -68,3 +70,27 @@ def decoded_tokens(ids: list[int], tokenizer) -> str:
         hidden = len(pieces) - 2 * SHOWN_TOKENS
         pieces = [*pieces[:SHOWN_TOKENS], f" ... {hidden} more ... ", *pieces[-SHOWN_TOKENS:]]
     return "|".join(pieces)
+
+
+def shape_report(lengths: np.ndarray, schedule: list[list[int]], parts: int, scorer) -> str:
+    """One line: the distinct model-input shapes (rows x length) an epoch's packed micro-batches take with shape
+    buckets and without, and the share of the positions computed that are padding. lengths: [n, 1 + R] the examples'
+    kept lengths; schedule: each step's examples (by index), cut into `parts` micro-batches (accumulation x
+    data-parallel ranks); scorer: the run's (core.scoring.Scorer: its rows' budget and length multiple)."""
+    shapes, positions = {True: set(), False: set()}, {True: 0, False: 0}
+    micro_batches = [part for indices in schedule for part in np.array_split(np.asarray(indices), parts)]
+    real = 0
+    for indices in micro_batches:
+        rows = lengths[indices]
+        real += int(rows.sum())
+        budget = scorer.row_budget(rows.sum(axis=1).tolist())
+        for bucketed in (True, False):
+            shape = batch_shape("packed", rows, budget, scorer.multiple, bucketed)
+            shapes[bucketed].add(shape)
+            positions[bucketed] += shape[0] * shape[1]
+    waste = {bucketed: 1 - real / max(1, positions[bucketed]) for bucketed in (True, False)}
+    return (
+        f"shape buckets: an epoch's {len(micro_batches)} micro-batches take {len(shapes[True])} shapes "
+        f"({len(shapes[False])} without buckets); padding is {waste[True]:.1%} of the positions computed "
+        f"({waste[False]:.1%} without)"
+    )
