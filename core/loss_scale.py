@@ -68,9 +68,11 @@ class LossScale:
         else:
             self.skipped += 1
         self.scaler.update()
-        if self.scaler.get_scale() < self.min_scale:
+        scale = self.scaler.get_scale()  # the one read of the scale a step (a host sync)
+        if scale < self.min_scale:
             self.scaler.update(new_scale=self.min_scale)
-        metrics["loss_scale"], metrics["counters/skipped_steps"] = [self.value], [float(self.skipped)]
+            scale = self.min_scale
+        metrics["loss_scale"], metrics["counters/skipped_steps"] = [scale], [float(self.skipped)]
         return failed
 
     @property
