@@ -5,7 +5,8 @@ is how models are placed and which ranks share a batch, which the Topology (dist
 runs parts built for it (build.py): the objective on a micro-batch and what a loss reads of the whole batch
 (core/step.py: BatchLoss over the scorer, scoring.py, and the reference, reference_cache.py), the optimizer
 (optim.py), evaluation and sampling (evaluation.py). The loop's other parts are training/'s: the checkpoints it asks
-for (training/checkpointer.py), its logs (training/run_log.py) and the stop on a signal (training/stop_signals.py)."""
+for (training/checkpointer.py), its logs (training/run_log.py), what it counts of finished steps
+(training/step_accounting.py) and the stop on a signal (training/stop_signals.py)."""
 
 import torch
 
@@ -28,10 +29,11 @@ from modeling.reference_sync import SyncedReference
 from persistence import reference_cache
 from references import round_reference
 from reporting.plots import write_plots
-from reporting.telemetry import Throughput, step_amounts
+from reporting.telemetry import Throughput
 from training.checkpointer import Checkpointer, checkpoint_parts
 from training.device_steps import FinishedStep, device_steps
 from training.run_log import RunLog
+from training.step_accounting import StepAccounting
 from training.stop_signals import StopSignals
 from utils import UserError
 
@@ -65,11 +67,12 @@ class Trainer:
         held = {**checkpoint_parts(parts), **self.more_parts}
         self.checkpoints = Checkpointer(held, self.config, self.topology, run_dir, self.tokenizer)
         self.example_counter = self.batch_counter = 0
-        self.nonfinite = NonfiniteSteps(self.config.max_nonfinite_steps)
+        limits = (self.config.max_nonfinite_steps, self.config.minimum_log_interval_secs)
+        self.steps = StepAccounting(self.log, self.flops, self.throughput(), self.deferred, *limits)
         self.round_start = 0  # where the schedule being trained starts (a run of rounds': its round's)
         self.last_eval_at = None
         self.resumed_final, self.resumed_loop = False, {}  # resumed from the checkpoint that ended a run; its loop
-        self.start_examples, self.speed = 0, self.throughput()
+        self.start_examples = 0
         if self.config.resume_from is not None:
             self.resume(Path(self.config.resume_from))
         self.start_time = time.time()
@@ -85,7 +88,7 @@ class Trainer:
         self.example_counter, self.batch_counter = step, step // c.batch_size
         self.start_examples = step
         self.last_eval_at = loop.get("last_eval_at", step)  # older checkpoints were all written right after an eval
-        self.nonfinite.in_a_row = loop.get("nonfinite_in_a_row", 0)
+        self.steps.nonfinite.in_a_row = loop.get("nonfinite_in_a_row", 0)
         if self.synced is not None:  # its weights came with the checkpoint
             self.synced.resumed(self.batch_counter)
         # the run's end: nothing left, unless the run now asks for more steps (n_epochs, n_examples) or rounds
@@ -113,7 +116,7 @@ class Trainer:
         if finite:  # else the update would spoil the weights: it is skipped, and the run stops if that keeps happening
             self.objective.observe(metrics)
         failed = step_optimizer(self.optimizer, self.scheduler, scaled, finite, metrics)
-        self.nonfinite.count(not failed, self.batch_counter + 1, self.checkpoints.last, scaled)
+        self.steps.nonfinite.count(not failed, self.batch_counter + 1, self.checkpoints.last, scaled)
         return metrics
 
     def train(self, data: Data | None = None, round_start: int | None = None) -> None:
@@ -123,35 +126,32 @@ class Trainer:
             if isinstance(self.batch_loss.reference, reference_cache.CachedReference):
                 self.batch_loss.reference.require(self.batch_loss.reference_keys(data))
             self.data, self.round_start = data, self.batch_counter if round_start is None else round_start
-        c, schedule = self.config, self.data.schedule
+        schedule = self.data.schedule
         done, disable = self.batch_counter - self.round_start, not self.topology.is_main
         if self.resumed_final and done >= len(schedule):
             print(f"{self.checkpoints.last} ends this run: nothing left to train")
             return
         progress = tqdm.tqdm(total=len(schedule), initial=done, disable=disable, **PROGRESS_BAR)
-        last_log = time.time()
+        self.steps.interval_start = time.time()
         with StopSignals() as stop, progress:
             for indices in schedule[done:]:
                 self.evaluate_and_save_when_due()
                 start = time.time()
                 examples = self.data.train_examples.take(indices)
                 step_metrics = self.train_step(examples)
+                accounted = (self.batch_loss.live_reference, self.checkpoints.last, progress)
                 if step_metrics is not None:
-                    tally(self, [FinishedStep(step_metrics, True, examples, 0, time.time() - start)], progress)
+                    self.steps.add([FinishedStep(step_metrics, True, examples, 0, time.time() - start)], *accounted)
                 self.example_counter += len(examples)
                 self.batch_counter += 1
                 progress.update()
                 stopping = self.topology.any(stop.asked or self.log.failure is not None or self.checkpoints.failed())
-                # Metrics of every step count: they are averaged over the interval, not sampled at its end. The
-                # interval also closes where a checkpoint may follow, so the log holds every step up to it.
+                # The log interval also closes where a checkpoint may follow, so the log holds every step up to it.
                 round_end = self.batch_counter == self.round_start + len(schedule)
                 boundary = self.cadence.boundary(self.example_counter) or round_end
-                if time.time() - last_log >= c.minimum_log_interval_secs or stopping or boundary:
-                    tally(self, self.deferred.resolve() if self.deferred else [], progress)
-                    self.log.close_interval(*self.counters())
-                    last_log = time.time()
-                if self.synced is not None and self.synced.due(self.batch_counter):
-                    move_reference(self)
+                self.steps.close_interval(stopping or boundary, self.counters(), *accounted)
+                if self.synced is not None and self.synced.due(self.batch_counter):  # before the step's checkpoint
+                    self.report({"reference/updates": self.synced.update(self.batch_counter)})
                 if stopping:
                     self.log.check(self.topology, self.stopped)
                     self.checkpoint_now(wait=True)  # of the last finished step (an earlier one's failure stops here)
@@ -166,7 +166,7 @@ class Trainer:
             final_metrics = self.evaluate()
             self.save(self.run_dir / "LATEST", final_metrics, final=True)
         started = (self.start_examples, self.start_time)
-        self.log.summary(final_metrics, *self.counters(), *started, self.speed, self.checkpoints.last)
+        self.log.summary(final_metrics, *self.counters(), *started, self.steps.speed, self.checkpoints.last)
 
     def counters(self) -> tuple[int, int]:
         """(examples seen, optimizer steps taken): the log's step and counters."""
@@ -224,7 +224,7 @@ class Trainer:
     def save(self, output_dir: Path, metrics: dict[str, float], final: bool = False, wait: bool = False) -> None:
         """A checkpoint of where training is with the loop's counters (final: and the export; wait: done on return)."""
         self.log.check(self.topology, self.stopped)
-        loop = dict(last_eval_at=self.last_eval_at, nonfinite_in_a_row=self.nonfinite.in_a_row)
+        loop = dict(last_eval_at=self.last_eval_at, nonfinite_in_a_row=self.steps.nonfinite.in_a_row)
         try:
             self.checkpoints.save(output_dir, self.example_counter, metrics, loop, final, wait)
         except UserError as error:
@@ -233,34 +233,6 @@ class Trainer:
     def stopped(self, error: UserError) -> UserError:
         """A write failure's line, with where the run stopped, what is safe and how to go on."""
         return self.checkpoints.stopped(error, self.example_counter)
-
-
-def tally(trainer: Trainer, steps: list[FinishedStep], progress=None) -> None:
-    """Finished steps into the trainer's throughput and the log's interval (a step deferred by sync_free_steps
-    counted as finite or not here, in order); the progress bar's loss."""
-    for step in steps:
-        if trainer.deferred is not None:
-            trainer.nonfinite.count(step.finite, step.number, trainer.checkpoints.last)
-        computed = sum(step.metrics.pop("perf/computed_tokens"))
-        amounts = step_amounts(step.examples, step.seconds, computed, trainer.flops, live_reference(trainer))
-        trainer.speed.add(**amounts)
-        loss = trainer.log.add_step(step.metrics, amounts)
-        if progress is not None:
-            progress.set_postfix(loss=f"{loss:.4f}")
-
-
-def live_reference(trainer: Trainer) -> bool:
-    """Whether a step runs the reference's forward pass (its FLOPs count in MFU)."""
-    reference = trainer.batch_loss.reference
-    return reference is not None and reference.live
-
-
-def move_reference(trainer: Trainer) -> None:
-    """TR-DPO's update of the reference, before this step's checkpoint, which holds the moved one; logged."""
-    synced = trainer.synced
-    synced.update()
-    trainer.log.metrics({"reference/updates": synced.updates}, *trainer.counters())
-    print(f"reference: update {synced.updates} after step {trainer.batch_counter}, alpha {synced.alpha:g}")
 
 
 def on_host(names: list[str], gathered: torch.Tensor, grad_norm: torch.Tensor, n: int) -> tuple[dict, bool]:
@@ -312,33 +284,6 @@ class Evals:
         if self.config.sample_during_eval:
             self.log.samples(self.evaluator.sample(policy, reference_model, examples), examples, updates)
         return metrics
-
-
-@dataclass
-class NonfiniteSteps:
-    """Optimizer steps skipped for a non-finite loss or gradient norm, counted in a row: the run stops with one line
-    once `allowed` were."""
-
-    allowed: int
-    in_a_row: int = 0
-
-    def count(self, finite: bool, step: int, last_checkpoint: Path | None, loss_scale=None) -> None:
-        """finite: the step updated the weights, or a float16 run's scale (loss_scale) overflowed above its floor."""
-        self.in_a_row = 0 if finite else self.in_a_row + 1
-        if self.in_a_row < self.allowed:
-            return
-        cause = "lower lr or check the data"
-        if loss_scale is not None:  # at the floor, scaling cannot help: float16's range is what overflows
-            cause = (
-                f"the loss scale is at its floor ({loss_scale.value:g}, loss_scale.min_scale), so float16's range "
-                "(65,504) overflows in the forward or backward itself: compute in bfloat16 or float32 "
-                "(model.fsdp_policy_mp), or lower lr"
-            )
-        raise UserError(
-            f"{self.in_a_row} optimizer steps in a row had a non-finite loss or gradient norm and were skipped "
-            f"(max_nonfinite_steps={self.allowed}), the last at step {step}; stopping. The last checkpoint is "
-            f"{last_checkpoint or 'none (none was written yet)'}; {cause}"
-        )
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from bench import (
     async_save,
     attention,
     data,
+    decode_profile,
     fsdp,
     generate,
     gpu,
@@ -72,7 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 2; --generate and --precision 1)",
     )
     parser.add_argument(
-        "--profile", nargs="*", metavar="KEY=VALUE", help="where a training step's time goes (train.py overrides)"
+        "--profile",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="where a training step's time goes (train.py overrides); with --generate, a decode step's",
     )
     parser.add_argument("--scale", action="store_true", help="each rank's memory at load, train, save, resume")
     parser.add_argument(
@@ -134,6 +138,8 @@ def run(args: argparse.Namespace) -> None:
         return reward.bench_reward(args.warmup, args.steps, args.smoke)
     if args.vision:
         return vision.bench_vision(args.warmup, args.steps, args.smoke, args.rounds or 2)
+    if args.generate and args.profile is not None:
+        return decode_profile.bench_decode_profile()
     if args.generate:
         return generate.bench_generate(args.smoke, args.versus, args.rounds or 1, args.vllm)
     if args.versus:
@@ -150,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.vllm and (args.smoke or not args.generate):
         parser.error("--vllm PYTHON goes with --generate on SmolLM2: vLLM's CPU attention takes no tiny model's heads")
+    if args.generate and args.profile:
+        parser.error("--generate --profile takes no overrides: it profiles --generate's workload in each dtype")
     if args.only and not args.gpu:
         parser.error("--only TEXT chooses among the stages of --gpu's campaign")
     alternating = args.versus or args.vllm or args.vision or args.async_save or args.precision

@@ -65,7 +65,6 @@ def timed_steps(trainer, warmup: int, steps: int) -> tuple[dict, float]:
     sync_free_steps the warm-up steps are resolved one by one (the first one's time includes the device's) and the
     timed ones together at the end, as one log interval resolves them."""
     from reporting.telemetry import Throughput, step_amounts
-    from trainers import live_reference
 
     speed, first_step = Throughput(trainer.peak_flops, 1, trainer.topology.device), 0.0
     timed, finished, seconds = [], [], 0.0
@@ -81,7 +80,7 @@ def timed_steps(trainer, warmup: int, steps: int) -> tuple[dict, float]:
         if step >= warmup:
             seconds, timed, finished = seconds + elapsed, timed + examples, finished + done
     computed = sum(sum(metrics["perf/computed_tokens"]) for metrics in finished)
-    speed.add(**step_amounts(timed, seconds, computed, trainer.flops, live_reference(trainer)))
+    speed.add(**step_amounts(timed, seconds, computed, trainer.flops, trainer.batch_loss.live_reference))
     return speed.rates(), first_step
 
 

@@ -58,13 +58,15 @@ def head_returns_token_logps(
     with_sum_sq: bool,
     logit_map: LogitMap,
     temperatures: torch.Tensor | None = None,
+    compiled: bool = False,
 ):
     """For the forwards inside this block, the model's LM head maps the kept hidden states [R, K, H] to the
     float32 log-probs [M] of `targets` at flat kept rows `rows` (chunked: no [M, V] logits), its output mapped by
     `logit_map` first, and the model's own map of the head's output is the identity. with_sum_sq: the block yields
     a dict that the forward fills with "log_sum_sq", [M] log sum_v p_v^2 (the model returns one tensor, its
     head's). temperatures: [M] (on the host) each token's, its logits divided by it after the map (no with_sum_sq):
-    the tokens of each temperature go through the head together."""
+    the tokens of each temperature go through the head together. compiled: the head's chunks through compiled kernels
+    (logprobs.CompiledChunks)."""
     head, extras = model.get_output_embeddings(), {}
     own_maps = head_output_maps(model)
 
@@ -76,9 +78,11 @@ def head_returns_token_logps(
                 group = (temperatures == temperature).nonzero().flatten().to(rows.device)
                 tempered = dataclasses.replace(logit_map, temperature=temperature)
                 weight, bias = head.weight, head.bias
-                out[group] = token_logps_from_hidden(hidden, weight, bias, rows[group], targets[group], False, tempered)
+                out[group] = token_logps_from_hidden(
+                    hidden, weight, bias, rows[group], targets[group], False, tempered, compiled
+                )
             return out
-        out = token_logps_from_hidden(hidden, head.weight, head.bias, rows, targets, with_sum_sq, logit_map)
+        out = token_logps_from_hidden(hidden, head.weight, head.bias, rows, targets, with_sum_sq, logit_map, compiled)
         if not with_sum_sq:
             return out
         extras["log_sum_sq"] = out[1]
@@ -108,6 +112,7 @@ def sequence_logps(
     logit_map: LogitMap = IDENTITY,
     sequence: SequenceGroup | None = None,
     temperature: float | torch.Tensor = 1.0,
+    compiled_head: bool = False,
 ):
     """[S] float32 summed log-probs of each sequence's scored tokens, in one forward pass of `model`.
 
@@ -126,7 +131,8 @@ def sequence_logps(
     group, in their places among the batch's scored tokens (the others zeros), every rank has every token's
     log-prob, and sums them in the order one process does: an sp run's sums do not depend on where a slice ends.
     temperature: the log-probs of the model's logits divided by it, a number or [S] one per sequence (on the host;
-    no with_sum_sq, no sequence parallelism): sampled completions' log-probs (generation/sampling.py)."""
+    no with_sum_sq, no sequence parallelism): sampled completions' log-probs (generation/sampling.py).
+    compiled_head: the scored head's chunks through compiled kernels (logprobs.CompiledChunks; compile_blocks)."""
     per_token = None  # [N] each scored token's temperature, on the host
     if isinstance(temperature, torch.Tensor):
         per_token = temperature.float().repeat_interleave(batch.sequence_lengths.cpu())
@@ -144,7 +150,8 @@ def sequence_logps(
     ):
         if scored_head:
             rows, targets = scored.score_rows, scored.score_targets
-            with head_returns_token_logps(model, rows, targets, with_sum_sq, logit_map, per_token) as extras:
+            fused = (rows, targets, with_sum_sq, logit_map, per_token, compiled_head)
+            with head_returns_token_logps(model, *fused) as extras:
                 token_logps = model(**inputs, logits_to_keep=scored.keep_positions).logits
             log_sum_sq = extras.get("log_sum_sq")
         else:

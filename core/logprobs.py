@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from modeling.placement import COMPILED_GRAPHS
+
 # Float32 elements of one chunk of logits: the log-prob computation never holds more, whatever the batch, sequence
 # length or vocabulary size. On a CPU 64 MiB (1024 rows of a 16k vocabulary, 128 rows of a 128k one) keeps a chunk
 # in cache; a GPU needs larger GEMMs to run at speed (on an H100 at V = 128k, H = 4096, 8k scored tokens, 128-row
@@ -139,15 +141,16 @@ class ChunkBuffers:
     CPU (glibc maps each block over 32 MiB on its own and unmaps it when freed: a chunk is 64 MiB): on a 2-core Xeon a
     chunk of 341 x 49,152 took 31 ms for torch.logsumexp with its temporary allocated, 14 ms in a reused one."""
 
-    def __init__(self, rows: int, vocab: int, dtype: torch.dtype, device: torch.device):
-        self.upcast = torch.empty(rows, vocab, dtype=torch.float32, device=device)
-        self.scratch = torch.empty_like(self.upcast)
-        self.head = self.upcast if dtype == torch.float32 else torch.empty(rows, vocab, dtype=dtype, device=device)
+    def __init__(self, rows: int, vocab: int, dtype: torch.dtype, device: torch.device, product_only: bool = False):
+        """product_only: the head's logits alone (the compiled kernels read them as they are)."""
+        self.head = torch.empty(rows, vocab, dtype=dtype, device=device)
+        if not product_only:
+            self.upcast = self.head if dtype == torch.float32 else torch.empty_like(self.head, dtype=torch.float32)
+            self.scratch = torch.empty_like(self.head, dtype=torch.float32)
 
-    def logits(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """[C, V] float32 upcast of hidden @ weight.T + bias computed in the dtype of weight and bias (the compute
-        dtype, as the model's own head computes under the same autocast), in the buffers: torch.nn.functional.linear's
-        GEMM, written out=."""
+    def product(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """[C, V] hidden @ weight.T + bias computed in the dtype of weight and bias (the compute dtype, as the model's
+        own head computes under the same autocast), in the buffers: torch.nn.functional.linear's GEMM, written out=."""
         head = self.head[: len(hidden)]
         with torch.autocast(hidden.device.type, enabled=False):
             hidden = hidden.to(weight.dtype)
@@ -155,6 +158,11 @@ class ChunkBuffers:
                 torch.mm(hidden, weight.t(), out=head)
             else:
                 torch.addmm(bias, hidden, weight.t(), out=head)
+        return head
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """[C, V] float32 upcast of the product, in the buffers."""
+        head = self.product(hidden, weight, bias)
         return head if head.dtype == torch.float32 else self.upcast[: len(hidden)].copy_(head)
 
     def logsumexp(self, logits: torch.Tensor) -> torch.Tensor:
@@ -188,10 +196,14 @@ class _ChunkedHeadLogps(torch.autograd.Function):
 
     @staticmethod
     @torch.profiler.record_function("fused head forward")
-    def forward(ctx, hidden, weight, bias, rows, targets, compute_dtype, logit_map, keep_probs, with_sum_sq):
+    def forward(ctx, hidden, weight, bias, rows, targets, compute_dtype, logit_map, keep_probs, with_sum_sq, compiled):
         # hidden: [N, H]; weight: [V, H]; bias: [V] or None; rows, targets: [M]. Returns ([M] float32 log-probs,
         # [M] float32 log sum_v p_v^2 of each row, or [0] unless with_sum_sq). keep_probs: a backward will follow
-        # (needs_input_grad cannot tell: it is set under no_grad too, as in the reference pass).
+        # (needs_input_grad cannot tell: it is set under no_grad too, as in the reference pass). compiled: each
+        # chunk's elementwise work in CompiledChunks' kernels.
+        if compiled:
+            return CompiledChunks.forward(ctx, hidden, weight, bias, rows, targets, compute_dtype, logit_map,
+                                          keep_probs, with_sum_sq)  # fmt: skip
         step = chunk_rows(weight.shape[0], weight.device)
         token_logps = torch.empty(rows.numel(), dtype=torch.float32, device=hidden.device)
         logsumexp = torch.empty_like(token_logps)
@@ -212,7 +224,7 @@ class _ChunkedHeadLogps(torch.autograd.Function):
                     log_sum_sq[start:end] = log_sum_squares(probs)
                 kept = scaled_(probs, slope) if keep else None  # a view: it keeps its buffer for the backward
         ctx.save_for_backward(hidden, weight, bias, rows, targets, token_logps, logsumexp, kept)
-        ctx.compute_dtype, ctx.logit_map = compute_dtype, logit_map
+        ctx.compute_dtype, ctx.logit_map, ctx.compiled = compute_dtype, logit_map, False
         ctx.mark_non_differentiable(log_sum_sq)
         return token_logps, log_sum_sq
 
@@ -229,14 +241,17 @@ class _ChunkedHeadLogps(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if ctx.needs_input_grad[2] else None
         weight_c, bias_c = cast(weight, dtype), cast(bias, dtype)  # once, not per chunk
         starts = range(0, rows.numel(), step)
-        buffers = (
-            ChunkBuffers(min(step, rows.numel()), weight.shape[0], dtype, hidden.device) if len(starts) > 1 else None
-        )
+        buffers = None
+        if len(starts) > 1:
+            buffers = ChunkBuffers(min(step, rows.numel()), weight.shape[0], dtype, hidden.device, ctx.compiled)
         for start in starts:
             end = start + step
             chunk_hidden = hidden[rows[start:end]].to(dtype)
             if start == starts[-1]:
                 probs = last_probs
+            elif ctx.compiled:
+                probs = CompiledChunks.probs(buffers.product(chunk_hidden, weight_c, bias_c), logsumexp[start:end],
+                                             logit_map, dtype, sloped=True)  # fmt: skip
             else:  # recomputed: exp(f(logits) - logsumexp) * f', in place
                 logits = logit_map.apply_(buffers.logits(chunk_hidden, weight_c, bias_c))
                 slope = logit_map.slope(logits)
@@ -261,16 +276,98 @@ class _ChunkedHeadLogps(torch.autograd.Function):
                 grad_bias.index_add_(0, chunk_targets, target_grad.float())
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+class CompiledChunks:
+    """The fused head's elementwise work on each chunk compiled (inductor, through compile_blocks' backend: each graph
+    told in one line): _ChunkedHeadLogps with `compiled`. Eager, a chunk's logits pass through memory once an
+    operation: the upcast, the maximum, the difference, the floor, the exponential, the sum (about ten passes over
+    [C, V], float32 mostly); compiled, the statistics read the compute-dtype logits twice (the maximum, then the sum)
+    and the backward's probabilities once, writing them in the GEMM's dtype. The same values as eager's up to float
+    rounding (a fused exp and sum). A chunk's rows are a dynamic size: one graph for every row count above 1."""
+
+    @staticmethod
+    def statistics(logits: torch.Tensor, targets: torch.Tensor, logit_map: LogitMap):
+        """([C] logsumexp, [C] target log-probs) of [C, V] head logits mapped by logit_map in float32, the logsumexp
+        as ChunkBuffers.logsumexp computes it."""
+        mapped = logit_map.apply_(logits.to(torch.float32, copy=True))
+        maxes = mapped.amax(dim=-1)
+        finite = torch.where(maxes.abs() == float("inf"), 0.0, maxes)  # a row of -inf alone sums to 0
+        sums = (mapped - finite[:, None]).clamp(min=EXP_FLOOR).exp().sum(dim=-1)
+        logsumexp = torch.where(maxes == -float("inf"), -float("inf"), sums.log() + finite)
+        return logsumexp, mapped.gather(-1, targets[:, None]).squeeze(-1) - logsumexp
+
+    @staticmethod
+    def probabilities(logits: torch.Tensor, logsumexp: torch.Tensor, logit_map: LogitMap, dtype: torch.dtype,
+                      sloped: bool) -> torch.Tensor:  # fmt: skip
+        """[C, V] in `dtype`: exp(f(logits) - logsumexp), times f' where sloped (the backward's Q)."""
+        mapped = logit_map.apply_(logits.to(torch.float32, copy=True))
+        probs = (mapped - logsumexp[:, None]).exp()
+        return (probs * logit_map.slope(mapped) if sloped else probs).to(dtype)
+
+    @staticmethod
+    def kernel(function):
+        """function compiled, once a process: fullgraph, the chunk's rows (dimension 0) marked dynamic at each call,
+        autocast off (it computes in the dtypes it names; autocast is a guard, and the backward runs without it). A
+        chunk's [C] slices (targets, logsumexp) go in as tensors of their own: a slice's storage offset is guarded
+        (0, 1 or more), so the first chunk's and the others' would compile apart."""
+        if function not in COMPILED_KERNELS:
+            compiled = torch.compile(function, backend=COMPILED_GRAPHS, fullgraph=True)
+
+            def call(*args, **kwargs):
+                args = [arg.clone() if isinstance(arg, torch.Tensor) and arg.dim() == 1 else arg for arg in args]
+                for tensor in args:
+                    if isinstance(tensor, torch.Tensor):
+                        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                with torch.autocast(args[0].device.type, enabled=False):  # as in the backward: one global state
+                    return compiled(*args, **kwargs)
+
+            COMPILED_KERNELS[function] = call
+        return COMPILED_KERNELS[function]
+
+    @staticmethod
+    def probs(logits, logsumexp, logit_map, dtype, sloped):
+        return CompiledChunks.kernel(CompiledChunks.probabilities)(logits, logsumexp, logit_map, dtype, sloped)
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, rows, targets, compute_dtype, logit_map, keep_probs, with_sum_sq):
+        """_ChunkedHeadLogps.forward through the kernels: the head's logits in the compute dtype, never upcast whole;
+        the last chunk's probabilities kept in the compute dtype, the backward's GEMM operand."""
+        step = chunk_rows(weight.shape[0], weight.device)
+        token_logps = torch.empty(rows.numel(), dtype=torch.float32, device=hidden.device)
+        logsumexp = torch.empty_like(token_logps)
+        log_sum_sq = torch.empty(rows.numel() if with_sum_sq else 0, dtype=torch.float32, device=hidden.device)
+        weight_c, bias_c = cast(weight, compute_dtype), cast(bias, compute_dtype)
+        buffers = ChunkBuffers(min(step, rows.numel()), weight.shape[0], compute_dtype, hidden.device, True)
+        statistics, kept = CompiledChunks.kernel(CompiledChunks.statistics), None
+        for start in range(0, rows.numel(), step):
+            end = start + step
+            logits = buffers.product(hidden[rows[start:end]], weight_c, bias_c)
+            logsumexp[start:end], token_logps[start:end] = statistics(logits, targets[start:end], logit_map)
+            if with_sum_sq:
+                probs = CompiledChunks.probs(logits, logsumexp[start:end], logit_map, torch.float32, sloped=False)
+                log_sum_sq[start:end] = log_sum_squares(probs)
+            if keep_probs and end >= rows.numel():
+                kept = CompiledChunks.probs(logits, logsumexp[start:end], logit_map, compute_dtype, sloped=True)
+        ctx.save_for_backward(hidden, weight, bias, rows, targets, token_logps, logsumexp, kept)
+        ctx.compute_dtype, ctx.logit_map, ctx.compiled = compute_dtype, logit_map, True
+        ctx.mark_non_differentiable(log_sum_sq)
+        return token_logps, log_sum_sq
+
+
+COMPILED_KERNELS = {}  # CompiledChunks.kernel's: a function's compiled call
 
 
 def cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if tensor is None else tensor.to(dtype)
 
 
-def token_logps_from_hidden(hidden, weight, bias, rows, targets, with_sum_sq: bool = False, logit_map=IDENTITY):
+def token_logps_from_hidden(
+    hidden, weight, bias, rows, targets, with_sum_sq: bool = False, logit_map=IDENTITY, compiled: bool = False
+):
     """[M] float32 log-probs of `targets` under the LM head applied to hidden[rows], then `logit_map`, never holding
-    [M, V] logits.
+    [M, V] logits (compiled: each chunk's elementwise work in CompiledChunks' kernels).
 
     hidden: [N, H]; weight: [V, H]; bias: [V] or None; rows, targets: [M] (rows may repeat: the last prompt token
     predicts the first token of every response). with_sum_sq: also [M] log sum_v p_v^2 of each row (no gradient),
@@ -279,6 +376,6 @@ def token_logps_from_hidden(hidden, weight, bias, rows, targets, with_sum_sq: bo
     compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     token_logps, log_sum_sq = _ChunkedHeadLogps.apply(
-        hidden, weight, bias, rows, targets, compute_dtype, logit_map, trains, with_sum_sq
+        hidden, weight, bias, rows, targets, compute_dtype, logit_map, trains, with_sum_sq, compiled
     )
     return (token_logps, log_sum_sq) if with_sum_sq else token_logps

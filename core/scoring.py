@@ -64,6 +64,7 @@ class Scorer:
     sequence: SequenceGroup | None = None  # this rank's sp group: each rank computes a slice of every row
     row_multiple: int = 1  # packed rows' length rounded up to a multiple of this (compiled blocks: FLEX_BLOCK)
     buckets: bool = False  # packed batches' dimensions rounded up to core.shapes' buckets (shape_buckets)
+    compiled_head: bool = False  # the scored head's chunks through compiled kernels (compile_blocks)
 
     @classmethod
     def create(
@@ -120,7 +121,7 @@ class Scorer:
         buckets = layout == "packed" and lever_on(settings.shape_buckets, device.type)
         scorer = cls(
             layout, attention, scored_head, pad_token_id, device, autocast, row_tokens, tail_weight, spans, logit_map,
-            reward_eos, tuple(notes), vision, sequence, row_multiple, buckets,
+            reward_eos, tuple(notes), vision, sequence, row_multiple, buckets, compiled and scored_head,
         )  # fmt: skip
         for note in notes:
             print(note)
@@ -135,6 +136,7 @@ class Scorer:
             f" ({self.attention} attention{'; ' + spans if spans else ''}{rounded})" if self.layout == "packed" else ""
         )
         head = f"scored logits{' ' + self.logit_map.describe() if self.logit_map != IDENTITY else ''}"
+        head += " (compiled chunks)" if self.compiled_head else ""
         tails = f", response tails weighted {self.tail_weight:g}" if self.tail_weight != 1.0 else ""
         if self.reward_eos is not None:
             head = "reward head on each response's last token"
@@ -198,6 +200,7 @@ class Scorer:
             logit_map=self.logit_map,
             sequence=self.sequence,
             temperature=temperature,
+            compiled_head=self.compiled_head,
         )
 
 

@@ -77,6 +77,11 @@ class BatchLoss:
     max_lengths: tuple[int, int]  # max_length, max_prompt_length: of KTO's mismatched examples
     routers: Routers | None = None  # the policy's, where its router loss is on (router_loss)
 
+    @property
+    def live_reference(self) -> bool:
+        """Whether a step runs the reference's forward pass (its FLOPs count in MFU)."""
+        return self.reference is not None and self.reference.live
+
     def __call__(self, examples: list[dict], split: str, batch: ModelBatch | None = None, coupled=None):
         """batch: the examples already laid out, else they are laid out here (once: policy and a live reference
         share it). coupled: CoupledBatch.part of this micro-batch, for a loss that reads the whole batch (always

@@ -163,6 +163,7 @@ class RowDraws:
         self.top_p, self.scored = top_p, scored
         self.logps = torch.zeros(len(temperatures) + 1, dtype=torch.float64, device=device)  # [R + 1] summed
 
+    @torch.profiler.record_function("seeded draw")  # named for python -m bench --generate --profile
     def __call__(self, logits: torch.Tensor, step, rows: torch.Tensor) -> torch.Tensor:
         rows = rows.to(self.uniforms.device)
         probs = tempered_probs(logits, self.one if self.one is not None else self.temperature[rows])

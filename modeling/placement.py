@@ -100,6 +100,21 @@ def lever_on(setting, device_type: str) -> bool:
     return device_type == "cuda" if setting == "auto" else setting == "true"
 
 
+STEP_LEVERS = ("shape_buckets", "compile_blocks", "sync_free_steps")  # auto: on CUDA, off elsewhere (lever_on)
+
+
+def levers_off_line(config, device_type: str) -> str | None:
+    """The line for the step's levers that auto leaves off on this device (None: none is): a CPU's padding costs
+    FLOPs and its compiled blocks measured slower (docs/speed.md); on CUDA each lever that is on says so itself."""
+    off = [key for key in STEP_LEVERS if str(config.get(key, "auto")).lower() == "auto" and device_type != "cuda"]
+    if not off:
+        return None
+    return (
+        f"{', '.join(off)}: off (auto turns them on with CUDA only; on a {device_type.upper()} they measured no "
+        "faster: python -m bench --levers, docs/speed.md); =true turns one on"
+    )
+
+
 def compile_blocks(model: torch.nn.Module, block_name: str | None, static: bool = False, cache: str | None = None):
     """torch.compile each transformer block in place (nn.Module.compile: parameter names and state dicts unchanged),
     as torchtitan does: one region the size of a block, compiled once for all blocks of its class, FSDP's hooks left

@@ -73,9 +73,12 @@ class SyncedReference:
         """Whether the reference moves after optimizer step `steps` (counted from 1)."""
         return steps % self.every == 0
 
-    def update(self) -> None:
+    def update(self, steps: int) -> int:
+        """TR-DPO's update after optimizer step `steps`, said in one line; the updates made so far."""
         mix(self.pairs(), self.alpha)
         self.updates += 1
+        print(f"reference: update {self.updates} after step {steps}, alpha {self.alpha:g}")
+        return self.updates
 
     def resumed(self, steps: int) -> None:
         """Training continues after `steps` optimizer steps, the reference's weights read from their checkpoint."""

@@ -316,3 +316,31 @@ def test_vllm_is_refused_without_generate_or_with_smoke(capsys):
             main(flags)
         assert exit.value.code == 2, flags
         assert capsys.readouterr().err.splitlines()[-1].endswith("vLLM's CPU attention takes no tiny model's heads")
+
+
+def test_the_decode_profile_puts_every_lm_head_matmul_in_its_group_and_reports_the_ceiling(tmp_path, capsys):
+    """--generate --profile's worker on a random tiny Llama, in-process: every matmul of the LM head ([m, H] @ [H, V])
+    is counted in its group and none in the blocks', the groups fit in the sampling's time, and the report's ceiling
+    is the tokens over the linear layers' seconds."""
+    import transformers
+
+    from bench.decode_profile import decode_profile_worker, report
+    from bench.reward import tiny_model_dir
+
+    model_dir = tiny_model_dir(tmp_path / "model")
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    (tmp_path / "prompts.json").write_text(json.dumps([[5, 6, 7], [8, 9], [10, 11, 12, 13]]))
+    settings = dict(model_dir=model_dir, prompts_file=str(tmp_path / "prompts.json"), batch=4, max_new_tokens=5)
+    decode_profile_worker(str(tmp_path / "result.json"), **settings, temperatures=[0.5, 1.0], dtype="float32")
+    result = json.loads((tmp_path / "result.json").read_text())
+    groups, head_flops = result["groups"], 2 * config.hidden_size * config.vocab_size
+    assert 0 < result["tokens"] <= 3 * 2 * 5
+    assert groups["LM head"]["flops"] > 0 and groups["LM head"]["flops"] % head_flops == 0
+    assert groups["block linears"]["flops"] > 0 and groups["attention"]["seconds"] > 0
+    assert sum(group["seconds"] for group in groups.values()) <= result["seconds"]
+    report("float32", result, probe=1e11)
+    linears = groups["LM head"]["seconds"] + groups["block linears"]["seconds"]
+    assert (
+        f"ceiling with only the linear layers left: {result['tokens'] / linears:.0f} tokens/s"
+        in capsys.readouterr().out
+    )

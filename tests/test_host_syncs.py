@@ -53,7 +53,6 @@ def test_sync_free_steps_equal_synchronised_ones_bit_for_bit_a_nan_step_skipped(
 
 
 def test_the_run_stops_after_too_many_nonfinite_deferred_steps(make_config):
-    from trainers import tally
     from utils import UserError
 
     trainer = build_trainer(make_config("sync_free_steps=true", "max_nonfinite_steps=1"))
@@ -61,7 +60,7 @@ def test_the_run_stops_after_too_many_nonfinite_deferred_steps(make_config):
     parameter.register_hook(lambda grad: grad * float("nan"))
     trainer.train_step(trainer.data.train_examples.take(trainer.data.schedule[0]))
     with pytest.raises(UserError, match=r"1 optimizer steps in a row had a non-finite .* the last at step 1"):
-        tally(trainer, trainer.deferred.resolve())
+        trainer.steps.close_interval(True, trainer.counters(), False, None)
 
 
 def host_call_sites(step) -> collections.Counter:

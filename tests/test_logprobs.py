@@ -323,3 +323,38 @@ def test_the_reused_chunk_buffers_give_exactly_what_fresh_tensors_gave(dtype):
             got[2] *= 40  # spread past exp's subnormal range: floored at EXP_FLOOR, below the sum's resolution
             assert (got[2] - got[2].max() < logprobs.EXP_FLOOR).sum() > 5
             assert torch.equal(buffers.logsumexp(got), torch.logsumexp(got, dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_chunks_equal_eager_and_compile_once_for_every_row_count(chunk_rows_of, dtype):
+    # compile_blocks' head: each chunk's statistics and probabilities in compiled kernels, the logits in the compute
+    # dtype (bfloat16 under autocast), a soft cap and a scale applied: log-probs, log sum p^2 and the gradients of
+    # hidden, weight and bias equal eager's to float rounding over three chunks (40, 40, 20 rows), in three graphs
+    # (the statistics, the probabilities for log sum p^2 and for the backward), dynamic in the rows from the first;
+    # a second call of other row counts (40, 30) compiles nothing more
+    from torch._dynamo.utils import counters
+
+    chunk_rows_of(40, 64)
+    torch.manual_seed(5)
+    hidden, head = torch.randn(50, 16) * 3, torch.nn.Linear(16, 64)
+    logit_map = logprobs.LogitMap(scale=1.5, cap=4.0)
+    autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+
+    def run(rows, targets, compiled):
+        leaf = hidden.clone().requires_grad_()
+        head.zero_grad(set_to_none=True)
+        with autocast:
+            token_logps, log_sum_sq = logprobs.token_logps_from_hidden(
+                leaf, head.weight, head.bias, rows, targets, True, logit_map, compiled
+            )
+        (token_logps * torch.linspace(-1, 2, len(rows))).sum().backward()
+        return [token_logps, log_sum_sq, leaf.grad, head.weight.grad, head.bias.grad]
+
+    graphs = [counters["stats"]["unique_graphs"]]
+    for n_rows in (100, 70):
+        rows, targets = torch.randint(0, 50, (n_rows,)), torch.randint(0, 64, (n_rows,))
+        for got, want in zip(run(rows, targets, True), run(rows, targets, False)):
+            torch.testing.assert_close(got, want, **tolerance)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] - graphs[0] == 3 and graphs[2] == graphs[1]

@@ -104,3 +104,16 @@ def test_compiled_blocks_equal_eager_and_compile_once_for_a_bucket_of_row_length
         rf"compile_blocks: graph {start + 1} compiled in \d+\.\d s \(inputs 1x128x64, 64x64, 32x64, 32x64, 1x128x16, "
         r"1x128x16, 1x1x128x128, 64x64, 128x64, 128x64, 64x128\)", lines[0]
     ), lines  # fmt: skip
+
+
+def test_the_step_levers_auto_leaves_off_are_named_in_one_line():
+    # auto is on with CUDA only: on a CPU the levers left to auto are named together, the ones set are not
+    from omegaconf import OmegaConf
+
+    from modeling.placement import STEP_LEVERS, levers_off_line
+
+    config = OmegaConf.create({"shape_buckets": "auto", "compile_blocks": "false", "sync_free_steps": "AUTO"})
+    line = levers_off_line(config, "cpu")
+    assert line.startswith("shape_buckets, sync_free_steps: off (auto turns them on with CUDA only; on a CPU")
+    assert levers_off_line(config, "cuda") is None
+    assert levers_off_line(OmegaConf.create({key: "true" for key in STEP_LEVERS}), "cpu") is None

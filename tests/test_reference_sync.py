@@ -127,7 +127,7 @@ def test_lora_reference_is_the_base_with_the_reference_adapter(make_config):
     for indices in trainer.data.schedule[:2]:
         trainer.train_step(trainer.data.train_examples.take(indices))
     before = {name: r.detach().clone() for name, (r, _) in pairs.items()}
-    trainer.synced.update()
+    trainer.synced.update(1)
     for name, (r, p) in pairs.items():  # each factor: 0.6 A + 0.4 A_ref, 0.6 B + 0.4 B_ref
         torch.testing.assert_close(r, 0.4 * before[name] + 0.6 * p, rtol=1e-6, atol=0, msg=name)
     # The reference computes as the policy would with the reference's factors in its own adapter.

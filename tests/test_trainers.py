@@ -118,13 +118,12 @@ def test_micro_batch_memory_auto_leaves_a_cpu_run_s_micro_batches_as_given(make_
 @pytest.mark.slow
 def test_compile_blocks_trains_as_eager_and_tells_each_compiled_graph(make_config, capsys):
     # compile_blocks=true: the policy's blocks compiled (the probes' and the reference pass's shapes too), packed rows
-    # in multiples of 128 tokens; three steps equal eager's to float rounding
+    # in multiples of 128 tokens, the head's chunks through compiled kernels; three steps equal eager's to rounding
     base = ("optimizer=SGD", "lr=1.0", "max_grad_norm=1e9")
     eager = build_trainer(make_config(*base))
     compiled = build_trainer(make_config(*base, "compile_blocks=true", f"local_run_dir={eager.run_dir}_compiled"))
-    assert (
-        compiled.scorer.describe() == "packed layout (dense attention; rows in multiples of 128 tokens), scored logits"
-    )
+    rounded = "packed layout (dense attention; rows in multiples of 128 tokens)"
+    assert compiled.scorer.describe() == f"{rounded}, scored logits (compiled chunks)"
     for indices in eager.data.schedule[:3]:
         expected, metrics = (
             trainer.train_step(eager.data.train_examples.take(indices)) for trainer in (eager, compiled)
@@ -354,9 +353,9 @@ def test_a_nonfinite_step_is_skipped_and_counted(make_config, monkeypatch):
     assert metrics["nonfinite_steps"] == [1.0] and math.isnan(metrics["grad_norm"][0])
     for name, parameter in trainer.policy.named_parameters():  # no update: the weights, optimizer and schedule
         assert torch.equal(parameter, before[name]), name
-    assert trainer.scheduler.last_epoch == 1 and trainer.nonfinite.in_a_row == 1
+    assert trainer.scheduler.last_epoch == 1 and trainer.steps.nonfinite.in_a_row == 1
     monkeypatch.undo()
-    assert trainer.train_step(steps[2])["nonfinite_steps"] == [0.0] and trainer.nonfinite.in_a_row == 0
+    assert trainer.train_step(steps[2])["nonfinite_steps"] == [0.0] and trainer.steps.nonfinite.in_a_row == 0
     assert any(not torch.equal(p, before[name]) for name, p in trainer.policy.named_parameters())
 
 
