@@ -70,6 +70,9 @@ One module per campaign:
   FLOPs; the seeded sampler's time per step; where an evaluation's time goes (prefill, decode, the rest of sampling,
   the KL's log-probs, judging by a reward model): SmolLM2-135M-Instruct, 32 HH prompts, batch 32, 64 new tokens
   (--generate --smoke: a random tiny Llama, as the test suite runs it).
+- decode_profile.py: --generate --profile: where a decode step's CPU time goes, in float32 and in bfloat16 (the
+  blocks' linears and the LM head with their rates against the probe's, attention, the seeded draw, other operations,
+  Python), and the speed-up were only the linear layers left.
 
 What they share: common.py (the HH workload and HH-like pairs, the machine's matmul rates, a worker in a fresh
 process from this tree's code or another version's) and step.py (one configuration's training steps timed in a fresh
