@@ -34,7 +34,7 @@ from modeling.adapters import (
 )
 from modeling.distributed import TRAINERS, Topology, mesh_shape
 from modeling.models import planned_model, prepare_model, transformers_config
-from modeling.placement import Placement, language_blocks, place
+from modeling.placement import Placement, language_blocks, levers_off_line, place
 from modeling.precision import (
     Precision,
     auto_compute_dtype,
@@ -208,8 +208,7 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
         policy, ScoringSettings.of_run(config), tokenizer.pad_token_id, topology, autocast, precision.policy_compute,
         objective.tail_weight, reward_eos, tokenizer.vision,
     )  # fmt: skip
-    if scorer.buckets and topology.is_main:  # the padding they cost, now that the layout is known
-        print(shape_report(data.train_examples.lengths, data.schedule, accumulation * topology.dp_size, scorer))
+    report_step_levers(config, topology, data, accumulation, scorer)  # now that the layout is known
 
     reference, reference_model = build_reference(
         config, topology, data, objective, precision, policy, scorer, cache_dir, initial_weights, accumulation
@@ -236,6 +235,15 @@ def build(config: DictConfig, topology: Topology, pairs: dict[str, list[Preferen
         config, topology, tokenizer, objective, precision, data, policy, scorer, reference, reference_model,
         optimizer, scheduler, batch_loss, evaluator, sampler, flops, peak, accumulation, loss_scale,
     )  # fmt: skip
+
+
+def report_step_levers(config: DictConfig, topology: Topology, data, accumulation: int, scorer: Scorer) -> None:
+    """The training step's levers told: in one line the ones `auto` leaves off on this device; with shape buckets,
+    the shapes an epoch's micro-batches take and the padding they cost."""
+    if line := levers_off_line(config, topology.device.type):
+        print(line)
+    if scorer.buckets and topology.is_main:
+        print(shape_report(data.train_examples.lengths, data.schedule, accumulation * topology.dp_size, scorer))
 
 
 def offload_line(policy: torch.nn.Module, optimizer: str) -> str:

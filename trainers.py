@@ -132,7 +132,7 @@ class Trainer:
             print(f"{self.checkpoints.last} ends this run: nothing left to train")
             return
         progress = tqdm.tqdm(total=len(schedule), initial=done, disable=disable, **PROGRESS_BAR)
-        self.steps.interval_start = time.time()
+        self.steps.start_interval()
         with StopSignals() as stop, progress:
             for indices in schedule[done:]:
                 self.evaluate_and_save_when_due()

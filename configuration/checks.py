@@ -16,7 +16,7 @@ from core.optim import build_optimizer
 from judging.judges import check_judge
 from modeling.distributed import TRAINERS
 from modeling.float8 import float8_problem
-from modeling.placement import lever_on
+from modeling.placement import STEP_LEVERS, lever_on
 from reporting.micro_batches import micro_batch_gib
 from utils import UserError, first_line
 
@@ -113,7 +113,7 @@ def check_speed_levers(config) -> None:
     """micro_batch_memory's, compile_blocks', shape_buckets' and sync_free_steps' values, and compute_weight_copies,
     liger_kernel and model.fp8 where the run can take them."""
     micro_batch_gib(config.micro_batch_memory)
-    for key in ("compile_blocks", "shape_buckets", "sync_free_steps"):
+    for key in STEP_LEVERS:
         value = str(getattr(config, key)).lower()
         expect(value in LEVER_SETTINGS, key, getattr(config, key), f"one of {', '.join(LEVER_SETTINGS)}")
     if config.compute_weight_copies:

@@ -261,7 +261,7 @@ def batch_shape(
     if layout == "padded":
         return len(lengths) * (len(lengths[0]) - 1), max(row[0] + r for row in lengths for r in row[1:])
     segments, shapes = [sum(row) for row in lengths], Shapes(bucketed, multiple)
-    rows = pack_rows(segments, row_tokens or (shapes.length(max(segments)) if bucketed else max(segments)))
+    rows = pack_rows(segments, row_tokens or shapes.budget(max(segments)))
     return shapes.rows(len(rows)), shapes.length(max(sum(segments[i] for i in row) for row in rows))
 
 
@@ -278,7 +278,7 @@ def pack(
     (see scoring.Scorer.row_budget)."""
     n_examples, shapes = len(examples), Shapes(bucketed, multiple)
     lengths = segment_lengths(examples)
-    rows = pack_rows(lengths, row_tokens or (shapes.length(max(lengths)) if bucketed else max(lengths)))
+    rows = pack_rows(lengths, row_tokens or shapes.budget(max(lengths)))
     length = shapes.length(max(sum(lengths[i] for i in row) for row in rows))
     n_rows = shapes.rows(len(rows))
     input_ids = torch.full((n_rows, length), pad_token_id, dtype=torch.long)

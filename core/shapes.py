@@ -34,6 +34,10 @@ class Shapes:
     bucketed: bool = False
     multiple: int = 1
 
+    def budget(self, longest: int) -> int:
+        """A packed row's default token budget, from the longest segment: its bucket where bucketed."""
+        return self.length(longest) if self.bucketed else longest
+
     def rows(self, n: int) -> int:
         return bucket(n, 1) if self.bucketed else n
 

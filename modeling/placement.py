@@ -106,7 +106,9 @@ STEP_LEVERS = ("shape_buckets", "compile_blocks", "sync_free_steps")  # auto: on
 def levers_off_line(config, device_type: str) -> str | None:
     """The line for the step's levers that auto leaves off on this device (None: none is): a CPU's padding costs
     FLOPs and its compiled blocks measured slower (docs/speed.md); on CUDA each lever that is on says so itself."""
-    off = [key for key in STEP_LEVERS if str(config.get(key, "auto")).lower() == "auto" and device_type != "cuda"]
+    if lever_on("auto", device_type):
+        return None
+    off = [key for key in STEP_LEVERS if str(config.get(key, "auto")).lower() == "auto"]
     if not off:
         return None
     return (

@@ -160,7 +160,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype, cache_dir: Path) -> Pea
                 return PeakRate(tflops * 1e12, f"{name}'s datasheet {str(dtype).removeprefix('torch.')} peak")
         return PeakRate(measured_matmul_flops(device, dtype), f"a measured {dtype} matmul on {name}")
     rates = cpu_matmul_flops(cache_dir)
-    name = DTYPE_NAMES.get(dtype, "float32") if DTYPE_NAMES.get(dtype) in rates else "float32"
+    name = DTYPE_NAMES.get(dtype)
+    name = name if name in rates else "float32"  # float16 in a probe file written before it was measured
     rate = rates[name]
     return PeakRate(rate, f"the precision probe's {name} matmul on {cpu_name()}", cache_dir, name)
 

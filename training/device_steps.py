@@ -26,7 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from core.optim import warmup_factor
-from modeling.placement import lever_on, levers_off_line
+from modeling.placement import lever_on
 from utils import UserError
 
 DEFERRABLE = (torch.optim.Adam, torch.optim.SGD)  # AdamW is an Adam: their fused steps take found_inf and a tensor lr
@@ -74,10 +74,8 @@ def deferral_problem(optimizer: torch.optim.Optimizer, loss_scale, objective) ->
 def device_steps(parts) -> "DeviceSteps | None":
     """The DeviceSteps of a run's parts (build.RunParts) where sync_free_steps (auto: on CUDA) asks for them and the
     run can take them, with one line; None: each step synchronises. sync_free_steps=true where they cannot is one
-    line naming the key. Where auto leaves the step's levers off (a CPU), one line names them."""
+    line naming the key."""
     config, device = parts.config, parts.topology.device
-    if line := levers_off_line(config, device.type):  # the step's levers that auto leaves off, with this one
-        print(line)
     if not lever_on(config.sync_free_steps, device.type):
         return None
     problem = deferral_problem(parts.optimizer, parts.loss_scale, parts.objective)

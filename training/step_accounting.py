@@ -48,6 +48,10 @@ class StepAccounting:
     def __init__(self, log: RunLog, flops, speed: Throughput, deferred, max_nonfinite_steps: int, interval: float):
         self.log, self.flops, self.speed, self.deferred, self.interval = log, flops, speed, deferred, interval
         self.nonfinite = NonfiniteSteps(max_nonfinite_steps)
+        self.start_interval()
+
+    def start_interval(self) -> None:
+        """A log interval starts now (a round's training begins)."""
         self.interval_start = time.time()
 
     def add(self, steps: list[FinishedStep], live_reference: bool, last_checkpoint: Path | None, progress=None):
@@ -71,4 +75,4 @@ class StepAccounting:
             return
         self.add(self.deferred.resolve() if self.deferred is not None else [], *accounted)
         self.log.close_interval(*counters)
-        self.interval_start = time.time()
+        self.start_interval()
